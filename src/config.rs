@@ -1,0 +1,448 @@
+//! `kvroute serve` configuration: command-line flags (each with an environment
+//! variable), an optional YAML file, and validation before anything binds a port.
+//!
+//! Precedence: a flag or environment variable beats the file, which beats the default.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::scheduler::{Saturation, SchedulerConfig, Weights};
+use crate::state::HealthPolicy;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path} is invalid: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_norway::Error,
+    },
+    #[error("no endpoints: pass --endpoints IP:PORT,... or list `endpoints` in --config")]
+    NoEndpoints,
+    #[error("invalid endpoint `{0}`: expected IP:PORT")]
+    BadEndpoint(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Flags of `kvroute serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Pod endpoints (static discovery), comma-separated IP:PORT.
+    #[arg(long, env = "KVROUTE_ENDPOINTS", value_delimiter = ',')]
+    pub endpoints: Vec<SocketAddr>,
+    /// YAML file with endpoints, scheduler weights and thresholds, and adapter → base map.
+    #[arg(long, env = "KVROUTE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address of the Envoy ext_proc gRPC service (also serves gRPC health).
+    #[arg(long, env = "KVROUTE_GRPC_ADDR", default_value = "0.0.0.0:9002")]
+    pub grpc_addr: SocketAddr,
+    /// Address of a separate gRPC health endpoint for probes ("off" to disable).
+    #[arg(long, env = "KVROUTE_HEALTH_ADDR", default_value = "0.0.0.0:9003", value_parser = parse_optional_addr)]
+    pub health_addr: OptionalAddr,
+    /// Address of the Prometheus exposition (/metrics) and debug endpoints.
+    #[arg(long, env = "KVROUTE_METRICS_ADDR", default_value = "0.0.0.0:9090")]
+    pub metrics_addr: SocketAddr,
+    /// How often each pod's /metrics is polled.
+    #[arg(long, env = "KVROUTE_REFRESH_METRICS_INTERVAL", default_value = "50ms", value_parser = humantime::parse_duration)]
+    pub refresh_metrics_interval: Duration,
+    /// Give up on a /metrics or /v1/models request after this long.
+    #[arg(long, env = "KVROUTE_SCRAPE_TIMEOUT", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub scrape_timeout: Duration,
+    /// How often each pod's /v1/models is polled (served base models and adapters).
+    #[arg(long, env = "KVROUTE_REFRESH_MODELS_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub refresh_models_interval: Duration,
+    /// Most scrapes in progress at once.
+    #[arg(long, env = "KVROUTE_SCRAPE_CONCURRENCY", default_value_t = 64)]
+    pub scrape_concurrency: usize,
+    /// Largest request body accepted (bytes; suffixes KiB, MiB, GiB); above it: 413.
+    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value = "16MiB", value_parser = parse_byte_size)]
+    pub max_body_bytes: usize,
+    /// Consecutive failed scrapes that take a pod out of rotation.
+    #[arg(long, env = "KVROUTE_UNHEALTHY_AFTER", default_value_t = 3)]
+    pub unhealthy_after: u32,
+    /// Consecutive successful scrapes that bring a pod back.
+    #[arg(long, env = "KVROUTE_HEALTHY_AFTER", default_value_t = 2)]
+    pub healthy_after: u32,
+    /// Metrics older than this count as stale [default: 1s, or the config file's].
+    #[arg(long, env = "KVROUTE_MAX_METRICS_AGE", value_parser = humantime::parse_duration)]
+    pub max_metrics_age: Option<Duration>,
+    /// Output tokens to expect when a request sets no max_tokens [default: 256].
+    #[arg(long, env = "KVROUTE_DEFAULT_OUTPUT_TOKENS")]
+    pub default_output_tokens: Option<u32>,
+    /// Fallback endpoints sent after the chosen one, for gateways that accept a list
+    /// (override_host); ORIGINAL_DST needs a single endpoint [default: 0].
+    #[arg(long, env = "KVROUTE_FALLBACKS")]
+    pub fallbacks: Option<usize>,
+    /// Keep the last N decisions with their scores at GET /debug/decisions (0: off).
+    #[arg(long, env = "KVROUTE_DEBUG_DECISIONS", default_value_t = 0)]
+    pub debug_decisions: usize,
+    /// On shutdown, let open request streams finish for up to this long.
+    #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub drain_timeout: Duration,
+    /// Log format.
+    #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// An address that can be switched off with `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionalAddr(pub Option<SocketAddr>);
+
+fn parse_optional_addr(text: &str) -> Result<OptionalAddr, String> {
+    if text.eq_ignore_ascii_case("off") {
+        return Ok(OptionalAddr(None));
+    }
+    text.parse()
+        .map(|addr| OptionalAddr(Some(addr)))
+        .map_err(|e| format!("`{text}`: {e} (expected IP:PORT or off)"))
+}
+
+/// Parses `1048576`, `512KiB`, `16MiB`, `1GiB` (also KB/MB/GB as powers of 1000).
+pub fn parse_byte_size(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let number: u64 = digits
+        .parse()
+        .map_err(|_| format!("`{text}`: expected a byte count such as 16MiB"))?;
+    let multiplier: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        other => {
+            return Err(format!(
+                "`{text}`: unknown unit `{other}` (use B, KiB, MiB, GiB)"
+            ));
+        }
+    };
+    number
+        .checked_mul(multiplier)
+        .and_then(|bytes| usize::try_from(bytes).ok())
+        .ok_or_else(|| format!("`{text}` is too large"))
+}
+
+/// The YAML file. Every field is optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FileConfig {
+    pub endpoints: Vec<String>,
+    pub scheduler: FileScheduler,
+    /// LoRA adapter name → base model.
+    pub adapters: HashMap<String, String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FileScheduler {
+    pub weights: Option<Weights>,
+    pub saturation: Option<Saturation>,
+    #[serde(with = "humantime_serde_opt")]
+    pub max_metrics_age: Option<Duration>,
+    pub default_output_tokens: Option<u32>,
+    pub fallbacks: Option<usize>,
+}
+
+/// `"1s"`-style durations in YAML.
+mod humantime_serde_opt {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer};
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        let text: Option<String> = Option::deserialize(d)?;
+        text.map(|t| humantime::parse_duration(&t).map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        serde_norway::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source,
+        })
+    }
+}
+
+/// How pods are polled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScrapeConfig {
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub models_interval: Duration,
+    pub concurrency: usize,
+    /// Largest /metrics or /v1/models body read; a pod sending more is failing.
+    pub max_response_bytes: usize,
+}
+
+impl Default for ScrapeConfig {
+    fn default() -> Self {
+        ScrapeConfig {
+            interval: Duration::from_millis(50),
+            timeout: Duration::from_secs(1),
+            models_interval: Duration::from_secs(5),
+            concurrency: 64,
+            max_response_bytes: 8 << 20,
+        }
+    }
+}
+
+/// Validated configuration of `kvroute serve`.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub grpc_addr: SocketAddr,
+    pub health_addr: Option<SocketAddr>,
+    pub metrics_addr: SocketAddr,
+    pub endpoints: Vec<SocketAddr>,
+    pub scrape: ScrapeConfig,
+    pub scheduler: SchedulerConfig,
+    pub health: HealthPolicy,
+    pub max_body_bytes: usize,
+    pub debug_decisions: usize,
+    pub drain_timeout: Duration,
+}
+
+impl ServeConfig {
+    /// Defaults for an embedded server on loopback ephemeral ports (tests, demos).
+    pub fn local(endpoints: Vec<SocketAddr>) -> Self {
+        let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+        ServeConfig {
+            grpc_addr: loopback,
+            health_addr: None,
+            metrics_addr: loopback,
+            endpoints,
+            scrape: ScrapeConfig::default(),
+            scheduler: SchedulerConfig::default(),
+            health: HealthPolicy::default(),
+            max_body_bytes: 16 << 20,
+            debug_decisions: 0,
+            drain_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Merges flags and the optional file, then validates.
+    pub fn from_args(args: &ServeArgs) -> Result<Self, ConfigError> {
+        let file = match &args.config {
+            Some(path) => FileConfig::load(path)?,
+            None => FileConfig::default(),
+        };
+        let endpoints = if args.endpoints.is_empty() {
+            file.endpoints
+                .iter()
+                .map(|text| {
+                    text.trim()
+                        .parse()
+                        .map_err(|_| ConfigError::BadEndpoint(text.clone()))
+                })
+                .collect::<Result<Vec<SocketAddr>, _>>()?
+        } else {
+            args.endpoints.clone()
+        };
+        let defaults = SchedulerConfig::default();
+        let scheduler = SchedulerConfig {
+            weights: file.scheduler.weights.unwrap_or(defaults.weights),
+            saturation: file.scheduler.saturation.unwrap_or(defaults.saturation),
+            max_metrics_age: args
+                .max_metrics_age
+                .or(file.scheduler.max_metrics_age)
+                .unwrap_or(defaults.max_metrics_age),
+            default_output_tokens: args
+                .default_output_tokens
+                .or(file.scheduler.default_output_tokens)
+                .unwrap_or(defaults.default_output_tokens),
+            fallbacks: args
+                .fallbacks
+                .or(file.scheduler.fallbacks)
+                .unwrap_or(defaults.fallbacks),
+            trace_candidates: defaults.trace_candidates,
+            adapters: file.adapters,
+        };
+        let config = ServeConfig {
+            grpc_addr: args.grpc_addr,
+            health_addr: args.health_addr.0,
+            metrics_addr: args.metrics_addr,
+            endpoints,
+            scrape: ScrapeConfig {
+                interval: args.refresh_metrics_interval,
+                timeout: args.scrape_timeout,
+                models_interval: args.refresh_models_interval,
+                concurrency: args.scrape_concurrency,
+                ..ScrapeConfig::default()
+            },
+            scheduler,
+            health: HealthPolicy {
+                failures_to_mark_down: args.unhealthy_after,
+                successes_to_mark_up: args.healthy_after,
+            },
+            max_body_bytes: args.max_body_bytes,
+            debug_decisions: args.debug_decisions,
+            drain_timeout: args.drain_timeout,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.endpoints.is_empty() {
+            return Err(ConfigError::NoEndpoints);
+        }
+        let invalid = |msg: &str| Err(ConfigError::Invalid(msg.to_owned()));
+        if self.scrape.interval.is_zero() {
+            return invalid("--refresh-metrics-interval must be above zero");
+        }
+        if self.scrape.timeout.is_zero() {
+            return invalid("--scrape-timeout must be above zero");
+        }
+        if self.scrape.models_interval.is_zero() {
+            return invalid("--refresh-models-interval must be above zero");
+        }
+        if self.scrape.concurrency == 0 {
+            return invalid("--scrape-concurrency must be at least 1");
+        }
+        if self.max_body_bytes == 0 {
+            return invalid("--max-body-bytes must be above zero");
+        }
+        if self.health.failures_to_mark_down == 0 || self.health.successes_to_mark_up == 0 {
+            return invalid("--unhealthy-after and --healthy-after must be at least 1");
+        }
+        self.scheduler.validate().map_err(ConfigError::Invalid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<ServeConfig, String> {
+        let cli = Cli::try_parse_from(std::iter::once("kvroute").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())?;
+        ServeConfig::from_args(&cli.serve).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defaults_match_the_documented_ports_and_intervals() {
+        let config = parse(&["--endpoints", "10.0.0.1:8000,10.0.0.2:8000"]).expect("valid");
+        assert_eq!(config.grpc_addr, "0.0.0.0:9002".parse().expect("addr"));
+        assert_eq!(
+            config.health_addr,
+            Some("0.0.0.0:9003".parse().expect("addr"))
+        );
+        assert_eq!(config.metrics_addr, "0.0.0.0:9090".parse().expect("addr"));
+        assert_eq!(config.scrape.interval, Duration::from_millis(50));
+        assert_eq!(config.max_body_bytes, 16 << 20);
+        assert_eq!(config.endpoints.len(), 2);
+    }
+
+    #[test]
+    fn a_typo_in_an_endpoint_is_rejected_with_its_text() {
+        let error = parse(&["--endpoints", "10.0.0.1:8000,10.0.0.2"]).expect_err("invalid");
+        assert!(error.contains("10.0.0.2"), "{error}");
+    }
+
+    #[test]
+    fn serving_without_endpoints_is_an_error() {
+        let error = parse(&[]).expect_err("invalid");
+        assert!(error.contains("no endpoints"), "{error}");
+    }
+
+    #[test]
+    fn the_health_address_can_be_switched_off() {
+        let config =
+            parse(&["--endpoints", "10.0.0.1:8000", "--health-addr", "off"]).expect("valid");
+        assert_eq!(config.health_addr, None);
+    }
+
+    #[test]
+    fn byte_sizes_accept_binary_and_decimal_units() {
+        assert_eq!(parse_byte_size("1024"), Ok(1024));
+        assert_eq!(parse_byte_size("2KiB"), Ok(2048));
+        assert_eq!(parse_byte_size("16MiB"), Ok(16 << 20));
+        assert_eq!(parse_byte_size("1MB"), Ok(1_000_000));
+        assert!(parse_byte_size("12 parsecs").is_err());
+        assert!(parse_byte_size("MiB").is_err());
+    }
+
+    #[test]
+    fn the_file_supplies_endpoints_weights_and_adapters_and_flags_win() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("kvroute.yaml");
+        std::fs::write(
+            &path,
+            "endpoints: ['10.0.0.1:8000', '10.0.0.2:8000']\n\
+             scheduler:\n  weights: {kv_headroom: 1, queue: 3, inflight: 0.5, lora_affinity: 4}\n\
+             \x20 saturation: {queue_depth: 8, kv_usage: 0.9}\n  fallbacks: 1\n  max_metrics_age: 250ms\n\
+             adapters: {sql-lora: llama}\n",
+        )
+        .expect("write");
+        let path = path.to_str().expect("utf-8 path");
+        let config = parse(&["--config", path, "--fallbacks", "3"]).expect("valid");
+        assert_eq!(config.endpoints.len(), 2);
+        assert_eq!(config.scheduler.weights.queue, 3.0);
+        assert_eq!(config.scheduler.saturation.queue_depth, 8);
+        assert_eq!(config.scheduler.max_metrics_age, Duration::from_millis(250));
+        assert_eq!(config.scheduler.fallbacks, 3, "the flag beats the file");
+        assert_eq!(
+            config
+                .scheduler
+                .adapters
+                .get("sql-lora")
+                .map(String::as_str),
+            Some("llama")
+        );
+    }
+
+    #[test]
+    fn unknown_keys_in_the_file_are_rejected() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("kvroute.yaml");
+        std::fs::write(&path, "endpoints: ['10.0.0.1:8000']\nschedular: {}\n").expect("write");
+        let error = parse(&["--config", path.to_str().expect("utf-8")]).expect_err("invalid");
+        assert!(error.contains("schedular"), "{error}");
+    }
+
+    #[test]
+    fn negative_weights_are_rejected() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("kvroute.yaml");
+        std::fs::write(
+            &path,
+            "endpoints: ['10.0.0.1:8000']\nscheduler: {weights: {queue: -1}}\n",
+        )
+        .expect("write");
+        let error = parse(&["--config", path.to_str().expect("utf-8")]).expect_err("invalid");
+        assert!(error.contains("queue"), "{error}");
+    }
+}

@@ -1,0 +1,432 @@
+//! One ext_proc stream, i.e. one HTTP request through Envoy, as a synchronous state
+//! machine: each message from Envoy goes in, the answers to send come out. Keeping it
+//! free of async makes every protocol path unit-testable.
+//!
+//! Body modes, as Envoy announces in `protocol_config` on the first message:
+//! - `FULL_DUPLEX_STREAMED`: Envoy streams the body without waiting for answers. We hold
+//!   the answer to the request headers until the body has ended (a body chunk with
+//!   `end_of_stream`, or the trailers), then answer the headers with the destination
+//!   and stream the body back in chunks of at most 62,000 bytes. Response chunks are
+//!   echoed back at once so streams (SSE) are never stalled.
+//! - `BUFFERED` / `BUFFERED_PARTIAL`: the headers are answered at once; the destination
+//!   goes in the answer to the body.
+//! - `NONE` (or a request without a body): routed on the headers alone.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+    processing_request::Request,
+};
+use envoy_types::pb::google::protobuf::value::Kind;
+
+use super::messages::{
+    self, ErrorReply, MAX_STREAMED_CHUNK, SUBSET_HINT_KEY, SUBSET_HINT_NAMESPACE,
+};
+use super::{RouteError, RouteRequest, Routed, Router};
+use crate::request::{ApiKind, InferenceRequest, RequestError, parse_request};
+use crate::scheduler::PickError;
+use crate::telemetry::{self, ModelLabels, Outcome};
+
+/// How Envoy sends a body, from `protocol_config`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodyMode {
+    None,
+    Streamed,
+    Buffered,
+    FullDuplex,
+}
+
+impl BodyMode {
+    fn from_wire(mode: i32) -> BodyMode {
+        match BodySendMode::try_from(mode) {
+            Ok(BodySendMode::None) => BodyMode::None,
+            Ok(BodySendMode::Streamed) => BodyMode::Streamed,
+            Ok(BodySendMode::FullDuplexStreamed) => BodyMode::FullDuplex,
+            // BUFFERED and BUFFERED_PARTIAL both arrive as one message.
+            Ok(_) | Err(_) => BodyMode::Buffered,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for the request headers.
+    Start,
+    /// Collecting the request body.
+    ReadingBody,
+    /// The request has been routed and forwarded; response phases may follow.
+    Forwarded,
+    /// An error reply was sent; Envoy ends the request.
+    Rejected,
+}
+
+/// State of one ext_proc stream.
+pub struct Exchange<R: Router> {
+    router: Arc<R>,
+    max_body_bytes: usize,
+    request_mode: BodyMode,
+    response_mode: BodyMode,
+    path: String,
+    subset: Option<Vec<SocketAddr>>,
+    body: Vec<u8>,
+    phase: Phase,
+    routed: Option<(Routed, Instant)>,
+    response_status: Option<u16>,
+    completion_tokens: Option<u64>,
+}
+
+impl<R: Router> Exchange<R> {
+    pub fn new(router: Arc<R>, max_body_bytes: usize) -> Self {
+        Exchange {
+            router,
+            max_body_bytes,
+            // Envoy always sends protocol_config first; buffered is the safe guess if not.
+            request_mode: BodyMode::Buffered,
+            response_mode: BodyMode::None,
+            path: String::new(),
+            subset: None,
+            body: Vec::new(),
+            phase: Phase::Start,
+            routed: None,
+            response_status: None,
+            completion_tokens: None,
+        }
+    }
+
+    /// Handles one message from Envoy; returns the answers to send, in order.
+    pub fn handle(&mut self, message: ProcessingRequest) -> Vec<ProcessingResponse> {
+        if let Some(config) = message.protocol_config {
+            self.apply_protocol_config(config);
+        }
+        match message.request {
+            Some(Request::RequestHeaders(headers)) => {
+                self.on_request_headers(headers, message.metadata_context)
+            }
+            Some(Request::RequestBody(body)) => self.on_request_body(body),
+            Some(Request::RequestTrailers(_)) => self.on_request_trailers(),
+            Some(Request::ResponseHeaders(headers)) => self.on_response_headers(&headers),
+            Some(Request::ResponseBody(body)) => self.on_response_body(body),
+            Some(Request::ResponseTrailers(_)) => {
+                self.complete();
+                vec![messages::continue_response_trailers()]
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// The stream ended (normally after the response, or early when the client went
+    /// away): releases the request's in-flight accounting if the response phases did
+    /// not already.
+    pub fn finish(&mut self) {
+        self.complete();
+    }
+
+    /// A body chunk was refused by the gRPC layer for its size: answers 413 unless the
+    /// request was already answered.
+    pub fn body_too_large(&mut self) -> Vec<ProcessingResponse> {
+        match self.phase {
+            Phase::Rejected | Phase::Forwarded => Vec::new(),
+            Phase::Start | Phase::ReadingBody => {
+                self.body = Vec::new();
+                vec![self.reject(too_large(self.max_body_bytes), ModelLabels::other())]
+            }
+        }
+    }
+
+    fn apply_protocol_config(&mut self, config: ProtocolConfiguration) {
+        self.request_mode = BodyMode::from_wire(config.request_body_mode);
+        self.response_mode = BodyMode::from_wire(config.response_body_mode);
+    }
+
+    fn on_request_headers(
+        &mut self,
+        headers: HttpHeaders,
+        metadata: Option<Metadata>,
+    ) -> Vec<ProcessingResponse> {
+        if let Some(map) = &headers.headers {
+            self.path = header_value(map, ":path").unwrap_or_default();
+        }
+        self.subset = metadata.as_ref().and_then(subset_hint);
+        if headers.end_of_stream || self.request_mode == BodyMode::None {
+            // Nothing to read (GET /v1/models, or a filter that sends no body): any
+            // ready pod can answer.
+            return vec![self.route(None, Placement::InHeaders)];
+        }
+        self.phase = Phase::ReadingBody;
+        match self.request_mode {
+            BodyMode::FullDuplex => Vec::new(),
+            _ => vec![messages::continue_request_headers()],
+        }
+    }
+
+    fn on_request_body(&mut self, body: HttpBody) -> Vec<ProcessingResponse> {
+        if self.phase != Phase::ReadingBody {
+            // After a rejection Envoy may still deliver chunks already in flight.
+            return match (self.phase, self.request_mode) {
+                (Phase::Rejected, _) | (_, BodyMode::FullDuplex) => Vec::new(),
+                _ => vec![messages::continue_request_body()],
+            };
+        }
+        if self.body.len().saturating_add(body.body.len()) > self.max_body_bytes {
+            self.body = Vec::new();
+            return vec![self.reject(too_large(self.max_body_bytes), ModelLabels::other())];
+        }
+        self.body.extend_from_slice(&body.body);
+        let ended = body.end_of_stream || body.end_of_stream_without_message;
+        match self.request_mode {
+            BodyMode::FullDuplex if ended => self.route_full_duplex(false),
+            BodyMode::FullDuplex => Vec::new(),
+            BodyMode::Streamed if !ended => vec![messages::continue_request_body()],
+            // Buffered modes deliver the whole body (or all Envoy would buffer) at once.
+            _ => {
+                let parsed = self.parse_body();
+                vec![self.route_parsed(parsed, Placement::InBody)]
+            }
+        }
+    }
+
+    fn on_request_trailers(&mut self) -> Vec<ProcessingResponse> {
+        match (self.phase, self.request_mode) {
+            // Trailers end the body in full duplex: route, stream the body back, then
+            // answer the trailers.
+            (Phase::ReadingBody, BodyMode::FullDuplex) => {
+                let mut answers = self.route_full_duplex(true);
+                if self.phase == Phase::Forwarded {
+                    answers.push(messages::continue_request_trailers());
+                }
+                answers
+            }
+            (Phase::Rejected, _) => Vec::new(),
+            _ => vec![messages::continue_request_trailers()],
+        }
+    }
+
+    fn on_response_headers(&mut self, headers: &HttpHeaders) -> Vec<ProcessingResponse> {
+        self.response_status = headers
+            .headers
+            .as_ref()
+            .and_then(|map| header_value(map, ":status"))
+            .and_then(|status| status.parse().ok());
+        if headers.end_of_stream {
+            self.complete();
+        }
+        vec![messages::continue_response_headers()]
+    }
+
+    fn on_response_body(&mut self, body: HttpBody) -> Vec<ProcessingResponse> {
+        if let Some(tokens) = find_completion_tokens(&body.body) {
+            self.completion_tokens = Some(tokens);
+        }
+        let ended = body.end_of_stream || body.end_of_stream_without_message;
+        let answer = match self.response_mode {
+            BodyMode::FullDuplex => messages::streamed_response_body(body.body, body.end_of_stream),
+            _ => messages::continue_response_body(),
+        };
+        if ended {
+            self.complete();
+        }
+        vec![answer]
+    }
+
+    fn route_full_duplex(&mut self, ended_by_trailers: bool) -> Vec<ProcessingResponse> {
+        let parsed = self.parse_body();
+        let first = self.route_parsed(parsed, Placement::InHeaders);
+        if self.phase != Phase::Forwarded {
+            return vec![first];
+        }
+        let body = std::mem::take(&mut self.body);
+        let mut answers = Vec::with_capacity(2 + body.len() / MAX_STREAMED_CHUNK);
+        answers.push(first);
+        if body.is_empty() {
+            answers.push(messages::streamed_request_body(
+                Vec::new(),
+                !ended_by_trailers,
+            ));
+        }
+        let chunks = body.len().div_ceil(MAX_STREAMED_CHUNK);
+        for (index, chunk) in body.chunks(MAX_STREAMED_CHUNK).enumerate() {
+            let last = index + 1 == chunks;
+            answers.push(messages::streamed_request_body(
+                chunk.to_vec(),
+                last && !ended_by_trailers,
+            ));
+        }
+        answers
+    }
+
+    /// Parses the collected body. For the OpenAI inference APIs a body that does not
+    /// parse is the client's error; for other paths it is routed without a model.
+    fn parse_body(&self) -> Result<Option<InferenceRequest>, RequestError> {
+        let api = ApiKind::from_path(&self.path);
+        match parse_request(api, &self.body) {
+            Ok(request) => Ok(Some(request)),
+            Err(_) if matches!(api, ApiKind::Other) => Ok(None),
+            Err(error) => Err(error),
+        }
+    }
+
+    fn route_parsed(
+        &mut self,
+        parsed: Result<Option<InferenceRequest>, RequestError>,
+        placement: Placement,
+    ) -> ProcessingResponse {
+        match parsed {
+            Ok(request) => self.route(request.as_ref(), placement),
+            Err(error) => self.reject(bad_request(&error), ModelLabels::other()),
+        }
+    }
+
+    fn route(
+        &mut self,
+        request: Option<&InferenceRequest>,
+        placement: Placement,
+    ) -> ProcessingResponse {
+        let route_request = RouteRequest {
+            inference: request,
+            subset: self.subset.as_deref(),
+        };
+        match self.router.route(&route_request) {
+            Ok(routed) => {
+                let destination = routed.destination();
+                telemetry::record_request(&routed.labels, Outcome::Routed);
+                self.routed = Some((routed, Instant::now()));
+                self.phase = Phase::Forwarded;
+                match placement {
+                    Placement::InHeaders => messages::route_in_headers(&destination),
+                    Placement::InBody => messages::route_in_body(&destination),
+                }
+            }
+            Err(RouteError { error, labels }) => self.reject(no_route(&error), labels),
+        }
+    }
+
+    fn reject(&mut self, reply: ErrorReply, labels: ModelLabels) -> ProcessingResponse {
+        let outcome = match reply.status {
+            404 => Outcome::UnknownModel,
+            413 => Outcome::TooLarge,
+            400..=499 => Outcome::BadRequest,
+            _ => Outcome::NoCapacity,
+        };
+        telemetry::record_request(&labels, outcome);
+        self.phase = Phase::Rejected;
+        reply.into_response()
+    }
+
+    fn complete(&mut self) {
+        if let Some((routed, at)) = self.routed.take() {
+            telemetry::record_request_done(
+                &routed.labels,
+                self.response_status,
+                at.elapsed(),
+                self.completion_tokens,
+            );
+            // Dropping `routed` releases its in-flight reservation.
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Placement {
+    InHeaders,
+    InBody,
+}
+
+fn header_value(map: &HeaderMap, name: &str) -> Option<String> {
+    map.headers
+        .iter()
+        .find(|h| h.key.eq_ignore_ascii_case(name))
+        .map(|h| {
+            // Envoy sends `raw_value`; older versions used `value`.
+            if h.raw_value.is_empty() {
+                h.value.clone()
+            } else {
+                String::from_utf8_lossy(&h.raw_value).into_owned()
+            }
+        })
+}
+
+/// The gateway's subset hint: endpoints the request may go to. Entries that are not
+/// `IP:PORT` are ignored (a hint naming nothing usable yields an empty subset: 503).
+fn subset_hint(metadata: &Metadata) -> Option<Vec<SocketAddr>> {
+    let hint = metadata.filter_metadata.get(SUBSET_HINT_NAMESPACE)?;
+    let value = hint.fields.get(SUBSET_HINT_KEY)?;
+    let endpoints = match &value.kind {
+        Some(Kind::ListValue(list)) => list
+            .values
+            .iter()
+            .filter_map(|v| match &v.kind {
+                Some(Kind::StringValue(s)) => s.trim().parse().ok(),
+                _ => None,
+            })
+            .collect(),
+        Some(Kind::StringValue(s)) => s.split(',').filter_map(|e| e.trim().parse().ok()).collect(),
+        _ => Vec::new(),
+    };
+    Some(endpoints)
+}
+
+/// Finds the last `"completion_tokens": N` in a response chunk (the usage object
+/// comes last, in the final SSE event or at the end of a JSON answer).
+fn find_completion_tokens(chunk: &[u8]) -> Option<u64> {
+    const KEY: &[u8] = b"\"completion_tokens\"";
+    let start = chunk.windows(KEY.len()).rposition(|w| w == KEY)? + KEY.len();
+    let rest = &chunk[start..];
+    let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+    let rest = rest.strip_prefix(b":")?;
+    let digits: Vec<u8> = rest
+        .iter()
+        .skip_while(|b| b.is_ascii_whitespace())
+        .take_while(|b| b.is_ascii_digit())
+        .copied()
+        .collect();
+    std::str::from_utf8(&digits).ok()?.parse().ok()
+}
+
+fn bad_request(error: &RequestError) -> ErrorReply {
+    ErrorReply {
+        status: 400,
+        error_type: error.openai_type(),
+        code: error.code(),
+        message: error.to_string(),
+        retry_after: None,
+    }
+}
+
+fn too_large(limit: usize) -> ErrorReply {
+    ErrorReply {
+        status: 413,
+        error_type: "invalid_request_error",
+        code: "request_too_large",
+        message: format!("request body exceeds the limit of {limit} bytes"),
+        retry_after: None,
+    }
+}
+
+fn no_route(error: &PickError) -> ErrorReply {
+    match error {
+        PickError::UnknownModel(_) => ErrorReply {
+            status: 404,
+            error_type: "invalid_request_error",
+            code: "model_not_found",
+            message: error.to_string(),
+            retry_after: None,
+        },
+        PickError::NoEndpoints | PickError::NoneInSubset | PickError::NoReadyEndpoint => {
+            ErrorReply {
+                status: 503,
+                error_type: "service_unavailable",
+                code: "no_ready_endpoint",
+                message: error.to_string(),
+                retry_after: Some(1),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,395 @@
+use std::sync::Mutex;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpTrailers, ProcessingResponse, body_mutation, processing_response::Response,
+};
+use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
+
+use super::*;
+use crate::extproc::messages::DESTINATION_HEADER;
+use crate::state::PodLoad;
+
+const POD_A: &str = "10.0.0.1:8000";
+const POD_B: &str = "10.0.0.2:8000";
+
+/// Routes everything to POD_A (fallback POD_B) and remembers what it was asked.
+#[derive(Default)]
+struct StubRouter {
+    seen: Mutex<Vec<(Option<String>, Option<Vec<SocketAddr>>)>>,
+    fail_with: Option<PickError>,
+    load: Arc<PodLoad>,
+}
+
+impl Router for StubRouter {
+    fn route(&self, request: &RouteRequest<'_>) -> Result<Routed, RouteError> {
+        self.seen.lock().expect("lock").push((
+            request.inference.map(|r| r.model.clone()),
+            request.subset.map(<[SocketAddr]>::to_vec),
+        ));
+        if let Some(error) = &self.fail_with {
+            return Err(RouteError {
+                error: error.clone(),
+                labels: ModelLabels::other(),
+            });
+        }
+        Ok(Routed {
+            endpoints: vec![POD_A.parse().expect("addr"), POD_B.parse().expect("addr")],
+            labels: ModelLabels::other(),
+            reservation: Some(self.load.reserve(10)),
+        })
+    }
+}
+
+fn exchange(router: &Arc<StubRouter>, mode: BodySendMode) -> Exchange<StubRouter> {
+    let mut exchange = Exchange::new(Arc::clone(router), 1 << 20);
+    exchange.apply_protocol_config(ProtocolConfiguration {
+        request_body_mode: mode as i32,
+        response_body_mode: mode as i32,
+        ..ProtocolConfiguration::default()
+    });
+    exchange
+}
+
+fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: pairs
+                    .iter()
+                    .map(|(k, v)| HeaderValue {
+                        key: (*k).to_owned(),
+                        raw_value: v.as_bytes().to_vec(),
+                        ..HeaderValue::default()
+                    })
+                    .collect(),
+            }),
+            end_of_stream,
+            ..HttpHeaders::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+fn post(path: &str) -> ProcessingRequest {
+    headers(&[(":method", "POST"), (":path", path)], false)
+}
+
+fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Request::RequestBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream,
+            ..HttpBody::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+fn response_body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Request::ResponseBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream,
+            ..HttpBody::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+const COMPLETION: &[u8] = br#"{"model":"llama","prompt":"hello there","max_tokens":8}"#;
+
+/// The destination header an answer sets, and whether it clears the route cache.
+fn destination_of(answer: &ProcessingResponse) -> Option<(String, bool)> {
+    let common = match answer.response.as_ref()? {
+        Response::RequestHeaders(h) => h.response.as_ref()?,
+        Response::RequestBody(b) => b.response.as_ref()?,
+        _ => return None,
+    };
+    let mutation = common.header_mutation.as_ref()?;
+    let header = mutation.set_headers.first()?.header.as_ref()?;
+    assert_eq!(header.key, DESTINATION_HEADER);
+    assert!(header.value.is_empty(), "Envoy reads raw_value");
+    Some((
+        String::from_utf8(header.raw_value.clone()).ok()?,
+        common.clear_route_cache,
+    ))
+}
+
+fn metadata_destination(answer: &ProcessingResponse) -> Option<String> {
+    let outer = answer.dynamic_metadata.as_ref()?;
+    let Some(Kind::StructValue(inner)) = &outer.fields.get("envoy.lb")?.kind else {
+        return None;
+    };
+    match &inner.fields.get(DESTINATION_HEADER)?.kind {
+        Some(Kind::StringValue(s)) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+fn streamed_chunk(answer: &ProcessingResponse) -> Option<(Vec<u8>, bool)> {
+    let common = match answer.response.as_ref()? {
+        Response::RequestBody(b) | Response::ResponseBody(b) => b.response.as_ref()?,
+        _ => return None,
+    };
+    match common.body_mutation.as_ref()?.mutation.as_ref()? {
+        body_mutation::Mutation::StreamedResponse(s) => Some((s.body.clone(), s.end_of_stream)),
+        _ => None,
+    }
+}
+
+fn immediate_status(answer: &ProcessingResponse) -> Option<(i32, serde_json::Value)> {
+    match answer.response.as_ref()? {
+        Response::ImmediateResponse(r) => Some((
+            r.status.as_ref()?.code,
+            serde_json::from_slice(&r.body).ok()?,
+        )),
+        _ => None,
+    }
+}
+
+#[test]
+fn full_duplex_holds_the_headers_answer_until_the_body_ends() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::FullDuplexStreamed);
+    assert!(ex.handle(post("/v1/completions")).is_empty());
+    assert!(ex.handle(body(&COMPLETION[..10], false)).is_empty());
+    let answers = ex.handle(body(&COMPLETION[10..], true));
+    let expected = format!("{POD_A},{POD_B}");
+    assert_eq!(destination_of(&answers[0]), Some((expected.clone(), true)));
+    assert!(matches!(
+        answers[0].response,
+        Some(Response::RequestHeaders(_))
+    ));
+    assert_eq!(metadata_destination(&answers[0]), Some(expected));
+    let echoed: Vec<u8> = answers[1..]
+        .iter()
+        .flat_map(|a| streamed_chunk(a).expect("chunk").0)
+        .collect();
+    assert_eq!(echoed, COMPLETION);
+    assert_eq!(
+        streamed_chunk(answers.last().expect("some")).map(|c| c.1),
+        Some(true)
+    );
+    assert_eq!(
+        router.seen.lock().expect("lock")[0].0.as_deref(),
+        Some("llama")
+    );
+}
+
+#[test]
+fn full_duplex_streams_a_large_body_back_in_chunks_of_at_most_62000_bytes() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::FullDuplexStreamed);
+    let prompt = "x".repeat(200_000);
+    let large = format!(r#"{{"model":"llama","prompt":"{prompt}"}}"#);
+    ex.handle(post("/v1/completions"));
+    let mut answers = Vec::new();
+    for piece in large.as_bytes().chunks(16_384) {
+        answers.extend(ex.handle(body(piece, false)));
+    }
+    answers.extend(ex.handle(body(b"", true)));
+    let chunks: Vec<(Vec<u8>, bool)> = answers[1..].iter().filter_map(streamed_chunk).collect();
+    assert_eq!(chunks.len(), large.len().div_ceil(62_000));
+    assert!(chunks.iter().all(|(c, _)| c.len() <= 62_000));
+    let ends: Vec<bool> = chunks.iter().map(|c| c.1).collect();
+    assert_eq!(ends.iter().filter(|e| **e).count(), 1);
+    assert_eq!(ends.last(), Some(&true));
+    let joined: Vec<u8> = chunks.into_iter().flat_map(|c| c.0).collect();
+    assert_eq!(joined, large.as_bytes());
+}
+
+#[test]
+fn full_duplex_trailers_end_the_body_and_are_answered_last() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::FullDuplexStreamed);
+    ex.handle(post("/v1/completions"));
+    assert!(ex.handle(body(COMPLETION, false)).is_empty());
+    let answers = ex.handle(ProcessingRequest {
+        request: Some(Request::RequestTrailers(HttpTrailers::default())),
+        ..ProcessingRequest::default()
+    });
+    assert!(destination_of(&answers[0]).is_some());
+    assert_eq!(
+        streamed_chunk(&answers[1]),
+        Some((COMPLETION.to_vec(), false))
+    );
+    assert!(matches!(
+        answers.last().and_then(|a| a.response.as_ref()),
+        Some(Response::RequestTrailers(_))
+    ));
+}
+
+#[test]
+fn buffered_mode_answers_headers_at_once_and_routes_in_the_body_answer() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    let first = ex.handle(post("/v1/chat/completions"));
+    assert_eq!(first.len(), 1);
+    assert!(destination_of(&first[0]).is_none());
+    let chat = br#"{"model":"llama","messages":[{"role":"user","content":"hi"}]}"#;
+    let answers = ex.handle(body(chat, true));
+    assert_eq!(answers.len(), 1);
+    assert!(matches!(
+        answers[0].response,
+        Some(Response::RequestBody(_))
+    ));
+    assert!(destination_of(&answers[0]).is_some());
+    assert!(metadata_destination(&answers[0]).is_some());
+}
+
+#[test]
+fn a_request_without_a_body_is_routed_in_the_headers_answer() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::FullDuplexStreamed);
+    let answers = ex.handle(headers(
+        &[(":method", "GET"), (":path", "/v1/models")],
+        true,
+    ));
+    assert_eq!(answers.len(), 1);
+    assert!(destination_of(&answers[0]).is_some());
+    assert_eq!(router.seen.lock().expect("lock")[0].0, None);
+}
+
+#[test]
+fn a_body_over_the_limit_is_answered_413_without_keeping_it() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = Exchange::new(Arc::clone(&router), 1_000);
+    ex.apply_protocol_config(ProtocolConfiguration {
+        request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+        ..ProtocolConfiguration::default()
+    });
+    ex.handle(post("/v1/completions"));
+    assert!(ex.handle(body(&[b'a'; 600], false)).is_empty());
+    let answers = ex.handle(body(&[b'a'; 600], false));
+    let (status, json) = immediate_status(&answers[0]).expect("immediate response");
+    assert_eq!(status, 413);
+    assert_eq!(json["error"]["code"], "request_too_large");
+    assert!(ex.body.capacity() == 0, "the partial body is dropped");
+    assert!(
+        ex.handle(body(&[b'a'; 600], true)).is_empty(),
+        "later chunks are ignored"
+    );
+    assert!(router.seen.lock().expect("lock").is_empty());
+}
+
+#[test]
+fn malformed_json_is_answered_400_with_an_openai_error() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    ex.handle(post("/v1/completions"));
+    let answers = ex.handle(body(br#"{"model": "llama", "prompt": "#, true));
+    let (status, json) = immediate_status(&answers[0]).expect("immediate response");
+    assert_eq!(status, 400);
+    assert_eq!(json["error"]["type"], "invalid_request_error");
+    assert!(
+        json["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty())
+    );
+}
+
+#[test]
+fn an_unknown_model_is_answered_404_and_no_capacity_503_with_retry_after() {
+    for (error, status) in [
+        (PickError::UnknownModel("nope".into()), 404),
+        (PickError::NoReadyEndpoint, 503),
+    ] {
+        let router = Arc::new(StubRouter {
+            fail_with: Some(error),
+            ..StubRouter::default()
+        });
+        let mut ex = exchange(&router, BodySendMode::Buffered);
+        ex.handle(post("/v1/completions"));
+        let answers = ex.handle(body(COMPLETION, true));
+        assert_eq!(immediate_status(&answers[0]).map(|s| s.0), Some(status));
+        let Some(Response::ImmediateResponse(reply)) = &answers[0].response else {
+            panic!("immediate response expected");
+        };
+        let has_retry_after = reply.headers.as_ref().is_some_and(|h| {
+            h.set_headers
+                .iter()
+                .any(|o| o.header.as_ref().is_some_and(|h| h.key == "retry-after"))
+        });
+        assert_eq!(has_retry_after, status == 503);
+    }
+}
+
+#[test]
+fn the_subset_hint_is_passed_to_the_router() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    let list = Value {
+        kind: Some(Kind::ListValue(ListValue {
+            values: vec![Value {
+                kind: Some(Kind::StringValue(POD_B.into())),
+            }],
+        })),
+    };
+    let mut hint = Struct::default();
+    hint.fields.insert(SUBSET_HINT_KEY.into(), list);
+    let mut message = post("/v1/completions");
+    let mut metadata = Metadata::default();
+    metadata
+        .filter_metadata
+        .insert(SUBSET_HINT_NAMESPACE.into(), hint);
+    message.metadata_context = Some(metadata);
+    ex.handle(message);
+    ex.handle(body(COMPLETION, true));
+    let seen = router.seen.lock().expect("lock");
+    assert_eq!(seen[0].1, Some(vec![POD_B.parse().expect("addr")]));
+}
+
+#[test]
+fn response_chunks_are_echoed_at_once_in_full_duplex_and_the_end_releases_the_request() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::FullDuplexStreamed);
+    ex.handle(post("/v1/completions"));
+    ex.handle(body(COMPLETION, true));
+    assert_eq!(router.load.inflight(), 1);
+    ex.handle(headers(&[(":status", "200")], false));
+    let sse = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
+    let answers = ex.handle(response_body(sse, false));
+    assert_eq!(streamed_chunk(&answers[0]), Some((sse.to_vec(), false)));
+    assert_eq!(router.load.inflight(), 1, "still streaming");
+    let last =
+        b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":17}}\n\ndata: [DONE]\n\n";
+    let answers = ex.handle(response_body(last, true));
+    assert_eq!(streamed_chunk(&answers[0]), Some((last.to_vec(), true)));
+    assert_eq!(router.load.inflight(), 0);
+    assert_eq!(ex.completion_tokens, Some(17));
+}
+
+#[test]
+fn when_response_phases_are_not_sent_the_end_of_the_stream_releases_the_request() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    ex.handle(post("/v1/completions"));
+    ex.handle(body(COMPLETION, true));
+    assert_eq!(router.load.inflight(), 1);
+    ex.finish();
+    assert_eq!(router.load.inflight(), 0);
+}
+
+#[test]
+fn other_paths_with_a_non_json_body_are_routed_without_a_model() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    ex.handle(post("/v1/audio/transcriptions"));
+    let answers = ex.handle(body(b"\x00\x01binary", true));
+    assert!(destination_of(&answers[0]).is_some());
+    assert_eq!(router.seen.lock().expect("lock")[0].0, None);
+}
+
+#[test]
+fn completion_tokens_are_found_with_or_without_spaces() {
+    assert_eq!(
+        find_completion_tokens(br#""completion_tokens": 42}"#),
+        Some(42)
+    );
+    assert_eq!(
+        find_completion_tokens(br#"{"completion_tokens":7,"x":1}"#),
+        Some(7)
+    );
+    assert_eq!(find_completion_tokens(b"no usage here"), None);
+}

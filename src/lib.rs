@@ -1,0 +1,21 @@
+//! kvroute: an Envoy ext_proc endpoint picker that routes each LLM request to the
+//! vLLM pod with room for it (KV-cache headroom, queue, LoRA adapter affinity).
+//!
+//! Data flow: `extproc` (Envoy protocol) → `request` (parse the OpenAI body) →
+//! `picker` → `scheduler` (pure pick over a `state` snapshot) → `extproc` answers.
+//! Beside it: `discovery` feeds `state` with endpoints, `scrape` polls each
+//! endpoint's `/metrics` into `state`, `telemetry` owns kvroute's own metrics, `app`
+//! wires it all, `sim` is the vLLM fleet simulator used for demos and benchmarks.
+#![forbid(unsafe_code)]
+
+pub mod app;
+pub mod config;
+pub mod discovery;
+pub mod extproc;
+pub mod picker;
+pub mod request;
+pub mod scheduler;
+pub mod scrape;
+pub mod sim;
+pub mod state;
+pub mod telemetry;

@@ -1,0 +1,123 @@
+//! Tunables of the scheduler, with the defaults kvroute ships.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Relative importance of each scorer. Scores are each in 0..=1; the pod with the
+/// highest weighted sum wins.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Weights {
+    /// Free KV tokens left after placing this request, as a share of the pod's capacity.
+    pub kv_headroom: f64,
+    /// Requests waiting in the pod's own queue.
+    pub queue: f64,
+    /// Requests kvroute has sent to the pod and not yet seen finish.
+    pub inflight: f64,
+    /// Whether the requested LoRA adapter is already running on the pod.
+    pub lora_affinity: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        // LoRA affinity outweighs load because a cold adapter load costs hundreds of
+        // milliseconds, more than a few queued decode steps; saturated pods are filtered
+        // out before scoring, so affinity never outweighs an overloaded pod.
+        Weights {
+            kv_headroom: 2.0,
+            queue: 2.0,
+            inflight: 1.0,
+            lora_affinity: 3.0,
+        }
+    }
+}
+
+impl Weights {
+    pub fn validate(&self) -> Result<(), String> {
+        let all = [
+            ("kv_headroom", self.kv_headroom),
+            ("queue", self.queue),
+            ("inflight", self.inflight),
+            ("lora_affinity", self.lora_affinity),
+        ];
+        for (name, weight) in all {
+            if !weight.is_finite() || weight < 0.0 {
+                return Err(format!(
+                    "weight {name} must be a finite number >= 0, got {weight}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// When a pod counts as saturated (GIE's defaults: queue 5, KV 0.8).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Saturation {
+    /// Requests waiting in the pod's queue at or above which it is saturated.
+    pub queue_depth: u32,
+    /// KV-cache use (0..1) at or above which it is saturated.
+    pub kv_usage: f64,
+}
+
+impl Default for Saturation {
+    fn default() -> Self {
+        Saturation {
+            queue_depth: 5,
+            kv_usage: 0.8,
+        }
+    }
+}
+
+/// Everything [`crate::scheduler::pick`] needs besides the request and the snapshot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerConfig {
+    pub weights: Weights,
+    pub saturation: Saturation,
+    /// Metrics older than this count as stale.
+    pub max_metrics_age: Duration,
+    /// Output tokens to expect when a request sets no `max_tokens`.
+    pub default_output_tokens: u32,
+    /// Ordered fallback endpoints sent after the chosen one. Off by default: Envoy's
+    /// ORIGINAL_DST cluster reads the header as one address and fails on a list; the
+    /// override_host policy accepts lists.
+    pub fallbacks: usize,
+    /// How many ranked candidates a decision keeps, with their scores, for operators.
+    pub trace_candidates: usize,
+    /// Adapter name → base model, for adapters that pods do not list in `/v1/models`.
+    pub adapters: HashMap<String, String>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            weights: Weights::default(),
+            saturation: Saturation::default(),
+            max_metrics_age: Duration::from_secs(1),
+            default_output_tokens: 256,
+            fallbacks: 0,
+            trace_candidates: 4,
+            adapters: HashMap::new(),
+        }
+    }
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        self.weights.validate()?;
+        let kv = self.saturation.kv_usage;
+        if !(kv > 0.0 && kv <= 1.0) {
+            return Err(format!("saturation.kv_usage must be in (0, 1], got {kv}"));
+        }
+        if self.saturation.queue_depth == 0 {
+            return Err("saturation.queue_depth must be at least 1".into());
+        }
+        if self.max_metrics_age.is_zero() {
+            return Err("max metrics age must be above zero".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,203 @@
+//! One task per pod polls its `/metrics` every interval (never two at once for a
+//! pod: a slow scrape delays the next tick instead of stacking), bounded overall by
+//! a semaphore. Results go to the pod store, which publishes snapshots.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, MissedTickBehavior};
+use tracing::debug;
+
+use super::models::{ModelsError, parse_models};
+use super::vllm::{VllmMetricsError, parse_vllm_metrics};
+use crate::config::ScrapeConfig;
+use crate::state::PodStore;
+use crate::telemetry;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    #[error("request failed: {0}")]
+    Http(#[from] reqwest::Error),
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("answered HTTP {0}")]
+    Status(u16),
+    #[error("answer larger than {0} bytes")]
+    TooLarge(usize),
+    #[error("{0}")]
+    Metrics(#[from] VllmMetricsError),
+    #[error("{0}")]
+    Models(#[from] ModelsError),
+}
+
+impl ScrapeError {
+    /// A bounded label value for the scrape-error counter.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ScrapeError::Http(e) if e.is_connect() => "connect",
+            ScrapeError::Http(_) => "http",
+            ScrapeError::Timeout(_) => "timeout",
+            ScrapeError::Status(_) => "status",
+            ScrapeError::TooLarge(_) => "too_large",
+            ScrapeError::Metrics(_) => "parse",
+            ScrapeError::Models(_) => "models",
+        }
+    }
+}
+
+/// Starts and stops the per-pod pollers as the endpoint set changes.
+#[derive(Debug)]
+pub struct ScrapeManager {
+    store: Arc<PodStore>,
+    client: reqwest::Client,
+    config: ScrapeConfig,
+    permits: Arc<Semaphore>,
+    tasks: Mutex<HashMap<SocketAddr, JoinHandle<()>>>,
+}
+
+impl ScrapeManager {
+    pub fn new(store: Arc<PodStore>, config: ScrapeConfig) -> Result<Self, reqwest::Error> {
+        let client = reqwest::Client::builder()
+            // Pods are addressed by IP on the cluster network: a proxy from the
+            // environment would be wrong here.
+            .no_proxy()
+            .connect_timeout(config.timeout)
+            .pool_max_idle_per_host(2)
+            .build()?;
+        Ok(ScrapeManager {
+            permits: Arc::new(Semaphore::new(config.concurrency)),
+            store,
+            client,
+            config,
+            tasks: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Makes the pollers match the store's endpoints.
+    pub fn reconcile(&self) {
+        let endpoints = self.store.endpoints();
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        tasks.retain(|endpoint, task| {
+            let keep = endpoints.contains(endpoint);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for endpoint in endpoints {
+            tasks.entry(endpoint).or_insert_with(|| {
+                let poller = PodPoller {
+                    endpoint,
+                    store: Arc::clone(&self.store),
+                    client: self.client.clone(),
+                    config: self.config.clone(),
+                    permits: Arc::clone(&self.permits),
+                };
+                tokio::spawn(poller.run())
+            });
+        }
+    }
+}
+
+impl Drop for ScrapeManager {
+    fn drop(&mut self) {
+        let tasks = self.tasks.get_mut().unwrap_or_else(|p| p.into_inner());
+        for task in tasks.values() {
+            task.abort();
+        }
+    }
+}
+
+struct PodPoller {
+    endpoint: SocketAddr,
+    store: Arc<PodStore>,
+    client: reqwest::Client,
+    config: ScrapeConfig,
+    permits: Arc<Semaphore>,
+}
+
+impl PodPoller {
+    async fn run(self) {
+        let metrics_url = format!("http://{}/metrics", self.endpoint);
+        let models_url = format!("http://{}/v1/models", self.endpoint);
+        let mut ticker = tokio::time::interval(self.config.interval);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut models_due = Instant::now();
+        loop {
+            ticker.tick().await;
+            let Some(load) = self.store.load(self.endpoint) else {
+                return;
+            };
+            let Ok(_permit) = self.permits.acquire().await else {
+                return;
+            };
+            let ticket = load.scrape_started();
+            let started = Instant::now();
+            let outcome = self
+                .fetch(&metrics_url)
+                .await
+                .and_then(|body| Ok(parse_vllm_metrics(&String::from_utf8_lossy(&body))?));
+            let elapsed = started.elapsed();
+            if let Err(error) = &outcome {
+                debug!(endpoint = %self.endpoint, %error, "scrape failed");
+            }
+            if let Ok(metrics) = &outcome {
+                telemetry::record_pod_metrics(self.endpoint, metrics);
+            }
+            let error_kind = outcome.as_ref().err().map(ScrapeError::kind);
+            let Some(healthy) =
+                self.store
+                    .record_scrape(self.endpoint, outcome, ticket, started.into_std())
+            else {
+                return;
+            };
+            telemetry::record_scrape(self.endpoint, elapsed, error_kind, healthy);
+            telemetry::record_inflight(self.endpoint, load.inflight());
+
+            if Instant::now() >= models_due {
+                let models = self
+                    .fetch(&models_url)
+                    .await
+                    .and_then(|body| Ok(parse_models(&body)?));
+                match models {
+                    Ok(models) => {
+                        self.store.record_models(self.endpoint, models);
+                        models_due = Instant::now() + self.config.models_interval;
+                    }
+                    Err(error) => {
+                        debug!(endpoint = %self.endpoint, %error, "listing models failed");
+                        // Retry soon: until a pod lists its models it may be sent any model.
+                        models_due = Instant::now()
+                            + self.config.models_interval.min(Duration::from_secs(1));
+                    }
+                }
+            }
+        }
+    }
+
+    /// GETs `url`, within the timeout and the size limit.
+    async fn fetch(&self, url: &str) -> Result<Vec<u8>, ScrapeError> {
+        let limit = self.config.max_response_bytes;
+        let request = async {
+            let mut response = self.client.get(url).send().await?;
+            if !response.status().is_success() {
+                return Err(ScrapeError::Status(response.status().as_u16()));
+            }
+            let mut body = Vec::new();
+            while let Some(chunk) = response.chunk().await? {
+                if body.len() + chunk.len() > limit {
+                    return Err(ScrapeError::TooLarge(limit));
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(body)
+        };
+        tokio::time::timeout(self.config.timeout, request)
+            .await
+            .unwrap_or(Err(ScrapeError::Timeout(self.config.timeout)))
+    }
+}

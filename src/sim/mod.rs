@@ -1,0 +1,1 @@
+//! vLLM fleet simulator (being written).

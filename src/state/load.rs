@@ -1,0 +1,208 @@
+//! Optimistic in-flight accounting for one pod.
+//!
+//! A scrape tells us the pod's KV use *as of when the scrape started*. Requests kvroute
+//! sent after that moment are invisible in it, so a burst between two scrapes would all
+//! see the same free KV and herd onto the same pod. Each routed request therefore
+//! reserves its token estimate here; the reservation stops counting against the pod's
+//! free KV once a scrape that *started after* the request was sent has succeeded (the pod
+//! then reports the request itself), or when the request finishes, whichever comes first.
+//! The in-flight request count is held until the request finishes.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Load counters of one pod, shared by the pod store, snapshots and reservations.
+#[derive(Debug, Default)]
+pub struct PodLoad {
+    inflight: AtomicU32,
+    unscraped_tokens: AtomicU64,
+    ledger: Mutex<Ledger>,
+}
+
+#[derive(Debug, Default)]
+struct Ledger {
+    /// Number of scrapes started so far; a request sent now is tagged with it.
+    scrapes_started: u64,
+    /// Tokens of live requests not yet covered by a successful scrape, per tag.
+    /// Holds one or two entries in practice (one per scrape in progress).
+    pending: Vec<(u64, u64)>,
+}
+
+impl Ledger {
+    fn total(&self) -> u64 {
+        self.pending.iter().map(|(_, tokens)| tokens).sum()
+    }
+}
+
+impl PodLoad {
+    /// Counters with given values, for snapshots built by hand (tests, benchmarks,
+    /// offline simulation).
+    pub fn with_values(inflight: u32, unscraped_tokens: u64) -> Self {
+        let load = PodLoad::default();
+        load.inflight.store(inflight, Ordering::Relaxed);
+        load.unscraped_tokens
+            .store(unscraped_tokens, Ordering::Relaxed);
+        if unscraped_tokens > 0 {
+            load.lock().pending.push((0, unscraped_tokens));
+        }
+        load
+    }
+
+    /// Requests kvroute sent to this pod that have not finished.
+    pub fn inflight(&self) -> u32 {
+        self.inflight.load(Ordering::Relaxed)
+    }
+
+    /// Tokens of in-flight requests that the last successful scrape cannot have seen.
+    pub fn unscraped_tokens(&self) -> u64 {
+        self.unscraped_tokens.load(Ordering::Relaxed)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Ledger> {
+        // A panic while holding this lock cannot leave the ledger inconsistent in a way
+        // worse than a stale estimate, so recover from poisoning instead of propagating.
+        self.ledger
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Counts a request of `tokens` (prompt + expected output) as sent to this pod.
+    /// Dropping the returned reservation releases it.
+    pub fn reserve(self: &Arc<Self>, tokens: u64) -> Reservation {
+        let tag = {
+            let mut ledger = self.lock();
+            let tag = ledger.scrapes_started;
+            match ledger.pending.iter_mut().find(|(t, _)| *t == tag) {
+                Some((_, sum)) => *sum += tokens,
+                None => ledger.pending.push((tag, tokens)),
+            }
+            self.unscraped_tokens
+                .store(ledger.total(), Ordering::Relaxed);
+            tag
+        };
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+        Reservation {
+            load: Arc::clone(self),
+            tag,
+            tokens,
+        }
+    }
+
+    /// Marks the start of a scrape; pass the ticket to [`PodLoad::scrape_succeeded`].
+    pub fn scrape_started(&self) -> ScrapeTicket {
+        let mut ledger = self.lock();
+        ledger.scrapes_started += 1;
+        ScrapeTicket(ledger.scrapes_started)
+    }
+
+    /// A scrape that started with `ticket` succeeded: every request sent before it started
+    /// is now part of the pod's own report.
+    pub fn scrape_succeeded(&self, ticket: ScrapeTicket) {
+        let mut ledger = self.lock();
+        ledger.pending.retain(|(tag, _)| *tag >= ticket.0);
+        self.unscraped_tokens
+            .store(ledger.total(), Ordering::Relaxed);
+    }
+
+    fn release(&self, tag: u64, tokens: u64) {
+        {
+            let mut ledger = self.lock();
+            if let Some(index) = ledger.pending.iter().position(|(t, _)| *t == tag) {
+                let sum = &mut ledger.pending[index].1;
+                *sum = sum.saturating_sub(tokens);
+                if *sum == 0 {
+                    ledger.pending.swap_remove(index);
+                }
+            }
+            self.unscraped_tokens
+                .store(ledger.total(), Ordering::Relaxed);
+        }
+        // Never underflows: every decrement pairs with the increment in `reserve`.
+        self.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Proof that a scrape started at a given point of the ledger.
+#[derive(Debug, Clone, Copy)]
+pub struct ScrapeTicket(u64);
+
+/// A request counted against a pod; released when dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    load: Arc<PodLoad>,
+    tag: u64,
+    tokens: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.load.release(self.tag, self.tokens);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reservation_counts_until_dropped() {
+        let load = Arc::new(PodLoad::default());
+        let first = load.reserve(100);
+        let second = load.reserve(50);
+        assert_eq!(load.inflight(), 2);
+        assert_eq!(load.unscraped_tokens(), 150);
+        drop(first);
+        assert_eq!(load.inflight(), 1);
+        assert_eq!(load.unscraped_tokens(), 50);
+        drop(second);
+        assert_eq!(load.inflight(), 0);
+        assert_eq!(load.unscraped_tokens(), 0);
+    }
+
+    #[test]
+    fn a_scrape_started_after_the_request_absorbs_its_tokens_but_not_its_count() {
+        let load = Arc::new(PodLoad::default());
+        let request = load.reserve(100);
+        let ticket = load.scrape_started();
+        load.scrape_succeeded(ticket);
+        assert_eq!(load.unscraped_tokens(), 0);
+        assert_eq!(load.inflight(), 1);
+        drop(request);
+        assert_eq!(load.unscraped_tokens(), 0);
+        assert_eq!(load.inflight(), 0);
+    }
+
+    #[test]
+    fn a_scrape_started_before_the_request_does_not_absorb_it() {
+        let load = Arc::new(PodLoad::default());
+        let ticket = load.scrape_started();
+        let _request = load.reserve(100);
+        load.scrape_succeeded(ticket);
+        assert_eq!(load.unscraped_tokens(), 100);
+        let next = load.scrape_started();
+        load.scrape_succeeded(next);
+        assert_eq!(load.unscraped_tokens(), 0);
+    }
+
+    #[test]
+    fn a_failed_scrape_absorbs_nothing() {
+        let load = Arc::new(PodLoad::default());
+        let _request = load.reserve(100);
+        let _failed = load.scrape_started();
+        let _also_failed = load.scrape_started();
+        assert_eq!(load.unscraped_tokens(), 100);
+    }
+
+    #[test]
+    fn releasing_after_absorption_does_not_subtract_twice() {
+        let load = Arc::new(PodLoad::default());
+        let old = load.reserve(100);
+        let ticket = load.scrape_started();
+        let new = load.reserve(40);
+        load.scrape_succeeded(ticket);
+        drop(old);
+        assert_eq!(load.unscraped_tokens(), 40);
+        drop(new);
+        assert_eq!(load.unscraped_tokens(), 0);
+    }
+}

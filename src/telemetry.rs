@@ -1,0 +1,247 @@
+//! kvroute's own Prometheus metrics: every name, its help text and its labels live
+//! here, so dashboards and this file can be checked against each other.
+//!
+//! Label values are bounded: pods by endpoint (the fleet's size), models by what the
+//! fleet serves (anything else is `other`), outcomes and reasons by fixed enums. No
+//! request ids, no prompts.
+
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics::{
+    Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::scrape::vllm::PodMetrics;
+
+pub const REQUESTS: &str = "kvroute_requests_total";
+pub const PICK_DURATION: &str = "kvroute_pick_duration_seconds";
+pub const DECISIONS: &str = "kvroute_decisions_total";
+pub const REQUEST_DURATION: &str = "kvroute_request_duration_seconds";
+pub const COMPLETION_TOKENS: &str = "kvroute_completion_tokens_total";
+pub const POD_KV_USAGE: &str = "kvroute_pod_kv_cache_usage_ratio";
+pub const POD_KV_CAPACITY: &str = "kvroute_pod_kv_cache_capacity_tokens";
+pub const POD_WAITING: &str = "kvroute_pod_requests_waiting";
+pub const POD_RUNNING: &str = "kvroute_pod_requests_running";
+pub const POD_RUNNING_ADAPTERS: &str = "kvroute_pod_running_lora_adapters";
+pub const POD_INFLIGHT: &str = "kvroute_pod_inflight_requests";
+pub const POD_HEALTHY: &str = "kvroute_pod_healthy";
+pub const SCRAPES: &str = "kvroute_scrapes_total";
+pub const SCRAPE_ERRORS: &str = "kvroute_scrape_errors_total";
+pub const SCRAPE_DURATION: &str = "kvroute_scrape_duration_seconds";
+pub const SNAPSHOT_AGE: &str = "kvroute_snapshot_metrics_age_seconds";
+pub const ENDPOINTS: &str = "kvroute_endpoints";
+
+/// Request outcomes, the `outcome` label of [`REQUESTS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Routed,
+    BadRequest,
+    UnknownModel,
+    TooLarge,
+    NoCapacity,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Routed => "routed",
+            Outcome::BadRequest => "bad_request",
+            Outcome::UnknownModel => "unknown_model",
+            Outcome::TooLarge => "too_large",
+            Outcome::NoCapacity => "no_capacity",
+        }
+    }
+}
+
+/// The `model` and `adapter` labels of one request, already bounded.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModelLabels {
+    pub model: String,
+    pub adapter: String,
+}
+
+impl ModelLabels {
+    /// Labels for requests whose model is unknown or absent.
+    pub fn other() -> Self {
+        ModelLabels {
+            model: "other".into(),
+            adapter: String::new(),
+        }
+    }
+}
+
+static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
+
+/// Installs the process-wide recorder once and returns its handle (later calls, e.g.
+/// several servers in one test process, share it).
+pub fn install() -> Result<PrometheusHandle, String> {
+    HANDLE.get_or_init(build_and_install).clone()
+}
+
+fn build_and_install() -> Result<PrometheusHandle, String> {
+    let latency_buckets = [
+        0.000_001, 0.000_002, 0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_2, 0.000_5,
+        0.001, 0.005, 0.01,
+    ];
+    let request_buckets = [
+        0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+    ];
+    let scrape_buckets = [
+        0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    ];
+    let recorder = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(PICK_DURATION.into()), &latency_buckets)
+        .and_then(|b| {
+            b.set_buckets_for_metric(Matcher::Full(REQUEST_DURATION.into()), &request_buckets)
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(Matcher::Full(SCRAPE_DURATION.into()), &scrape_buckets)
+        })
+        .map_err(|e| e.to_string())?
+        .build_recorder();
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder)
+        .map_err(|_| "a different metrics recorder is already installed".to_string())?;
+    describe();
+    Ok(handle)
+}
+
+fn describe() {
+    describe_counter!(
+        REQUESTS,
+        "Requests seen by the endpoint picker, by model, adapter and outcome."
+    );
+    describe_histogram!(
+        PICK_DURATION,
+        Unit::Seconds,
+        "Time spent choosing an endpoint for one request."
+    );
+    describe_counter!(
+        DECISIONS,
+        "Routing decisions by the reason the chosen pod won."
+    );
+    describe_histogram!(
+        REQUEST_DURATION,
+        Unit::Seconds,
+        "Time from the routing decision to the end of the upstream response, by outcome."
+    );
+    describe_counter!(
+        COMPLETION_TOKENS,
+        "Completion tokens reported in response usage, by model."
+    );
+    describe_gauge!(POD_KV_USAGE, "KV-cache use (0-1) each pod last reported.");
+    describe_gauge!(
+        POD_KV_CAPACITY,
+        "KV-cache capacity in tokens each pod last reported."
+    );
+    describe_gauge!(
+        POD_WAITING,
+        "Requests waiting in each pod's queue, as last scraped."
+    );
+    describe_gauge!(
+        POD_RUNNING,
+        "Requests running on each pod, as last scraped."
+    );
+    describe_gauge!(
+        POD_RUNNING_ADAPTERS,
+        "Distinct LoRA adapters in each pod's running batch."
+    );
+    describe_gauge!(
+        POD_INFLIGHT,
+        "Requests kvroute sent to each pod that have not finished."
+    );
+    describe_gauge!(
+        POD_HEALTHY,
+        "1 while the pod is in rotation, 0 while taken out."
+    );
+    describe_counter!(SCRAPES, "Scrapes of pod /metrics attempted.");
+    describe_counter!(
+        SCRAPE_ERRORS,
+        "Failed scrapes of pod /metrics, by kind of failure."
+    );
+    describe_histogram!(
+        SCRAPE_DURATION,
+        Unit::Seconds,
+        "Duration of one /metrics scrape."
+    );
+    describe_gauge!(
+        SNAPSHOT_AGE,
+        Unit::Seconds,
+        "Age of the oldest healthy pod's metrics in the current snapshot."
+    );
+    describe_gauge!(ENDPOINTS, "Endpoints known to kvroute, by health.");
+}
+
+fn pod_label(endpoint: SocketAddr) -> String {
+    endpoint.to_string()
+}
+
+pub fn record_request(labels: &ModelLabels, outcome: Outcome) {
+    counter!(REQUESTS, "model" => labels.model.clone(), "adapter" => labels.adapter.clone(), "outcome" => outcome.as_str())
+        .increment(1);
+}
+
+pub fn record_pick(duration: Duration, reason: &'static str) {
+    histogram!(PICK_DURATION).record(duration.as_secs_f64());
+    counter!(DECISIONS, "reason" => reason).increment(1);
+}
+
+pub fn record_request_done(
+    labels: &ModelLabels,
+    status: Option<u16>,
+    duration: Duration,
+    completion_tokens: Option<u64>,
+) {
+    let class = match status {
+        Some(200..=299) => "2xx",
+        Some(400..=499) => "4xx",
+        Some(500..=599) => "5xx",
+        Some(_) => "other",
+        None => "unknown",
+    };
+    histogram!(REQUEST_DURATION, "status" => class).record(duration.as_secs_f64());
+    if let Some(tokens) = completion_tokens {
+        counter!(COMPLETION_TOKENS, "model" => labels.model.clone(), "adapter" => labels.adapter.clone())
+            .increment(tokens);
+    }
+}
+
+pub fn record_inflight(endpoint: SocketAddr, inflight: u32) {
+    gauge!(POD_INFLIGHT, "pod" => pod_label(endpoint)).set(f64::from(inflight));
+}
+
+pub fn record_scrape(
+    endpoint: SocketAddr,
+    duration: Duration,
+    error_kind: Option<&'static str>,
+    healthy: bool,
+) {
+    let pod = pod_label(endpoint);
+    counter!(SCRAPES, "pod" => pod.clone()).increment(1);
+    histogram!(SCRAPE_DURATION, "pod" => pod.clone()).record(duration.as_secs_f64());
+    if let Some(kind) = error_kind {
+        counter!(SCRAPE_ERRORS, "pod" => pod.clone(), "kind" => kind).increment(1);
+    }
+    gauge!(POD_HEALTHY, "pod" => pod).set(if healthy { 1.0 } else { 0.0 });
+}
+
+pub fn record_pod_metrics(endpoint: SocketAddr, metrics: &PodMetrics) {
+    let pod = pod_label(endpoint);
+    gauge!(POD_KV_USAGE, "pod" => pod.clone()).set(metrics.kv_usage);
+    if let Some(capacity) = metrics.kv_capacity_tokens {
+        gauge!(POD_KV_CAPACITY, "pod" => pod.clone()).set(capacity as f64);
+    }
+    gauge!(POD_WAITING, "pod" => pod.clone()).set(f64::from(metrics.waiting));
+    gauge!(POD_RUNNING, "pod" => pod.clone()).set(f64::from(metrics.running));
+    let adapters = metrics.lora.as_ref().map_or(0, |lora| lora.running.len());
+    gauge!(POD_RUNNING_ADAPTERS, "pod" => pod).set(adapters as f64);
+}
+
+pub fn record_fleet(healthy: usize, unhealthy: usize, oldest_metrics: Option<Duration>) {
+    gauge!(ENDPOINTS, "health" => "healthy").set(healthy as f64);
+    gauge!(ENDPOINTS, "health" => "unhealthy").set(unhealthy as f64);
+    gauge!(SNAPSHOT_AGE).set(oldest_metrics.map_or(0.0, |age| age.as_secs_f64()));
+}

