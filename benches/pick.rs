@@ -1,1 +1,106 @@
-fn main() {}
+//! Cost of one scheduling decision, `scheduler::pick`, by fleet size.
+//! Run: `cargo bench --bench pick`. Targets: ≤ 2 µs at 8 pods, ≤ 50 µs at 4,096.
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use kvroute::scheduler::{PickRequest, SchedulerConfig, pick};
+use kvroute::scrape::vllm::{LoraStatus, PodMetrics};
+use kvroute::state::{PodLoad, PodView, ServedModels, Snapshot};
+
+const ADAPTERS: usize = 16;
+
+/// A fleet with varied load: KV use 0–95 %, queues 0–7, two of 16 adapters running
+/// per pod, some in-flight accounting.
+fn fleet(pods: usize, rng: &mut SmallRng) -> Snapshot {
+    let adapter_names: Vec<String> = (0..ADAPTERS).map(|a| format!("adapter-{a}")).collect();
+    let served = Arc::new(ServedModels {
+        base: vec!["llama".into()],
+        adapters: adapter_names
+            .iter()
+            .map(|a| (a.clone(), "llama".to_owned()))
+            .collect::<HashMap<_, _>>(),
+    });
+    let pods = (0..pods)
+        .map(|i| {
+            let endpoint = SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8000));
+            let running = vec![
+                adapter_names[rng.random_range(0..ADAPTERS)].clone(),
+                adapter_names[rng.random_range(0..ADAPTERS)].clone(),
+            ];
+            PodView {
+                endpoint,
+                healthy: true,
+                metrics: Some(Arc::new(PodMetrics {
+                    waiting: rng.random_range(0..8),
+                    running: rng.random_range(0..64),
+                    kv_usage: rng.random_range(0.0..0.95),
+                    kv_capacity_tokens: Some(400_000),
+                    num_gpu_blocks: Some(25_000),
+                    block_size: Some(16),
+                    engines: 1,
+                    lora: Some(LoraStatus {
+                        max_lora: 4,
+                        running,
+                        waiting: Vec::new(),
+                    }),
+                    ..PodMetrics::default()
+                })),
+                metrics_age: Some(Duration::from_millis(20)),
+                models: Some(Arc::clone(&served)),
+                load: Arc::new(PodLoad::with_values(
+                    rng.random_range(0..16),
+                    rng.random_range(0..20_000),
+                )),
+            }
+        })
+        .collect::<Vec<_>>();
+    let mut pods = pods;
+    pods.sort_by_key(|p| p.endpoint);
+    Snapshot {
+        pods,
+        generation: 1,
+    }
+}
+
+fn bench_pick(c: &mut Criterion) {
+    let mut group = c.benchmark_group("pick");
+    group.measurement_time(Duration::from_secs(3));
+    group.warm_up_time(Duration::from_secs(1));
+    let config = SchedulerConfig::default();
+    for size in [8usize, 64, 512, 4096] {
+        let mut rng = SmallRng::seed_from_u64(42);
+        let snapshot = fleet(size, &mut rng);
+        let base = PickRequest {
+            model: Some("llama"),
+            prompt_tokens: 1_500,
+            max_output_tokens: Some(256),
+            subset: None,
+        };
+        let adapter = PickRequest {
+            model: Some("adapter-3"),
+            ..base.clone()
+        };
+        group.bench_with_input(
+            BenchmarkId::new("base_model", size),
+            &snapshot,
+            |b, snapshot| b.iter(|| pick(black_box(&base), snapshot, &config, &mut rng)),
+        );
+        group.bench_with_input(
+            BenchmarkId::new("lora_adapter", size),
+            &snapshot,
+            |b, snapshot| b.iter(|| pick(black_box(&adapter), snapshot, &config, &mut rng)),
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_pick);
+criterion_main!(benches);

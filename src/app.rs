@@ -16,7 +16,7 @@ use axum::routing::get;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 use tracing::{info, warn};
@@ -162,7 +162,7 @@ impl App {
         let grpc_server = tonic::transport::Server::builder()
             .add_service(health_service.clone())
             .add_service(extproc.into_server())
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), stopped());
+            .serve_with_incoming_shutdown(incoming(grpc), stopped());
 
         let health_server = async {
             match health {
@@ -170,7 +170,7 @@ impl App {
                     info!(addr = %listener.local_addr()?, "gRPC health listening");
                     tonic::transport::Server::builder()
                         .add_service(health_service)
-                        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stopped())
+                        .serve_with_incoming_shutdown(incoming(listener), stopped())
                         .await
                         .context("health server failed")
                 }
@@ -198,6 +198,12 @@ impl App {
         drop(scrapers);
         result.map(|_| ())
     }
+}
+
+/// Accepted gRPC connections with Nagle off: ext_proc messages are small and each
+/// waits for the other side, so delayed ACKs would add ~40 ms per request.
+fn incoming(listener: TcpListener) -> TcpIncoming {
+    TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
 /// Serves readiness (and the ext_proc service's status) only while some pod has

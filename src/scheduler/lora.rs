@@ -6,7 +6,9 @@
 //! pod where the adapter is queued will load it soon; a pod with all slots busy must
 //! first finish or evict another adapter's requests.
 
-use crate::state::{PodView, Snapshot};
+use std::sync::Arc;
+
+use crate::state::{PodView, ServedModels, Snapshot};
 
 use super::SchedulerConfig;
 
@@ -37,15 +39,14 @@ impl LoraTier {
         if lora.waiting.iter().any(|a| a == adapter) {
             return LoraTier::Waiting;
         }
-        let mut in_use: Vec<&str> = lora
-            .running
-            .iter()
-            .chain(lora.waiting.iter())
-            .map(String::as_str)
-            .collect();
-        in_use.sort_unstable();
-        in_use.dedup();
-        if (in_use.len() as u64) < u64::from(lora.max_lora) {
+        // Distinct adapters holding a slot; the lists are a handful long, so a nested
+        // scan beats allocating a set.
+        let all = || lora.running.iter().chain(lora.waiting.iter());
+        let in_use = all()
+            .enumerate()
+            .filter(|(index, adapter)| !all().take(*index).any(|earlier| earlier == *adapter))
+            .count();
+        if (in_use as u64) < u64::from(lora.max_lora) {
             LoraTier::FreeSlot
         } else {
             LoraTier::MustEvict
@@ -75,26 +76,62 @@ impl LoraTier {
     }
 }
 
-/// Whether `model` names a LoRA adapter anywhere in the fleet or the configuration.
+/// Whether `model` names a LoRA adapter: the configuration says so, or the first pod
+/// that lists the model in `/v1/models` lists it as an adapter, or (no pod lists it)
+/// some pod is running or queueing it as one.
 pub fn is_adapter(model: &str, snapshot: &Snapshot, config: &SchedulerConfig) -> bool {
-    config.adapters.contains_key(model)
-        || snapshot.pods.iter().any(|pod| {
-            pod.models.as_ref().is_some_and(|m| m.is_adapter(model)) || runs_adapter(pod, model)
-        })
+    if config.adapters.contains_key(model) {
+        return true;
+    }
+    let listed = snapshot
+        .pods
+        .iter()
+        .filter_map(|pod| pod.models.as_ref())
+        .find(|models| models.serves(model));
+    match listed {
+        Some(models) => models.is_adapter(model),
+        None => snapshot.pods.iter().any(|pod| runs_adapter(pod, model)),
+    }
 }
 
-/// Whether the pod may serve `model`. A pod whose `/v1/models` has not answered yet
-/// may: refusing it would turn a slow start into 404s.
-pub fn may_serve(pod: &PodView, model: &str, config: &SchedulerConfig) -> bool {
-    let Some(models) = pod.models.as_ref() else {
-        return true;
-    };
-    models.serves(model)
-        || runs_adapter(pod, model)
-        || config
-            .adapters
-            .get(model)
-            .is_some_and(|base| models.base.iter().any(|b| b == base))
+/// Whether a pod may serve the model. A pod whose `/v1/models` has not answered yet
+/// may: refusing it would turn a slow start into 404s. Pods usually share one model
+/// list (the store interns equal lists), so the answer is remembered per list.
+pub struct ServesModel<'a> {
+    model: &'a str,
+    config: &'a SchedulerConfig,
+    last: Option<(*const ServedModels, bool)>,
+}
+
+impl<'a> ServesModel<'a> {
+    pub fn new(model: &'a str, config: &'a SchedulerConfig) -> Self {
+        ServesModel {
+            model,
+            config,
+            last: None,
+        }
+    }
+
+    pub fn check(&mut self, pod: &PodView) -> bool {
+        let Some(models) = pod.models.as_ref() else {
+            return true;
+        };
+        let key = Arc::as_ptr(models);
+        let listed = match self.last {
+            Some((last, answer)) if last == key => answer,
+            _ => {
+                let answer = models.serves(self.model)
+                    || self
+                        .config
+                        .adapters
+                        .get(self.model)
+                        .is_some_and(|base| models.base.iter().any(|b| b == base));
+                self.last = Some((key, answer));
+                answer
+            }
+        };
+        listed || runs_adapter(pod, self.model)
+    }
 }
 
 fn runs_adapter(pod: &PodView, adapter: &str) -> bool {

@@ -123,6 +123,42 @@ pub struct Decision {
 /// Scores within this distance count as a tie, broken at random.
 const TIE_EPSILON: f64 = 1e-9;
 
+/// What the filters and scores need of one pod, read once into a compact record so the
+/// later passes stay in cache (a pick over 4,096 pods must take microseconds).
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    index: usize,
+    fresh: bool,
+    saturated: bool,
+    fits: bool,
+    /// Estimated free KV tokens, when the pod reports its capacity.
+    free_kv: Option<u64>,
+    capacity: u64,
+    kv_usage: f64,
+    waiting: u32,
+    has_metrics: bool,
+    inflight: u32,
+}
+
+impl Candidate {
+    fn read(index: usize, pod: &PodView, tokens_needed: u64, config: &SchedulerConfig) -> Self {
+        let metrics = pod.metrics.as_deref();
+        let free_kv = free_kv_tokens(pod);
+        Candidate {
+            index,
+            fresh: is_fresh(pod, config),
+            saturated: is_saturated(pod, config),
+            fits: free_kv.is_none_or(|free| free >= tokens_needed),
+            free_kv,
+            capacity: metrics.and_then(|m| m.kv_capacity_tokens).unwrap_or(0),
+            kv_usage: metrics.map_or(0.0, |m| m.kv_usage.clamp(0.0, 1.0)),
+            waiting: metrics.map_or(0, |m| m.waiting),
+            has_metrics: metrics.is_some(),
+            inflight: pod.load.inflight(),
+        }
+    }
+}
+
 /// Picks the pod for `request` (see the module docs for the rules).
 pub fn pick<R: Rng + ?Sized>(
     request: &PickRequest<'_>,
@@ -134,117 +170,135 @@ pub fn pick<R: Rng + ?Sized>(
     if pods.is_empty() {
         return Err(PickError::NoEndpoints);
     }
-
-    let mut candidates: Vec<usize> = match request.subset {
-        Some(subset) => (0..pods.len())
-            .filter(|&i| subset.contains(&pods[i].endpoint))
-            .collect(),
-        None => (0..pods.len()).collect(),
-    };
-    if candidates.is_empty() {
-        return Err(PickError::NoneInSubset);
-    }
-
     let adapter = request
         .model
         .filter(|model| lora::is_adapter(model, snapshot, config));
-    if let Some(model) = request.model {
-        candidates.retain(|&i| lora::may_serve(&pods[i], model, config));
-        if candidates.is_empty() {
-            return Err(PickError::UnknownModel(model.to_owned()));
+    let tokens_needed = tokens_needed(request, config);
+
+    // Hard filters, counting why pods drop out so the error names the first one that
+    // emptied the set.
+    let mut serves = request
+        .model
+        .map(|model| lora::ServesModel::new(model, config));
+    let (mut in_subset, mut serving) = (0usize, 0usize);
+    let mut candidates: Vec<Candidate> = Vec::with_capacity(pods.len());
+    for (index, pod) in pods.iter().enumerate() {
+        if request
+            .subset
+            .is_some_and(|subset| !subset.contains(&pod.endpoint))
+        {
+            continue;
+        }
+        in_subset += 1;
+        if serves.as_mut().is_some_and(|serves| !serves.check(pod)) {
+            continue;
+        }
+        serving += 1;
+        if pod.healthy {
+            candidates.push(Candidate::read(index, pod, tokens_needed, config));
         }
     }
-
-    candidates.retain(|&i| pods[i].healthy);
+    if in_subset == 0 {
+        return Err(PickError::NoneInSubset);
+    }
+    if serving == 0 {
+        return Err(PickError::UnknownModel(
+            request.model.unwrap_or_default().to_owned(),
+        ));
+    }
     if candidates.is_empty() {
         return Err(PickError::NoReadyEndpoint);
     }
 
-    let tokens_needed = tokens_needed(request, config);
     let mut relaxed = Relaxed::default();
-    relaxed.stale_metrics = !narrow(&mut candidates, |i| is_fresh(&pods[i], config));
-    relaxed.saturation = !narrow(&mut candidates, |i| !is_saturated(&pods[i], config));
-    relaxed.kv_headroom = !narrow(&mut candidates, |i| {
-        free_kv_tokens(&pods[i]).is_none_or(|free| free >= tokens_needed)
-    });
+    relaxed.stale_metrics = !narrow(&mut candidates, |c| c.fresh);
+    relaxed.saturation = !narrow(&mut candidates, |c| !c.saturated);
+    relaxed.kv_headroom = !narrow(&mut candidates, |c| c.fits);
 
-    let max_inflight = candidates
+    let max_inflight = candidates.iter().map(|c| c.inflight).max().unwrap_or(0);
+    let score_of = |c: &Candidate| {
+        score(
+            c,
+            &pods[c.index],
+            adapter,
+            tokens_needed,
+            max_inflight,
+            config,
+        )
+    };
+    // Totals only here; the full breakdown is recomputed for the few that are kept.
+    let mut totals: Vec<(f64, usize)> = candidates
         .iter()
-        .map(|&i| pods[i].load.inflight())
-        .max()
-        .unwrap_or(0);
-    let mut scored: Vec<CandidateScore> = candidates
-        .iter()
-        .map(|&i| score(&pods[i], adapter, tokens_needed, max_inflight, config))
+        .enumerate()
+        .map(|(position, c)| (score_of(c).total, position))
         .collect();
 
-    let best = scored
+    let best = totals
         .iter()
-        .map(|c| c.total)
+        .map(|(total, _)| *total)
         .fold(f64::NEG_INFINITY, f64::max);
-    let tied = scored
-        .iter()
-        .filter(|c| c.total >= best - TIE_EPSILON)
-        .count();
+    let is_tied = |total: f64| total >= best - TIE_EPSILON;
+    let tied = totals.iter().filter(|(total, _)| is_tied(*total)).count();
     // The n-th tied candidate in snapshot order; snapshot order is deterministic, so
     // the choice depends only on the seeded RNG.
     let nth = rng.random_range(0..tied);
-    let winner_index = scored
+    let winner_position = totals
         .iter()
         .enumerate()
-        .filter(|(_, c)| c.total >= best - TIE_EPSILON)
+        .filter(|(_, (total, _))| is_tied(*total))
         .nth(nth)
-        .map_or(0, |(index, _)| index);
-    scored.swap(0, winner_index);
+        .map_or(0, |(position, _)| position);
+    totals.swap(0, winner_position);
 
     let keep = 1 + config
         .fallbacks
         .max(config.trace_candidates.saturating_sub(1));
-    let rest = &mut scored[1..];
-    let by_score_desc = |a: &CandidateScore, b: &CandidateScore| b.total.total_cmp(&a.total);
+    let by_score_desc = |a: &(f64, usize), b: &(f64, usize)| b.0.total_cmp(&a.0);
+    let rest = &mut totals[1..];
     if rest.len() > keep {
         rest.select_nth_unstable_by(keep - 1, by_score_desc);
     }
-    let ranked_len = scored.len().min(keep);
-    scored[1..ranked_len].sort_by(by_score_desc);
-    scored.truncate(ranked_len);
+    let ranked_len = totals.len().min(keep);
+    totals[1..ranked_len].sort_by(by_score_desc);
+    let mut ranked: Vec<CandidateScore> = totals[..ranked_len]
+        .iter()
+        .map(|&(_, position)| score_of(&candidates[position]))
+        .collect();
 
-    let winner = &scored[0];
     let reason = if relaxed.any() {
         Reason::Fallback
-    } else if let Some(tier) = winner.lora_tier {
+    } else if let Some(tier) = ranked[0].lora_tier {
         Reason::Lora(tier)
     } else if request.model.is_none() {
         Reason::AnyReady
     } else {
         Reason::LeastLoaded
     };
-    let fallbacks = scored
+    let fallbacks = ranked
         .iter()
         .skip(1)
         .take(config.fallbacks)
         .map(|c| c.endpoint)
         .collect();
-    let candidates = candidates.len();
-    scored.truncate(config.trace_candidates.max(1));
+    ranked.truncate(config.trace_candidates.max(1));
     Ok(Decision {
-        endpoint: scored[0].endpoint,
+        endpoint: ranked[0].endpoint,
         fallbacks,
         reason,
         relaxed,
         tokens_needed,
-        candidates,
-        ranked: scored,
+        candidates: candidates.len(),
+        ranked,
     })
 }
 
 /// Keeps the candidates that pass `keep`, unless none would: then keeps all and
 /// returns false (the filter was relaxed).
-fn narrow(candidates: &mut Vec<usize>, keep: impl Fn(usize) -> bool) -> bool {
-    if !candidates.iter().any(|&i| keep(i)) {
+fn narrow(candidates: &mut Vec<Candidate>, keep: impl Fn(&Candidate) -> bool) -> bool {
+    if !candidates.iter().any(&keep) {
         return false;
     }
-    candidates.retain(|&i| keep(i));
+    candidates.retain(keep);
     true
 }
 
@@ -296,6 +350,7 @@ fn kv_headroom_score(free: u64, needed: u64, capacity: u64) -> f64 {
 }
 
 fn score(
+    candidate: &Candidate,
     pod: &PodView,
     adapter: Option<&str>,
     tokens_needed: u64,
@@ -303,24 +358,23 @@ fn score(
     config: &SchedulerConfig,
 ) -> CandidateScore {
     let weights = &config.weights;
-    let free = free_kv_tokens(pod);
-    let kv_headroom = match (pod.metrics.as_ref(), free) {
-        (Some(metrics), Some(free)) => {
-            kv_headroom_score(free, tokens_needed, metrics.kv_capacity_tokens.unwrap_or(0))
-        }
-        (Some(metrics), None) => 1.0 - metrics.kv_usage.clamp(0.0, 1.0),
-        (None, _) => 0.0,
+    let kv_headroom = match (candidate.has_metrics, candidate.free_kv) {
+        (true, Some(free)) => kv_headroom_score(free, tokens_needed, candidate.capacity),
+        (true, None) => 1.0 - candidate.kv_usage,
+        (false, _) => 0.0,
     };
     // `limit / (limit + waiting)`: 1 for an empty queue, ½ at the saturation depth, and
     // still decreasing beyond it, so saturated pods remain comparable.
-    let queue = pod.metrics.as_ref().map_or(0.0, |metrics| {
+    let queue = if candidate.has_metrics {
         let limit = f64::from(config.saturation.queue_depth);
-        limit / (limit + f64::from(metrics.waiting))
-    });
+        limit / (limit + f64::from(candidate.waiting))
+    } else {
+        0.0
+    };
     let inflight = if max_inflight == 0 {
         1.0
     } else {
-        1.0 - f64::from(pod.load.inflight()) / f64::from(max_inflight)
+        1.0 - f64::from(candidate.inflight) / f64::from(max_inflight)
     };
     let lora_tier = adapter.map(|adapter| LoraTier::of(pod, adapter));
     let lora = lora_tier.map_or(1.0, LoraTier::score);
@@ -336,7 +390,7 @@ fn score(
         inflight,
         lora,
         lora_tier,
-        free_kv_tokens: free,
+        free_kv_tokens: candidate.free_kv,
     }
 }
 

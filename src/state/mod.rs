@@ -192,15 +192,27 @@ impl PodStore {
     }
 
     /// Records what the pod's `/v1/models` said.
+    /// Pods serving the same models share one `Arc`, which lets the scheduler check
+    /// a model once per distinct list rather than once per pod.
     pub fn record_models(&self, endpoint: SocketAddr, models: ServedModels) {
         let mut pods = self.lock();
-        if let Some(record) = pods.get_mut(&endpoint) {
-            if record.models.as_deref() != Some(&models) {
-                record.models = Some(Arc::new(models));
-                drop(pods);
-                self.dirty.notify_one();
-            }
+        if pods
+            .get(&endpoint)
+            .is_none_or(|r| r.models.as_deref() == Some(&models))
+        {
+            return;
         }
+        let shared = pods
+            .values()
+            .filter_map(|r| r.models.as_ref())
+            .find(|m| ***m == models)
+            .cloned()
+            .unwrap_or_else(|| Arc::new(models));
+        if let Some(record) = pods.get_mut(&endpoint) {
+            record.models = Some(shared);
+        }
+        drop(pods);
+        self.dirty.notify_one();
     }
 
     /// Rebuilds and publishes the snapshot, with metric ages measured at `now`.
@@ -294,6 +306,21 @@ mod tests {
         let snapshot = store.publish(Instant::now());
         assert!(snapshot.pods[0].healthy);
         assert!(snapshot.has_metrics());
+    }
+
+    #[test]
+    fn pods_with_equal_model_lists_share_one_copy() {
+        let store = PodStore::new(HealthPolicy::default());
+        store.set_endpoints(&[addr(1), addr(2)]);
+        let models = ServedModels {
+            base: vec!["llama".into()],
+            adapters: HashMap::new(),
+        };
+        store.record_models(addr(1), models.clone());
+        store.record_models(addr(2), models);
+        let snapshot = store.publish(Instant::now());
+        let (a, b) = (&snapshot.pods[0].models, &snapshot.pods[1].models);
+        assert!(matches!((a, b), (Some(a), Some(b)) if Arc::ptr_eq(a, b)));
     }
 
     #[test]

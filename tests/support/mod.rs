@@ -89,6 +89,8 @@ struct PodState {
     hold: watch::Sender<bool>,
     /// Headers of the last completion request.
     last_headers: Mutex<Option<HeaderMap>>,
+    /// When set, `/metrics` answers with this body instead (e.g. a lying page).
+    metrics_override: Mutex<Option<(StatusCode, String)>>,
 }
 
 /// A minimal vLLM look-alike: `/metrics`, `/v1/models`, `/v1/completions`,
@@ -109,6 +111,7 @@ impl FakePod {
             arrivals: watch::Sender::new(0),
             hold: watch::Sender::new(false),
             last_headers: Mutex::new(None),
+            metrics_override: Mutex::new(None),
         });
         let router = axum::Router::new()
             .route("/metrics", get(metrics))
@@ -142,6 +145,16 @@ impl FakePod {
 
     pub fn set_metrics(&self, metrics: FakeMetrics) {
         *self.state.metrics.lock().expect("lock") = metrics;
+    }
+
+    /// Makes `/metrics` answer `status` with `body` until cleared with `None`.
+    pub fn override_metrics(&self, answer: Option<(u16, &str)>) {
+        *self.state.metrics_override.lock().expect("lock") = answer.map(|(status, body)| {
+            (
+                StatusCode::from_u16(status).expect("status"),
+                body.to_owned(),
+            )
+        });
     }
 
     pub fn metrics(&self) -> FakeMetrics {
@@ -183,9 +196,12 @@ impl Drop for FakePod {
     }
 }
 
-async fn metrics(State(pod): State<Arc<PodState>>) -> String {
+async fn metrics(State(pod): State<Arc<PodState>>) -> Response {
+    if let Some((status, body)) = pod.metrics_override.lock().expect("lock").clone() {
+        return (status, body).into_response();
+    }
     let metrics = pod.metrics.lock().expect("lock").clone();
-    metrics.render(&pod.model)
+    metrics.render(&pod.model).into_response()
 }
 
 async fn models(State(pod): State<Arc<PodState>>) -> Json<serde_json::Value> {

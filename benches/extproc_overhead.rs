@@ -1,0 +1,427 @@
+//! Latency kvroute adds per request through Envoy, against a no-op ext_proc server.
+//!
+//! Three Envoys in front of one instant upstream (a minimal vLLM look-alike):
+//!   A. no ext_proc (the client names the pod itself),
+//!   B. ext_proc = a no-op processor in this file: full-duplex protocol plumbing only,
+//!      every request to the one pod, no parsing, no scheduling,
+//!   C. ext_proc = kvroute (parsing, scheduling over live scraped metrics, accounting).
+//! Reports mean / p50 / p99 per request on one keep-alive connection, then throughput
+//! with 16 concurrent connections, and the ratio (C − A) / (B − A).
+//!
+//! Run: `scripts/setup-envoy && cargo bench --bench extproc_overhead`
+//! (`-- --requests N` to change the count). Target: ratio ≤ 1.15.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ProcessingRequest,
+    ProcessingResponse, StreamedBodyResponse, body_mutation,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::TcpIncoming;
+
+use kvroute::app::App;
+use kvroute::config::ServeConfig;
+
+const BODY: &str = r#"{"model":"llama","prompt":"Summarise the following text in one sentence: the quick brown fox jumps over the lazy dog.","max_tokens":64}"#;
+
+// ---- the upstream: answers at once ------------------------------------------------
+
+const METRICS: &str = "vllm:num_requests_waiting{engine=\"0\",model_name=\"llama\"} 0.0\n\
+vllm:num_requests_running{engine=\"0\",model_name=\"llama\"} 0.0\n\
+vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"llama\"} 0.1\n\
+vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"20000\"} 1.0\n";
+
+async fn start_upstream() -> SocketAddr {
+    use axum::routing::{get, post};
+    let router = axum::Router::new()
+        .route("/metrics", get(|| async { METRICS }))
+        .route(
+            "/v1/models",
+            get(|| async {
+                axum::Json(serde_json::json!({"data": [{"id": "llama", "parent": null}]}))
+            }),
+        )
+        .route(
+            "/v1/completions",
+            post(|| async {
+                axum::Json(serde_json::json!({"choices": [{"text": "ok"}],
+                    "usage": {"prompt_tokens": 30, "completion_tokens": 1}}))
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind upstream");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    addr
+}
+
+// ---- B: the no-op processor ---------------------------------------------------------
+
+struct NoopProcessor {
+    destination: String,
+}
+
+fn headers_answer(destination: &str) -> ProcessingResponse {
+    let mutation = HeaderMutation {
+        set_headers: vec![HeaderValueOption {
+            header: Some(HeaderValue {
+                key: "x-gateway-destination-endpoint".into(),
+                raw_value: destination.as_bytes().to_vec(),
+                ..HeaderValue::default()
+            }),
+            append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+            ..HeaderValueOption::default()
+        }],
+        ..HeaderMutation::default()
+    };
+    ProcessingResponse {
+        response: Some(Response::RequestHeaders(HeadersResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(mutation),
+                clear_route_cache: true,
+                ..CommonResponse::default()
+            }),
+        })),
+        ..ProcessingResponse::default()
+    }
+}
+
+fn streamed(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
+    BodyResponse {
+        response: Some(CommonResponse {
+            body_mutation: Some(BodyMutation {
+                mutation: Some(body_mutation::Mutation::StreamedResponse(
+                    StreamedBodyResponse {
+                        body,
+                        end_of_stream,
+                        ..StreamedBodyResponse::default()
+                    },
+                )),
+            }),
+            ..CommonResponse::default()
+        }),
+    }
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for NoopProcessor {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, tonic::Status>>;
+
+    async fn process(
+        &self,
+        request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
+    ) -> Result<tonic::Response<Self::ProcessStream>, tonic::Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        let destination = self.destination.clone();
+        tokio::spawn(async move {
+            let mut body = Vec::new();
+            while let Ok(Some(message)) = inbound.message().await {
+                let answers = match message.request {
+                    Some(Request::RequestHeaders(h)) if h.end_of_stream => {
+                        vec![headers_answer(&destination)]
+                    }
+                    Some(Request::RequestHeaders(_)) => vec![],
+                    Some(Request::RequestBody(b)) => {
+                        body.extend_from_slice(&b.body);
+                        if b.end_of_stream {
+                            let echo = ProcessingResponse {
+                                response: Some(Response::RequestBody(streamed(
+                                    std::mem::take(&mut body),
+                                    true,
+                                ))),
+                                ..ProcessingResponse::default()
+                            };
+                            vec![headers_answer(&destination), echo]
+                        } else {
+                            vec![]
+                        }
+                    }
+                    Some(Request::ResponseHeaders(_)) => vec![ProcessingResponse {
+                        response: Some(Response::ResponseHeaders(HeadersResponse::default())),
+                        ..ProcessingResponse::default()
+                    }],
+                    Some(Request::ResponseBody(b)) => vec![ProcessingResponse {
+                        response: Some(Response::ResponseBody(streamed(b.body, b.end_of_stream))),
+                        ..ProcessingResponse::default()
+                    }],
+                    _ => vec![],
+                };
+                for answer in answers {
+                    if tx.send(Ok(answer)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+async fn start_noop(destination: SocketAddr) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind noop");
+    let addr = listener.local_addr().expect("addr");
+    let service = ExternalProcessorServer::new(NoopProcessor {
+        destination: destination.to_string(),
+    });
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(TcpIncoming::from(listener).with_nodelay(Some(true))),
+    );
+    addr
+}
+
+// ---- Envoy --------------------------------------------------------------------------
+
+struct Envoy {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("port")
+}
+
+fn envoy_binary() -> PathBuf {
+    std::env::var_os("ENVOY_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/envoy"))
+}
+
+/// The shipped fail-closed gateway config, on fresh ports, optionally without ext_proc.
+fn gateway_config(port: u16, admin: u16, extproc: Option<SocketAddr>) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("envoy/gateway-original-dst.yaml");
+    let text = std::fs::read_to_string(path).expect("read config");
+    let mut out = String::new();
+    let mut skipping = false;
+    for line in text.lines() {
+        if extproc.is_none() && line.trim() == "- name: envoy.filters.http.ext_proc" {
+            skipping = true;
+        }
+        if line.trim() == "- name: envoy.filters.http.router" {
+            skipping = false;
+        }
+        if skipping {
+            continue;
+        }
+        let mut line = line
+            .replace("port_value: 8080", &format!("port_value: {port}"))
+            .replace("address: 0.0.0.0", "address: 127.0.0.1")
+            .replace("port_value: 9901", &format!("port_value: {admin}"));
+        if let Some(addr) = extproc {
+            line = line.replace("port_value: 9002", &format!("port_value: {}", addr.port()));
+        }
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+async fn start_envoy(extproc: Option<SocketAddr>) -> Envoy {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (port, admin) = (free_port(), free_port());
+    let path = dir.path().join("envoy.yaml");
+    std::fs::write(&path, gateway_config(port, admin, extproc)).expect("write");
+    let child = Command::new(envoy_binary())
+        .arg("-c")
+        .arg(&path)
+        .args(["--disable-hot-restart", "--concurrency", "1", "-l", "error"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start Envoy: run scripts/setup-envoy first");
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client");
+    let ready = format!("http://127.0.0.1:{admin}/ready");
+    for _ in 0..400 {
+        if client
+            .get(&ready)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            return Envoy {
+                child,
+                port,
+                _dir: dir,
+            };
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("Envoy did not start");
+}
+
+// ---- measurement --------------------------------------------------------------------
+
+struct Latencies {
+    mean: f64,
+    p50: f64,
+    p99: f64,
+}
+
+async fn sequential(envoy: &Envoy, pod: SocketAddr, requests: usize) -> Latencies {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(1)
+        .build()
+        .expect("client");
+    let url = format!("http://127.0.0.1:{}/v1/completions", envoy.port);
+    let send = || {
+        client
+            .post(&url)
+            .header("content-type", "application/json")
+            // Read by Envoy's ORIGINAL_DST only when no ext_proc overwrites it (setup A).
+            .header("x-gateway-destination-endpoint", pod.to_string())
+            .body(BODY)
+            .send()
+    };
+    for _ in 0..requests / 10 {
+        let response = send().await.expect("warm-up request");
+        assert!(
+            response.status().is_success(),
+            "status {}",
+            response.status()
+        );
+        let _ = response.bytes().await;
+    }
+    let mut samples = Vec::with_capacity(requests);
+    for _ in 0..requests {
+        let started = Instant::now();
+        let response = send().await.expect("request");
+        assert!(
+            response.status().is_success(),
+            "status {}",
+            response.status()
+        );
+        let _ = response.bytes().await.expect("body");
+        samples.push(started.elapsed().as_secs_f64() * 1e3);
+    }
+    samples.sort_by(f64::total_cmp);
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+    Latencies {
+        mean: samples.iter().sum::<f64>() / samples.len() as f64,
+        p50: at(0.5),
+        p99: at(0.99),
+    }
+}
+
+async fn throughput(
+    envoy: &Envoy,
+    pod: SocketAddr,
+    connections: usize,
+    per_connection: usize,
+) -> f64 {
+    let url = format!("http://127.0.0.1:{}/v1/completions", envoy.port);
+    let started = Instant::now();
+    let workers: Vec<_> = (0..connections)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let client = reqwest::Client::builder()
+                    .no_proxy()
+                    .build()
+                    .expect("client");
+                for _ in 0..per_connection {
+                    let response = client
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .header("x-gateway-destination-endpoint", pod.to_string())
+                        .body(BODY)
+                        .send()
+                        .await
+                        .expect("request");
+                    let _ = response.bytes().await;
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await.expect("worker");
+    }
+    (connections * per_connection) as f64 / started.elapsed().as_secs_f64()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    // `cargo test --benches` runs bench targets in test mode: nothing to measure there.
+    if args.iter().any(|a| a == "--test" || a == "--list") {
+        return;
+    }
+    let requests = args
+        .windows(2)
+        .find(|w| w[0] == "--requests")
+        .and_then(|w| w[1].parse().ok())
+        .unwrap_or(2_000usize);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let pod = start_upstream().await;
+        let noop = start_noop(pod).await;
+        let mut config = ServeConfig::local(vec![pod]);
+        config.health_addr = None;
+        let app = App::bind(config).await.expect("bind kvroute");
+        let kvroute_addr = app.addrs().expect("addrs").grpc;
+        let store = app.store();
+        tokio::spawn(app.run(std::future::pending()));
+        assert!(kvroute::app::wait_for_snapshot(&store, Duration::from_secs(10), |s| s.has_metrics()).await);
+
+        let setups: [(&str, Option<SocketAddr>); 3] = [
+            ("A  Envoy, no ext_proc", None),
+            ("B  Envoy + no-op ext_proc", Some(noop)),
+            ("C  Envoy + kvroute", Some(kvroute_addr)),
+        ];
+        let mut means = Vec::new();
+        println!("{requests} sequential requests per setup, one keep-alive connection; 16 connections for throughput");
+        println!("{:<28} {:>9} {:>9} {:>9} {:>12}", "setup", "mean ms", "p50 ms", "p99 ms", "req/s (16c)");
+        for (name, extproc) in setups {
+            let envoy = start_envoy(extproc).await;
+            let latencies = sequential(&envoy, pod, requests).await;
+            let rate = throughput(&envoy, pod, 16, requests / 16).await;
+            println!(
+                "{name:<28} {:>9.3} {:>9.3} {:>9.3} {:>12.0}",
+                latencies.mean, latencies.p50, latencies.p99, rate
+            );
+            means.push(latencies.mean);
+        }
+        let noop_added = means[1] - means[0];
+        let kvroute_added = means[2] - means[0];
+        println!(
+            "added per request: no-op {:.3} ms, kvroute {:.3} ms; ratio {:.2} (target <= 1.15)",
+            noop_added,
+            kvroute_added,
+            kvroute_added / noop_added
+        );
+    });
+}

@@ -1,0 +1,58 @@
+//! The shipped Envoy configurations are valid for a real Envoy 1.40.
+
+mod support;
+
+use std::process::Command;
+
+use support::{Gateway, envoy_binary, project_file, render_gateway_config};
+
+fn validate(path: &std::path::Path) {
+    let output = Command::new(envoy_binary())
+        .arg("--mode")
+        .arg("validate")
+        .arg("-c")
+        .arg(path)
+        .arg("--disable-hot-restart")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", envoy_binary().display()));
+    let text = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "{} is invalid:\n{text}",
+        path.display()
+    );
+    assert!(text.contains("OK"), "{text}");
+}
+
+#[test]
+fn the_fail_closed_original_dst_gateway_config_is_valid() {
+    validate(&project_file("envoy/gateway-original-dst.yaml"));
+}
+
+#[test]
+fn the_fail_open_override_host_gateway_config_is_valid() {
+    validate(&project_file("envoy/gateway-override-host.yaml"));
+}
+
+#[test]
+fn the_configs_the_tests_render_are_valid_too() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pods = [
+        "127.0.0.1:18000".parse().expect("addr"),
+        "127.0.0.1:18001".parse().expect("addr"),
+    ];
+    for (name, gateway) in [
+        ("closed.yaml", Gateway::OriginalDst),
+        ("open.yaml", Gateway::OverrideHost),
+    ] {
+        let path = dir.path().join(name);
+        let kvroute = "127.0.0.1:19002".parse().expect("addr");
+        std::fs::write(
+            &path,
+            render_gateway_config(gateway, 18080, kvroute, 19901, &pods),
+        )
+        .expect("write");
+        validate(&path);
+    }
+}

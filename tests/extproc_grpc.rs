@@ -1,0 +1,336 @@
+//! The ext_proc service over real gRPC, driven by a tonic client playing Envoy's part,
+//! in both body modes; plus the gRPC health services.
+
+mod support;
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+    body_mutation,
+};
+use envoy_types::pb::google::protobuf::value::Kind;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+use support::{FakeMetrics, FakePod, Kvroute, test_config};
+
+fn headers_message(path: &str, end_of_stream: bool, mode: BodySendMode) -> ProcessingRequest {
+    let pairs = [
+        (":method", "POST"),
+        (":path", path),
+        ("content-type", "application/json"),
+    ];
+    ProcessingRequest {
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: mode as i32,
+            response_body_mode: mode as i32,
+            ..ProtocolConfiguration::default()
+        }),
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: pairs
+                    .iter()
+                    .map(|(k, v)| HeaderValue {
+                        key: (*k).to_owned(),
+                        raw_value: v.as_bytes().to_vec(),
+                        ..HeaderValue::default()
+                    })
+                    .collect(),
+            }),
+            end_of_stream,
+            ..HttpHeaders::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+fn body_message(body: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Request::RequestBody(HttpBody {
+            body: body.to_vec(),
+            end_of_stream,
+            ..HttpBody::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+/// An open ext_proc stream: send messages, receive answers.
+struct Stream {
+    send: mpsc::Sender<ProcessingRequest>,
+    answers: tonic::Streaming<ProcessingResponse>,
+}
+
+impl Stream {
+    async fn open(kvroute: &Kvroute) -> Stream {
+        let mut client = ExternalProcessorClient::connect(format!("http://{}", kvroute.addrs.grpc))
+            .await
+            .expect("connect");
+        let (send, receive) = mpsc::channel(16);
+        let answers = client
+            .process(ReceiverStream::new(receive))
+            .await
+            .expect("open stream")
+            .into_inner();
+        Stream { send, answers }
+    }
+
+    async fn send(&self, message: ProcessingRequest) {
+        self.send.send(message).await.expect("send");
+    }
+
+    async fn next(&mut self) -> ProcessingResponse {
+        tokio::time::timeout(Duration::from_secs(5), self.answers.message())
+            .await
+            .expect("answer in time")
+            .expect("no gRPC error")
+            .expect("an answer")
+    }
+}
+
+fn destination(answer: &ProcessingResponse) -> Option<String> {
+    let common = match answer.response.as_ref()? {
+        Response::RequestHeaders(h) => h.response.as_ref()?,
+        Response::RequestBody(b) => b.response.as_ref()?,
+        _ => return None,
+    };
+    let header = common
+        .header_mutation
+        .as_ref()?
+        .set_headers
+        .first()?
+        .header
+        .as_ref()?;
+    let from_header = String::from_utf8(header.raw_value.clone()).ok()?;
+    let Some(Kind::StructValue(lb)) = &answer
+        .dynamic_metadata
+        .as_ref()?
+        .fields
+        .get("envoy.lb")?
+        .kind
+    else {
+        return None;
+    };
+    let Some(Kind::StringValue(from_metadata)) =
+        &lb.fields.get("x-gateway-destination-endpoint")?.kind
+    else {
+        return None;
+    };
+    assert_eq!(
+        &from_header, from_metadata,
+        "header and metadata must match"
+    );
+    assert!(common.clear_route_cache);
+    Some(from_header)
+}
+
+async fn two_pods_second_preferred() -> (Vec<FakePod>, Kvroute) {
+    let pods = vec![
+        FakePod::start("pod-0", "llama", &[]).await,
+        FakePod::start("pod-1", "llama", &[]).await,
+    ];
+    pods[0].set_metrics(FakeMetrics {
+        kv_usage: 0.95,
+        ..FakeMetrics::default()
+    });
+    let kvroute = Kvroute::start(test_config(pods.iter().map(|p| p.addr).collect())).await;
+    kvroute.wait_until_scraped(2).await;
+    kvroute.wait_for_pod(pods[0].addr, 0.95, 0).await;
+    (pods, kvroute)
+}
+
+const COMPLETION: &[u8] =
+    br#"{"model":"llama","prompt":"The capital of France is","max_tokens":4}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_mode_routes_in_the_body_answer() {
+    let (pods, kvroute) = two_pods_second_preferred().await;
+    let mut stream = Stream::open(&kvroute).await;
+    stream
+        .send(headers_message(
+            "/v1/completions",
+            false,
+            BodySendMode::Buffered,
+        ))
+        .await;
+    let first = stream.next().await;
+    assert!(matches!(first.response, Some(Response::RequestHeaders(_))));
+    assert_eq!(
+        destination(&first),
+        None,
+        "headers are answered at once, unrouted"
+    );
+    stream.send(body_message(COMPLETION, true)).await;
+    let answer = stream.next().await;
+    assert!(matches!(answer.response, Some(Response::RequestBody(_))));
+    assert_eq!(destination(&answer), Some(pods[1].addr.to_string()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_duplex_mode_holds_the_headers_then_streams_the_body_back() {
+    let (pods, kvroute) = two_pods_second_preferred().await;
+    let mut stream = Stream::open(&kvroute).await;
+    stream
+        .send(headers_message(
+            "/v1/completions",
+            false,
+            BodySendMode::FullDuplexStreamed,
+        ))
+        .await;
+    let (first_half, second_half) = COMPLETION.split_at(20);
+    stream.send(body_message(first_half, false)).await;
+    stream.send(body_message(second_half, true)).await;
+    let headers_answer = stream.next().await;
+    assert!(matches!(
+        headers_answer.response,
+        Some(Response::RequestHeaders(_))
+    ));
+    assert_eq!(destination(&headers_answer), Some(pods[1].addr.to_string()));
+    let body_answer = stream.next().await;
+    let Some(Response::RequestBody(body)) = body_answer.response else {
+        panic!("streamed body expected");
+    };
+    let mutation = body
+        .response
+        .and_then(|c| c.body_mutation)
+        .and_then(|m| m.mutation);
+    let Some(body_mutation::Mutation::StreamedResponse(streamed)) = mutation else {
+        panic!("streamed response expected");
+    };
+    assert_eq!(streamed.body, COMPLETION);
+    assert!(streamed.end_of_stream);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_only_request_is_routed_in_the_headers_answer() {
+    let (pods, kvroute) = two_pods_second_preferred().await;
+    let mut stream = Stream::open(&kvroute).await;
+    stream
+        .send(headers_message(
+            "/v1/models",
+            true,
+            BodySendMode::FullDuplexStreamed,
+        ))
+        .await;
+    let answer = stream.next().await;
+    let chosen = destination(&answer).expect("routed");
+    assert!(pods.iter().any(|p| p.addr.to_string() == chosen));
+}
+
+async fn health_client(addr: std::net::SocketAddr) -> HealthClient<tonic::transport::Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    HealthClient::new(channel)
+}
+
+async fn health_status(addr: std::net::SocketAddr, service: &str) -> ServingStatus {
+    let mut client = health_client(addr).await;
+    let response = client
+        .check(HealthCheckRequest {
+            service: service.into(),
+        })
+        .await
+        .expect("health check");
+    response.into_inner().status()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_whether_any_pod_is_scraped_while_liveness_always_serves() {
+    let pod = FakePod::start("pod-0", "llama", &[]).await;
+    // A pod whose /metrics fails: nothing is scraped, so kvroute is not ready.
+    pod.override_metrics(Some((500, "engine dead")));
+    let kvroute = Kvroute::start(test_config(vec![pod.addr])).await;
+    let grpc = kvroute.addrs.grpc;
+    assert_eq!(
+        health_status(grpc, "liveness").await,
+        ServingStatus::Serving
+    );
+    assert_eq!(
+        health_status(grpc, "readiness").await,
+        ServingStatus::NotServing
+    );
+    assert_eq!(
+        health_status(grpc, "envoy.service.ext_proc.v3.ExternalProcessor").await,
+        ServingStatus::NotServing
+    );
+
+    // Requests get 503 while no pod is ready.
+    let mut stream = Stream::open(&kvroute).await;
+    stream
+        .send(headers_message(
+            "/v1/completions",
+            false,
+            BodySendMode::Buffered,
+        ))
+        .await;
+    stream.next().await;
+    stream.send(body_message(COMPLETION, true)).await;
+    let Some(Response::ImmediateResponse(reply)) = stream.next().await.response else {
+        panic!("immediate response expected");
+    };
+    assert_eq!(reply.status.map(|s| s.code), Some(503));
+
+    // The pod recovers: readiness turns to serving, observed through Watch.
+    let mut health = health_client(grpc).await;
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: "readiness".into(),
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    pod.override_metrics(None);
+    let ready = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Ok(Some(update)) = watch.message().await {
+            if update.status() == ServingStatus::Serving {
+                return true;
+            }
+        }
+        false
+    })
+    .await
+    .unwrap_or(false);
+    assert!(ready, "readiness never turned to serving");
+    assert_eq!(
+        health_status(grpc, "envoy.service.ext_proc.v3.ExternalProcessor").await,
+        ServingStatus::Serving
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_whose_metrics_lie_or_fail_is_taken_out_and_comes_back() {
+    let pods = vec![
+        FakePod::start("pod-0", "llama", &[]).await,
+        FakePod::start("pod-1", "llama", &[]).await,
+    ];
+    let kvroute = Kvroute::start(test_config(pods.iter().map(|p| p.addr).collect())).await;
+    kvroute.wait_until_scraped(2).await;
+    let bad = pods[0].addr;
+    pods[0].override_metrics(Some((
+        200,
+        "vllm:num_requests_waiting{engine=\"0\"} banana\n",
+    )));
+    kvroute
+        .wait_for("pod-0 marked down", move |s| {
+            s.pod(bad).is_some_and(|p| !p.healthy)
+        })
+        .await;
+    pods[0].override_metrics(None);
+    kvroute
+        .wait_for("pod-0 back up", move |s| {
+            s.pod(bad).is_some_and(|p| p.healthy)
+        })
+        .await;
+}
