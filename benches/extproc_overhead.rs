@@ -1,19 +1,17 @@
 //! Latency kvroute adds per request through Envoy, against a no-op ext_proc server.
 //!
 //! Three Envoys in front of one instant upstream (a minimal vLLM look-alike):
-//!   A. no ext_proc (the client names the pod itself),
+//!   A. no ext_proc (a plain cluster of the one pod),
 //!   B. ext_proc = a no-op processor in this file: full-duplex protocol plumbing only,
 //!      every request to the one pod, no parsing, no scheduling,
 //!   C. ext_proc = kvroute (parsing, scheduling over live scraped metrics, accounting).
 //! Reports mean / p50 / p99 per request on one keep-alive connection, then throughput
 //! with 16 concurrent connections, and the ratio (C − A) / (B − A).
 //!
-//! Run: `scripts/setup-envoy && cargo bench --bench extproc_overhead`
+//! Run: `scripts/setup && cargo bench --bench extproc_overhead`
 //! (`-- --requests N` to change the count). Target: ratio ≤ 1.15.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
@@ -33,6 +31,7 @@ use tonic::transport::server::TcpIncoming;
 
 use kvroute::app::App;
 use kvroute::config::ServeConfig;
+use kvroute::gateway::{EnvoyProcess, Gateway, envoy_binary};
 
 const BODY: &str = r#"{"model":"llama","prompt":"Summarise the following text in one sentence: the quick brown fox jumps over the lazy dog.","max_tokens":64}"#;
 
@@ -189,95 +188,15 @@ async fn start_noop(destination: SocketAddr) -> SocketAddr {
 
 // ---- Envoy --------------------------------------------------------------------------
 
-struct Envoy {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("port")
-}
-
-fn envoy_binary() -> PathBuf {
-    std::env::var_os("ENVOY_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/envoy"))
-}
-
-/// The shipped fail-closed gateway config, on fresh ports, optionally without ext_proc.
-fn gateway_config(port: u16, admin: u16, extproc: Option<SocketAddr>) -> String {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("envoy/gateway-original-dst.yaml");
-    let text = std::fs::read_to_string(path).expect("read config");
-    let mut out = String::new();
-    let mut skipping = false;
-    for line in text.lines() {
-        if extproc.is_none() && line.trim() == "- name: envoy.filters.http.ext_proc" {
-            skipping = true;
-        }
-        if line.trim() == "- name: envoy.filters.http.router" {
-            skipping = false;
-        }
-        if skipping {
-            continue;
-        }
-        let mut line = line
-            .replace("port_value: 8080", &format!("port_value: {port}"))
-            .replace("address: 0.0.0.0", "address: 127.0.0.1")
-            .replace("port_value: 9901", &format!("port_value: {admin}"));
-        if let Some(addr) = extproc {
-            line = line.replace("port_value: 9002", &format!("port_value: {}", addr.port()));
-        }
-        out.push_str(&line);
-        out.push('\n');
-    }
-    out
-}
-
-async fn start_envoy(extproc: Option<SocketAddr>) -> Envoy {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (port, admin) = (free_port(), free_port());
-    let path = dir.path().join("envoy.yaml");
-    std::fs::write(&path, gateway_config(port, admin, extproc)).expect("write");
-    let child = Command::new(envoy_binary())
-        .arg("-c")
-        .arg(&path)
-        .args(["--disable-hot-restart", "--concurrency", "1", "-l", "error"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start Envoy: run scripts/setup-envoy first");
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .expect("client");
-    let ready = format!("http://127.0.0.1:{admin}/ready");
-    for _ in 0..400 {
-        if client
-            .get(&ready)
-            .send()
-            .await
-            .is_ok_and(|r| r.status().is_success())
-        {
-            return Envoy {
-                child,
-                port,
-                _dir: dir,
-            };
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("Envoy did not start");
+/// A: plain Envoy to the one pod; B and C: the shipped fail-closed gateway.
+async fn start_envoy(pod: SocketAddr, extproc: Option<SocketAddr>) -> EnvoyProcess {
+    let gateway = match extproc {
+        None => Gateway::RoundRobin,
+        Some(kvroute) => Gateway::OriginalDst { kvroute },
+    };
+    EnvoyProcess::start(gateway, &[pod], &envoy_binary(), "error")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 // ---- measurement --------------------------------------------------------------------
@@ -288,19 +207,17 @@ struct Latencies {
     p99: f64,
 }
 
-async fn sequential(envoy: &Envoy, pod: SocketAddr, requests: usize) -> Latencies {
+async fn sequential(envoy: &EnvoyProcess, requests: usize) -> Latencies {
     let client = reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(1)
         .build()
         .expect("client");
-    let url = format!("http://127.0.0.1:{}/v1/completions", envoy.port);
+    let url = envoy.url("/v1/completions");
     let send = || {
         client
             .post(&url)
             .header("content-type", "application/json")
-            // Read by Envoy's ORIGINAL_DST only when no ext_proc overwrites it (setup A).
-            .header("x-gateway-destination-endpoint", pod.to_string())
             .body(BODY)
             .send()
     };
@@ -334,13 +251,8 @@ async fn sequential(envoy: &Envoy, pod: SocketAddr, requests: usize) -> Latencie
     }
 }
 
-async fn throughput(
-    envoy: &Envoy,
-    pod: SocketAddr,
-    connections: usize,
-    per_connection: usize,
-) -> f64 {
-    let url = format!("http://127.0.0.1:{}/v1/completions", envoy.port);
+async fn throughput(envoy: &EnvoyProcess, connections: usize, per_connection: usize) -> f64 {
+    let url = envoy.url("/v1/completions");
     let started = Instant::now();
     let workers: Vec<_> = (0..connections)
         .map(|_| {
@@ -354,7 +266,6 @@ async fn throughput(
                     let response = client
                         .post(&url)
                         .header("content-type", "application/json")
-                        .header("x-gateway-destination-endpoint", pod.to_string())
                         .body(BODY)
                         .send()
                         .await
@@ -406,9 +317,9 @@ fn main() {
         println!("{requests} sequential requests per setup, one keep-alive connection; 16 connections for throughput");
         println!("{:<28} {:>9} {:>9} {:>9} {:>12}", "setup", "mean ms", "p50 ms", "p99 ms", "req/s (16c)");
         for (name, extproc) in setups {
-            let envoy = start_envoy(extproc).await;
-            let latencies = sequential(&envoy, pod, requests).await;
-            let rate = throughput(&envoy, pod, 16, requests / 16).await;
+            let envoy = start_envoy(pod, extproc).await;
+            let latencies = sequential(&envoy, requests).await;
+            let rate = throughput(&envoy, 16, requests / 16).await;
             println!(
                 "{name:<28} {:>9.3} {:>9.3} {:>9.3} {:>12.0}",
                 latencies.mean, latencies.p50, latencies.p99, rate

@@ -35,10 +35,10 @@ fn fleet(pods: usize, rng: &mut SmallRng) -> Snapshot {
                 adapter_names[rng.random_range(0..ADAPTERS)].clone(),
                 adapter_names[rng.random_range(0..ADAPTERS)].clone(),
             ];
-            PodView {
+            PodView::new(
                 endpoint,
-                healthy: true,
-                metrics: Some(Arc::new(PodMetrics {
+                true,
+                Some(Arc::new(PodMetrics {
                     waiting: rng.random_range(0..8),
                     running: rng.random_range(0..64),
                     kv_usage: rng.random_range(0.0..0.95),
@@ -53,13 +53,13 @@ fn fleet(pods: usize, rng: &mut SmallRng) -> Snapshot {
                     }),
                     ..PodMetrics::default()
                 })),
-                metrics_age: Some(Duration::from_millis(20)),
-                models: Some(Arc::clone(&served)),
-                load: Arc::new(PodLoad::with_values(
+                Some(Duration::from_millis(20)),
+                Some(Arc::clone(&served)),
+                Arc::new(PodLoad::with_values(
                     rng.random_range(0..16),
                     rng.random_range(0..20_000),
                 )),
-            }
+            )
         })
         .collect::<Vec<_>>();
     let mut pods = pods;

@@ -282,7 +282,7 @@ async fn current_endpoints(State(state): State<AdminState>) -> axum::Json<serde_
         .pods
         .iter()
         .map(|pod| {
-            let metrics = pod.metrics.as_ref().map(|m| {
+            let metrics = pod.metrics().map(|m| {
                 serde_json::json!({
                     "waiting": m.waiting,
                     "running": m.running,
@@ -307,6 +307,29 @@ async fn current_endpoints(State(state): State<AdminState>) -> axum::Json<serde_
         })
         .collect();
     axum::Json(serde_json::json!({ "generation": snapshot.generation, "pods": pods }))
+}
+
+/// Resolves on Ctrl-C or SIGTERM (what Kubernetes sends to stop a pod).
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 /// Waits until the store publishes a snapshot that satisfies `ready`, or times out.

@@ -5,13 +5,16 @@
 //! `picker` → `scheduler` (pure pick over a `state` snapshot) → `extproc` answers.
 //! Beside it: `discovery` feeds `state` with endpoints, `scrape` polls each
 //! endpoint's `/metrics` into `state`, `telemetry` owns kvroute's own metrics, `app`
-//! wires it all, `sim` is the vLLM fleet simulator used for demos and benchmarks.
+//! wires it all, `sim` is the vLLM fleet simulator, `gateway` runs Envoy locally and
+//! `demo` puts them together.
 #![forbid(unsafe_code)]
 
 pub mod app;
 pub mod config;
+pub mod demo;
 pub mod discovery;
 pub mod extproc;
+pub mod gateway;
 pub mod picker;
 pub mod request;
 pub mod scheduler;

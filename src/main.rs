@@ -3,8 +3,10 @@
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
-use kvroute::app::App;
+use kvroute::app::{App, shutdown_signal};
 use kvroute::config::{LogFormat, ServeArgs, ServeConfig};
+use kvroute::demo::DemoArgs;
+use kvroute::sim::SimArgs;
 
 #[derive(Parser)]
 #[command(
@@ -21,11 +23,16 @@ struct Cli {
 enum Command {
     /// Run the Envoy ext_proc endpoint picker.
     Serve(ServeArgs),
+    /// Run a fleet of simulated vLLM pods (no GPU needed).
+    Sim(SimArgs),
+    /// Try kvroute locally: simulated fleet + kvroute + Envoy, against Envoy round robin.
+    Demo(DemoArgs),
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,h2=warn,tower=warn,hyper=warn"));
+/// Logs to stderr; `RUST_LOG` overrides `default_filter`.
+fn init_logging(format: LogFormat, default_filter: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     match format {
         LogFormat::Text => builder.init(),
@@ -33,37 +40,25 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-}
-
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => {
-            init_logging(args.log_format);
+            init_logging(args.log_format, "info,h2=warn,tower=warn,hyper=warn");
             match ServeConfig::from_args(&args) {
                 Ok(config) => serve(config).await,
                 Err(error) => Err(error.into()),
             }
+        }
+        Command::Sim(args) => {
+            init_logging(LogFormat::Text, "info");
+            kvroute::sim::run(args).await
+        }
+        Command::Demo(args) => {
+            // The demo prints its own progress; kvroute's logs would drown it.
+            init_logging(LogFormat::Text, "warn");
+            kvroute::demo::run(args).await
         }
     };
     match result {

@@ -4,7 +4,8 @@ mod support;
 
 use std::process::Command;
 
-use support::{Gateway, envoy_binary, project_file, render_gateway_config};
+use kvroute::gateway::{ORIGINAL_DST_CONFIG, OVERRIDE_HOST_CONFIG, rewrite_shipped};
+use support::{envoy_binary, project_file};
 
 fn validate(path: &std::path::Path) {
     let output = Command::new(envoy_binary())
@@ -36,21 +37,21 @@ fn the_fail_open_override_host_gateway_config_is_valid() {
 }
 
 #[test]
-fn the_configs_the_tests_render_are_valid_too() {
+fn the_configs_rewritten_for_local_ports_are_valid_too() {
     let dir = tempfile::tempdir().expect("tempdir");
     let pods = [
         "127.0.0.1:18000".parse().expect("addr"),
         "127.0.0.1:18001".parse().expect("addr"),
     ];
-    for (name, gateway) in [
-        ("closed.yaml", Gateway::OriginalDst),
-        ("open.yaml", Gateway::OverrideHost),
+    let kvroute = "127.0.0.1:19002".parse().expect("addr");
+    for (name, template) in [
+        ("closed.yaml", ORIGINAL_DST_CONFIG),
+        ("open.yaml", OVERRIDE_HOST_CONFIG),
     ] {
         let path = dir.path().join(name);
-        let kvroute = "127.0.0.1:19002".parse().expect("addr");
         std::fs::write(
             &path,
-            render_gateway_config(gateway, 18080, kvroute, 19901, &pods),
+            rewrite_shipped(template, 18080, 19901, kvroute, &pods),
         )
         .expect("write");
         validate(&path);

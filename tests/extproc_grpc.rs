@@ -311,7 +311,7 @@ async fn readiness_follows_whether_any_pod_is_scraped_while_liveness_always_serv
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_whose_metrics_lie_or_fail_is_taken_out_and_comes_back() {
-    let pods = vec![
+    let pods = [
         FakePod::start("pod-0", "llama", &[]).await,
         FakePod::start("pod-1", "llama", &[]).await,
     ];

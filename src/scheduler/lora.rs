@@ -30,7 +30,7 @@ pub enum LoraTier {
 
 impl LoraTier {
     pub fn of(pod: &PodView, adapter: &str) -> LoraTier {
-        let Some(lora) = pod.metrics.as_ref().and_then(|m| m.lora.as_ref()) else {
+        let Some(lora) = pod.metrics().and_then(|m| m.lora.as_ref()) else {
             return LoraTier::Unknown;
         };
         if lora.running.iter().any(|a| a == adapter) {
@@ -135,8 +135,7 @@ impl<'a> ServesModel<'a> {
 }
 
 fn runs_adapter(pod: &PodView, adapter: &str) -> bool {
-    pod.metrics
-        .as_ref()
+    pod.metrics()
         .and_then(|m| m.lora.as_ref())
         .is_some_and(|lora| {
             lora.running

@@ -123,40 +123,85 @@ pub struct Decision {
 /// Scores within this distance count as a tie, broken at random.
 const TIE_EPSILON: f64 = 1e-9;
 
+/// Soft-filter outcomes of one pod, as bits: a pod passes a filter when its bit is set.
+const FRESH: u8 = 1;
+const NOT_SATURATED: u8 = 2;
+const FITS: u8 = 4;
+/// Not a filter: the pod has metrics at all.
+const HAS_METRICS: u8 = 8;
+/// Sentinel for "capacity not reported" in [`Candidate::free_kv`].
+const UNKNOWN: u64 = u64::MAX;
+
 /// What the filters and scores need of one pod, read once into a compact record so the
 /// later passes stay in cache (a pick over 4,096 pods must take microseconds).
 #[derive(Debug, Clone, Copy)]
 struct Candidate {
-    index: usize,
-    fresh: bool,
-    saturated: bool,
-    fits: bool,
-    /// Estimated free KV tokens, when the pod reports its capacity.
-    free_kv: Option<u64>,
-    capacity: u64,
-    kv_usage: f64,
+    index: u32,
+    flags: u8,
     waiting: u32,
-    has_metrics: bool,
     inflight: u32,
+    kv_usage: f32,
+    capacity: u64,
+    /// Estimated free KV tokens, or [`UNKNOWN`].
+    free_kv: u64,
 }
 
 impl Candidate {
     fn read(index: usize, pod: &PodView, tokens_needed: u64, config: &SchedulerConfig) -> Self {
-        let metrics = pod.metrics.as_deref();
+        let signals = pod.signals();
         let free_kv = free_kv_tokens(pod);
+        let mut flags = 0;
+        if is_fresh(pod, config) {
+            flags |= FRESH;
+        }
+        if !is_saturated(pod, config) {
+            flags |= NOT_SATURATED;
+        }
+        if free_kv.is_none_or(|free| free >= tokens_needed) {
+            flags |= FITS;
+        }
+        if signals.is_some() {
+            flags |= HAS_METRICS;
+        }
         Candidate {
-            index,
-            fresh: is_fresh(pod, config),
-            saturated: is_saturated(pod, config),
-            fits: free_kv.is_none_or(|free| free >= tokens_needed),
-            free_kv,
-            capacity: metrics.and_then(|m| m.kv_capacity_tokens).unwrap_or(0),
-            kv_usage: metrics.map_or(0.0, |m| m.kv_usage.clamp(0.0, 1.0)),
-            waiting: metrics.map_or(0, |m| m.waiting),
-            has_metrics: metrics.is_some(),
+            index: index as u32,
+            flags,
+            waiting: signals.map_or(0, |s| s.waiting),
             inflight: pod.load.inflight(),
+            kv_usage: signals.map_or(0.0, |s| s.kv_usage as f32),
+            capacity: signals.and_then(|s| s.kv_capacity_tokens).unwrap_or(0),
+            free_kv: free_kv.unwrap_or(UNKNOWN),
         }
     }
+
+    fn free_kv(&self) -> Option<u64> {
+        (self.free_kv != UNKNOWN).then_some(self.free_kv)
+    }
+}
+
+/// Applies the soft filters in order to the flag combinations present (`present[f]`:
+/// some candidate has flags `f`). Returns the set of accepted combinations as a bitmap
+/// over flag values, and which filters had to be relaxed because nothing passed them.
+fn soft_filters(present: &[bool; 16]) -> (u16, Relaxed) {
+    let mut accepted: u16 = 0xFFFF;
+    let mut relaxed = [false; 3];
+    for (position, bit) in [FRESH, NOT_SATURATED, FITS].into_iter().enumerate() {
+        let passing: u16 = (0..16u16)
+            .filter(|flags| (*flags as u8) & bit != 0)
+            .fold(0, |set, flags| set | 1 << flags);
+        let narrowed = accepted & passing;
+        if (0..16).any(|flags| narrowed & (1 << flags) != 0 && present[flags]) {
+            accepted = narrowed;
+        } else {
+            relaxed[position] = true;
+        }
+    }
+    let relaxed = Relaxed {
+        stale_metrics: relaxed[0],
+        saturation: relaxed[1],
+        kv_headroom: relaxed[2],
+    };
+    (accepted, relaxed)
 }
 
 /// Picks the pod for `request` (see the module docs for the rules).
@@ -181,6 +226,7 @@ pub fn pick<R: Rng + ?Sized>(
         .model
         .map(|model| lora::ServesModel::new(model, config));
     let (mut in_subset, mut serving) = (0usize, 0usize);
+    let mut present = [false; 16];
     let mut candidates: Vec<Candidate> = Vec::with_capacity(pods.len());
     for (index, pod) in pods.iter().enumerate() {
         if request
@@ -195,7 +241,9 @@ pub fn pick<R: Rng + ?Sized>(
         }
         serving += 1;
         if pod.healthy {
-            candidates.push(Candidate::read(index, pod, tokens_needed, config));
+            let candidate = Candidate::read(index, pod, tokens_needed, config);
+            present[usize::from(candidate.flags)] = true;
+            candidates.push(candidate);
         }
     }
     if in_subset == 0 {
@@ -210,59 +258,62 @@ pub fn pick<R: Rng + ?Sized>(
         return Err(PickError::NoReadyEndpoint);
     }
 
-    let mut relaxed = Relaxed::default();
-    relaxed.stale_metrics = !narrow(&mut candidates, |c| c.fresh);
-    relaxed.saturation = !narrow(&mut candidates, |c| !c.saturated);
-    relaxed.kv_headroom = !narrow(&mut candidates, |c| c.fits);
-
-    let max_inflight = candidates.iter().map(|c| c.inflight).max().unwrap_or(0);
-    let score_of = |c: &Candidate| {
-        score(
-            c,
-            &pods[c.index],
-            adapter,
-            tokens_needed,
-            max_inflight,
-            config,
-        )
+    // Soft filters, in order, each only when it leaves someone.
+    let (accepted, relaxed) = soft_filters(&present);
+    let is_accepted = |c: &Candidate| accepted & (1 << c.flags) != 0;
+    let max_inflight = candidates
+        .iter()
+        .filter(|c| is_accepted(c))
+        .map(|c| c.inflight)
+        .max()
+        .unwrap_or(0);
+    let scorer = Scorer {
+        adapter,
+        tokens_needed,
+        max_inflight,
+        config,
     };
-    // Totals only here; the full breakdown is recomputed for the few that are kept.
-    let mut totals: Vec<(f64, usize)> = candidates
-        .iter()
-        .enumerate()
-        .map(|(position, c)| (score_of(c).total, position))
-        .collect();
-
-    let best = totals
-        .iter()
-        .map(|(total, _)| *total)
-        .fold(f64::NEG_INFINITY, f64::max);
-    let is_tied = |total: f64| total >= best - TIE_EPSILON;
-    let tied = totals.iter().filter(|(total, _)| is_tied(*total)).count();
-    // The n-th tied candidate in snapshot order; snapshot order is deterministic, so
-    // the choice depends only on the seeded RNG.
-    let nth = rng.random_range(0..tied);
-    let winner_position = totals
-        .iter()
-        .enumerate()
-        .filter(|(_, (total, _))| is_tied(*total))
-        .nth(nth)
-        .map_or(0, |(position, _)| position);
-    totals.swap(0, winner_position);
-
+    // One pass: every accepted candidate's total (kept for the tie-break), the best
+    // total, how many share it, and the `keep` best in order. The full breakdown is
+    // recomputed only for the few that are kept.
     let keep = 1 + config
         .fallbacks
         .max(config.trace_candidates.saturating_sub(1));
-    let by_score_desc = |a: &(f64, usize), b: &(f64, usize)| b.0.total_cmp(&a.0);
-    let rest = &mut totals[1..];
-    if rest.len() > keep {
-        rest.select_nth_unstable_by(keep - 1, by_score_desc);
+    let mut totals: Vec<(f64, u32)> = Vec::with_capacity(candidates.len());
+    let mut best = f64::NEG_INFINITY;
+    let mut tied = 0usize;
+    let mut top = TopK::new(keep + 1);
+    for (position, c) in candidates.iter().enumerate() {
+        if !is_accepted(c) {
+            continue;
+        }
+        let total = scorer.total(c, &pods[c.index as usize]);
+        if total > best + TIE_EPSILON {
+            best = total;
+            tied = 1;
+        } else if total >= best - TIE_EPSILON {
+            tied += 1;
+        }
+        totals.push((total, position as u32));
+        top.offer(total, position as u32);
     }
-    let ranked_len = totals.len().min(keep);
-    totals[1..ranked_len].sort_by(by_score_desc);
-    let mut ranked: Vec<CandidateScore> = totals[..ranked_len]
+    let accepted_count = totals.len();
+    // Ties are broken at random: the n-th tied candidate in snapshot order (which is
+    // deterministic, so the choice depends only on the seeded RNG).
+    let nth = rng.random_range(0..tied.max(1));
+    let winner = totals
         .iter()
-        .map(|&(_, position)| score_of(&candidates[position]))
+        .filter(|(total, _)| *total >= best - TIE_EPSILON)
+        .nth(nth)
+        .map_or(0, |&(_, position)| position);
+    let ranked_positions = std::iter::once(winner)
+        .chain(top.into_sorted().into_iter().filter(|&p| p != winner))
+        .take(keep);
+    let mut ranked: Vec<CandidateScore> = ranked_positions
+        .map(|position| {
+            let candidate = &candidates[position as usize];
+            scorer.breakdown(candidate, &pods[candidate.index as usize])
+        })
         .collect();
 
     let reason = if relaxed.any() {
@@ -287,19 +338,40 @@ pub fn pick<R: Rng + ?Sized>(
         reason,
         relaxed,
         tokens_needed,
-        candidates: candidates.len(),
+        candidates: accepted_count,
         ranked,
     })
 }
 
-/// Keeps the candidates that pass `keep`, unless none would: then keeps all and
-/// returns false (the filter was relaxed).
-fn narrow(candidates: &mut Vec<Candidate>, keep: impl Fn(&Candidate) -> bool) -> bool {
-    if !candidates.iter().any(&keep) {
-        return false;
+/// The `k` highest totals seen, best first; ties keep the earlier one.
+struct TopK {
+    k: usize,
+    entries: Vec<(f64, u32)>,
+}
+
+impl TopK {
+    fn new(k: usize) -> Self {
+        TopK {
+            k,
+            entries: Vec::with_capacity(k + 1),
+        }
     }
-    candidates.retain(keep);
-    true
+
+    fn offer(&mut self, total: f64, position: u32) {
+        if self.entries.len() == self.k && self.entries.last().is_some_and(|last| total <= last.0) {
+            return;
+        }
+        let at = self.entries.partition_point(|entry| entry.0 >= total);
+        self.entries.insert(at, (total, position));
+        self.entries.truncate(self.k);
+    }
+
+    fn into_sorted(self) -> Vec<u32> {
+        self.entries
+            .into_iter()
+            .map(|(_, position)| position)
+            .collect()
+    }
 }
 
 /// Prompt plus expected output: `max_tokens` when set, else the configured default.
@@ -314,24 +386,24 @@ pub fn tokens_needed(request: &PickRequest<'_>, config: &SchedulerConfig) -> u64
 }
 
 fn is_fresh(pod: &PodView, config: &SchedulerConfig) -> bool {
-    pod.metrics.is_some()
+    pod.signals().is_some()
         && pod
             .metrics_age
             .is_some_and(|age| age <= config.max_metrics_age)
 }
 
 fn is_saturated(pod: &PodView, config: &SchedulerConfig) -> bool {
-    pod.metrics.as_ref().is_some_and(|m| {
-        m.waiting >= config.saturation.queue_depth || m.kv_usage >= config.saturation.kv_usage
+    pod.signals().is_some_and(|s| {
+        s.waiting >= config.saturation.queue_depth || s.kv_usage >= config.saturation.kv_usage
     })
 }
 
 /// Free KV tokens: `capacity × (1 − usage)` minus tokens kvroute sent since the last
 /// scrape. `None` when the pod did not report its capacity.
 pub fn free_kv_tokens(pod: &PodView) -> Option<u64> {
-    let metrics = pod.metrics.as_ref()?;
-    let capacity = metrics.kv_capacity_tokens?;
-    let free = (capacity as f64 * (1.0 - metrics.kv_usage.clamp(0.0, 1.0))) as u64;
+    let signals = pod.signals()?;
+    let capacity = signals.kv_capacity_tokens?;
+    let free = (capacity as f64 * (1.0 - signals.kv_usage)) as u64;
     Some(free.saturating_sub(pod.load.unscraped_tokens()))
 }
 
@@ -349,48 +421,65 @@ fn kv_headroom_score(free: u64, needed: u64, capacity: u64) -> f64 {
     }
 }
 
-fn score(
-    candidate: &Candidate,
-    pod: &PodView,
-    adapter: Option<&str>,
+/// The scores of one request against candidates.
+struct Scorer<'a> {
+    adapter: Option<&'a str>,
     tokens_needed: u64,
     max_inflight: u32,
-    config: &SchedulerConfig,
-) -> CandidateScore {
-    let weights = &config.weights;
-    let kv_headroom = match (candidate.has_metrics, candidate.free_kv) {
-        (true, Some(free)) => kv_headroom_score(free, tokens_needed, candidate.capacity),
-        (true, None) => 1.0 - candidate.kv_usage,
-        (false, _) => 0.0,
-    };
-    // `limit / (limit + waiting)`: 1 for an empty queue, ½ at the saturation depth, and
-    // still decreasing beyond it, so saturated pods remain comparable.
-    let queue = if candidate.has_metrics {
-        let limit = f64::from(config.saturation.queue_depth);
-        limit / (limit + f64::from(candidate.waiting))
-    } else {
-        0.0
-    };
-    let inflight = if max_inflight == 0 {
-        1.0
-    } else {
-        1.0 - f64::from(candidate.inflight) / f64::from(max_inflight)
-    };
-    let lora_tier = adapter.map(|adapter| LoraTier::of(pod, adapter));
-    let lora = lora_tier.map_or(1.0, LoraTier::score);
-    let total = weights.kv_headroom * kv_headroom
-        + weights.queue * queue
-        + weights.inflight * inflight
-        + weights.lora_affinity * lora;
-    CandidateScore {
-        endpoint: pod.endpoint,
-        total,
-        kv_headroom,
-        queue,
-        inflight,
-        lora,
-        lora_tier,
-        free_kv_tokens: candidate.free_kv,
+    config: &'a SchedulerConfig,
+}
+
+impl Scorer<'_> {
+    fn kv_headroom(&self, c: &Candidate) -> f64 {
+        match (c.flags & HAS_METRICS != 0, c.free_kv()) {
+            (true, Some(free)) => kv_headroom_score(free, self.tokens_needed, c.capacity),
+            (true, None) => 1.0 - f64::from(c.kv_usage),
+            (false, _) => 0.0,
+        }
+    }
+
+    /// `limit / (limit + waiting)`: 1 for an empty queue, ½ at the saturation depth, and
+    /// still decreasing beyond it, so saturated pods remain comparable.
+    fn queue(&self, c: &Candidate) -> f64 {
+        if c.flags & HAS_METRICS == 0 {
+            return 0.0;
+        }
+        let limit = f64::from(self.config.saturation.queue_depth);
+        limit / (limit + f64::from(c.waiting))
+    }
+
+    fn inflight(&self, c: &Candidate) -> f64 {
+        if self.max_inflight == 0 {
+            1.0
+        } else {
+            1.0 - f64::from(c.inflight) / f64::from(self.max_inflight)
+        }
+    }
+
+    fn lora_tier(&self, pod: &PodView) -> Option<LoraTier> {
+        self.adapter.map(|adapter| LoraTier::of(pod, adapter))
+    }
+
+    fn total(&self, c: &Candidate, pod: &PodView) -> f64 {
+        let weights = &self.config.weights;
+        weights.kv_headroom * self.kv_headroom(c)
+            + weights.queue * self.queue(c)
+            + weights.inflight * self.inflight(c)
+            + weights.lora_affinity * self.lora_tier(pod).map_or(1.0, LoraTier::score)
+    }
+
+    fn breakdown(&self, c: &Candidate, pod: &PodView) -> CandidateScore {
+        let lora_tier = self.lora_tier(pod);
+        CandidateScore {
+            endpoint: pod.endpoint,
+            total: self.total(c, pod),
+            kv_headroom: self.kv_headroom(c),
+            queue: self.queue(c),
+            inflight: self.inflight(c),
+            lora: lora_tier.map_or(1.0, LoraTier::score),
+            lora_tier,
+            free_kv_tokens: c.free_kv(),
+        }
     }
 }
 

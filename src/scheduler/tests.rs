@@ -22,10 +22,10 @@ fn pod(n: u16) -> PodView {
     for a in ["a1", "a2", "a3", "a4"] {
         adapters.insert(a.to_owned(), "base".to_owned());
     }
-    PodView {
-        endpoint: endpoint(n),
-        healthy: true,
-        metrics: Some(Arc::new(PodMetrics {
+    PodView::new(
+        endpoint(n),
+        true,
+        Some(Arc::new(PodMetrics {
             kv_capacity_tokens: Some(CAPACITY),
             lora: Some(LoraStatus {
                 max_lora: 2,
@@ -34,19 +34,19 @@ fn pod(n: u16) -> PodView {
             }),
             ..PodMetrics::default()
         })),
-        metrics_age: Some(Duration::from_millis(10)),
-        models: Some(Arc::new(ServedModels {
+        Some(Duration::from_millis(10)),
+        Some(Arc::new(ServedModels {
             base: vec!["base".to_owned()],
             adapters,
         })),
-        load: Arc::new(PodLoad::default()),
-    }
+        Arc::new(PodLoad::default()),
+    )
 }
 
 fn with_metrics(mut pod: PodView, edit: impl FnOnce(&mut PodMetrics)) -> PodView {
-    let mut metrics = pod.metrics.as_deref().cloned().unwrap_or_default();
+    let mut metrics = pod.metrics().cloned().unwrap_or_default();
     edit(&mut metrics);
-    pod.metrics = Some(Arc::new(metrics));
+    pod.set_metrics(Some(Arc::new(metrics)));
     pod
 }
 

@@ -41,20 +41,79 @@ impl ServedModels {
     }
 }
 
+/// The few numbers the scheduler reads for every pod, copied out of the scrape when
+/// the snapshot is built, so a pick over thousands of pods finds them in place rather
+/// than behind a pointer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadSignals {
+    pub waiting: u32,
+    /// KV-cache use, 0..=1.
+    pub kv_usage: f64,
+    pub kv_capacity_tokens: Option<u64>,
+}
+
+impl LoadSignals {
+    pub fn of(metrics: &PodMetrics) -> Self {
+        LoadSignals {
+            waiting: metrics.waiting,
+            kv_usage: metrics.kv_usage.clamp(0.0, 1.0),
+            kv_capacity_tokens: metrics.kv_capacity_tokens,
+        }
+    }
+}
+
 /// One pod as the scheduler sees it.
 #[derive(Debug, Clone)]
 pub struct PodView {
     pub endpoint: SocketAddr,
     /// Up or down, after hysteresis over scrape results.
     pub healthy: bool,
-    /// The last successful scrape, if any.
-    pub metrics: Option<Arc<PodMetrics>>,
+    /// The last successful scrape, if any; set with [`PodView::new`] or
+    /// [`PodView::set_metrics`] so that `signals` follows.
+    metrics: Option<Arc<PodMetrics>>,
+    signals: Option<LoadSignals>,
     /// How old `metrics` was when this snapshot was built.
     pub metrics_age: Option<Duration>,
     /// What the pod's `/v1/models` said, if it answered yet.
     pub models: Option<Arc<ServedModels>>,
     /// kvroute's own in-flight accounting for this pod (live counters).
     pub load: Arc<PodLoad>,
+}
+
+impl PodView {
+    pub fn new(
+        endpoint: SocketAddr,
+        healthy: bool,
+        metrics: Option<Arc<PodMetrics>>,
+        metrics_age: Option<Duration>,
+        models: Option<Arc<ServedModels>>,
+        load: Arc<PodLoad>,
+    ) -> Self {
+        PodView {
+            endpoint,
+            healthy,
+            signals: metrics.as_deref().map(LoadSignals::of),
+            metrics,
+            metrics_age,
+            models,
+            load,
+        }
+    }
+
+    /// The last successful scrape, if any.
+    pub fn metrics(&self) -> Option<&PodMetrics> {
+        self.metrics.as_deref()
+    }
+
+    /// The scheduler's numbers from the last scrape, if any.
+    pub fn signals(&self) -> Option<&LoadSignals> {
+        self.signals.as_ref()
+    }
+
+    pub fn set_metrics(&mut self, metrics: Option<Arc<PodMetrics>>) {
+        self.signals = metrics.as_deref().map(LoadSignals::of);
+        self.metrics = metrics;
+    }
 }
 
 /// An immutable view of the fleet.
@@ -224,16 +283,16 @@ impl PodStore {
                 if let Some(ticket) = record.unpublished.take() {
                     record.load.scrape_succeeded(ticket);
                 }
-                PodView {
-                    endpoint: *endpoint,
-                    healthy: record.health.is_up(),
-                    metrics: record.metrics.clone(),
-                    metrics_age: record
+                PodView::new(
+                    *endpoint,
+                    record.health.is_up(),
+                    record.metrics.clone(),
+                    record
                         .scraped_at
                         .map(|at| now.saturating_duration_since(at)),
-                    models: record.models.clone(),
-                    load: Arc::clone(&record.load),
-                }
+                    record.models.clone(),
+                    Arc::clone(&record.load),
+                )
             })
             .collect();
         drop(records);

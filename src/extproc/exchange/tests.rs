@@ -13,10 +13,13 @@ use crate::state::PodLoad;
 const POD_A: &str = "10.0.0.1:8000";
 const POD_B: &str = "10.0.0.2:8000";
 
+/// What the stub router was asked: the model and the subset hint.
+type Asked = (Option<String>, Option<Vec<SocketAddr>>);
+
 /// Routes everything to POD_A (fallback POD_B) and remembers what it was asked.
 #[derive(Default)]
 struct StubRouter {
-    seen: Mutex<Vec<(Option<String>, Option<Vec<SocketAddr>>)>>,
+    seen: Mutex<Vec<Asked>>,
     fail_with: Option<PickError>,
     load: Arc<PodLoad>,
 }

@@ -1,0 +1,429 @@
+//! Fleet configuration: from the `kvroute sim` flags, optionally refined per pod by a YAML file.
+//!
+//! ```yaml
+//! # every key optional; pod groups inherit the command-line values they do not set
+//! model: meta-llama/Llama-3.1-8B-Instruct
+//! speedup: 10
+//! seed: 7
+//! pods:
+//!   - count: 2
+//!     profile: h100-llama3-8b
+//!     num_gpu_blocks: 4000
+//!     lora_adapters: [sql, chat]
+//!     preload_loras: [sql]
+//!   - profile: a100-llama3-8b
+//!     max_loras: 2
+//! ```
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::SimArgs;
+use super::engine::EngineConfig;
+use super::profile::Profile;
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The profile name is not built in.
+    #[error("unknown profile {0:?} (known: {known})", known = Profile::NAMES.join(", "))]
+    UnknownProfile(String),
+    /// The YAML file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The YAML file does not parse.
+    #[error("invalid config {path}: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parse error.
+        source: serde_norway::Error,
+    },
+    /// A value is out of range.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// One simulated pod.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodConfig {
+    /// GPU + model timing.
+    pub profile: Profile,
+    /// Scheduler and cache limits (its `seed` is derived from the fleet seed at start).
+    pub engine: EngineConfig,
+    /// Adapters the pod serves (`--lora-modules`): listed in `/v1/models`, loadable on demand.
+    pub lora_adapters: Vec<String>,
+    /// Adapters put in GPU slots at startup.
+    pub preload_loras: Vec<String>,
+}
+
+impl Default for PodConfig {
+    fn default() -> PodConfig {
+        let profile = Profile::by_name("h100-llama3-8b").unwrap_or_else(|| unreachable!());
+        let engine = EngineConfig {
+            num_gpu_blocks: profile.default_num_gpu_blocks(16),
+            ..EngineConfig::default()
+        };
+        PodConfig {
+            profile,
+            engine,
+            lora_adapters: Vec::new(),
+            preload_loras: Vec::new(),
+        }
+    }
+}
+
+/// A whole simulated fleet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FleetConfig {
+    /// Address to bind.
+    pub host: IpAddr,
+    /// First port; pod `i` listens on `port + i`. 0: each pod gets its own ephemeral port.
+    pub port: u16,
+    /// Base model name served by every pod.
+    pub model: String,
+    /// Simulated seconds per wall-clock second.
+    pub speedup: f64,
+    /// Seed of jitter and synthetic outputs.
+    pub seed: u64,
+    /// The pods.
+    pub pods: Vec<PodConfig>,
+}
+
+/// The base model served when none is named.
+pub const DEFAULT_MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
+
+impl Default for FleetConfig {
+    fn default() -> FleetConfig {
+        FleetConfig {
+            host: IpAddr::from([127, 0, 0, 1]),
+            port: 0,
+            model: DEFAULT_MODEL.to_string(),
+            speedup: 1.0,
+            seed: 0,
+            pods: vec![PodConfig::default(); 2],
+        }
+    }
+}
+
+impl FleetConfig {
+    /// `n` identical pods on ephemeral ports.
+    pub fn uniform(n: usize, pod: PodConfig) -> FleetConfig {
+        FleetConfig {
+            pods: vec![pod; n],
+            ..FleetConfig::default()
+        }
+    }
+
+    /// Checks ranges and cross-field rules.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.pods.is_empty() {
+            return bad("a fleet needs at least one pod".into());
+        }
+        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+            return bad(format!("speedup must be > 0, got {}", self.speedup));
+        }
+        if self.port != 0 && usize::from(self.port) + self.pods.len() - 1 > usize::from(u16::MAX) {
+            return bad(format!(
+                "ports {}..{} exceed 65535",
+                self.port,
+                usize::from(self.port) + self.pods.len() - 1
+            ));
+        }
+        if self.model.is_empty() {
+            return bad("model name is empty".into());
+        }
+        for (i, p) in self.pods.iter().enumerate() {
+            let e = &p.engine;
+            if e.block_size == 0 || e.num_gpu_blocks == 0 {
+                return bad(format!(
+                    "pod {i}: block_size and num_gpu_blocks must be > 0"
+                ));
+            }
+            if e.max_num_seqs == 0 || e.max_num_batched_tokens == 0 {
+                return bad(format!(
+                    "pod {i}: max_num_seqs and max_num_batched_tokens must be > 0"
+                ));
+            }
+            if !(0.0..=0.5).contains(&e.jitter) {
+                return bad(format!("pod {i}: jitter must be in [0, 0.5]"));
+            }
+            if p.preload_loras.len() > e.max_loras {
+                return bad(format!(
+                    "pod {i}: {} preloaded adapters exceed max_loras {}",
+                    p.preload_loras.len(),
+                    e.max_loras
+                ));
+            }
+            if let Some(a) = p
+                .preload_loras
+                .iter()
+                .find(|a| !p.lora_adapters.contains(a))
+            {
+                return bad(format!(
+                    "pod {i}: preloaded adapter {a:?} is not in lora_adapters"
+                ));
+            }
+            if !p.lora_adapters.is_empty() && e.max_loras == 0 {
+                return bad(format!("pod {i}: adapters given but max_loras is 0"));
+            }
+            if p.lora_adapters.iter().any(|a| a == &self.model) {
+                return bad(format!("pod {i}: an adapter is named like the base model"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The YAML file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    model: Option<String>,
+    speedup: Option<f64>,
+    seed: Option<u64>,
+    #[serde(default)]
+    pods: Vec<PodGroup>,
+}
+
+/// A group of identical pods in the YAML file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PodGroup {
+    count: Option<usize>,
+    profile: Option<String>,
+    num_gpu_blocks: Option<u32>,
+    block_size: Option<u32>,
+    max_num_seqs: Option<usize>,
+    max_num_batched_tokens: Option<u32>,
+    max_loras: Option<usize>,
+    max_cpu_loras: Option<usize>,
+    lora_load_ms: Option<u64>,
+    lora_adapters: Option<Vec<String>>,
+    preload_loras: Option<Vec<String>>,
+    jitter: Option<f64>,
+    max_model_len: Option<u32>,
+    enable_prefix_caching: Option<bool>,
+}
+
+fn profile(name: &str, max_model_len: Option<u32>) -> Result<Profile, ConfigError> {
+    let mut p = Profile::by_name(name).ok_or_else(|| ConfigError::UnknownProfile(name.into()))?;
+    if let Some(len) = max_model_len {
+        p.max_model_len = len;
+    }
+    Ok(p)
+}
+
+fn pod_from_args(args: &SimArgs) -> Result<PodConfig, ConfigError> {
+    let profile = profile(&args.profile, args.max_model_len)?;
+    let num_gpu_blocks = args
+        .num_gpu_blocks
+        .unwrap_or_else(|| profile.default_num_gpu_blocks(args.block_size));
+    Ok(PodConfig {
+        engine: EngineConfig {
+            num_gpu_blocks,
+            block_size: args.block_size,
+            max_num_seqs: args.max_num_seqs,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_loras: args.max_loras,
+            max_cpu_loras: args.max_cpu_loras.unwrap_or(args.max_loras),
+            lora_load: Duration::from_millis(args.lora_load_ms),
+            jitter: args.jitter,
+            enable_prefix_caching: !args.no_prefix_caching,
+            seed: 0,
+        },
+        profile,
+        lora_adapters: args.lora_adapters.clone(),
+        preload_loras: args.preload_loras.clone(),
+    })
+}
+
+fn apply(group: &PodGroup, base: &PodConfig) -> Result<PodConfig, ConfigError> {
+    let mut p = base.clone();
+    if let Some(name) = &group.profile {
+        p.profile = profile(
+            name,
+            group.max_model_len.or(Some(base.profile.max_model_len)),
+        )?;
+    } else if let Some(len) = group.max_model_len {
+        p.profile.max_model_len = len;
+    }
+    let e = &mut p.engine;
+    if let Some(v) = group.block_size {
+        e.block_size = v;
+    }
+    e.num_gpu_blocks = match (group.num_gpu_blocks, &group.profile) {
+        (Some(v), _) => v,
+        (None, Some(_)) => p.profile.default_num_gpu_blocks(e.block_size),
+        (None, None) => e.num_gpu_blocks,
+    };
+    if let Some(v) = group.max_num_seqs {
+        e.max_num_seqs = v;
+    }
+    if let Some(v) = group.max_num_batched_tokens {
+        e.max_num_batched_tokens = v;
+    }
+    if let Some(v) = group.max_loras {
+        e.max_loras = v;
+        e.max_cpu_loras = e.max_cpu_loras.max(v);
+    }
+    if let Some(v) = group.max_cpu_loras {
+        e.max_cpu_loras = v;
+    }
+    if let Some(v) = group.lora_load_ms {
+        e.lora_load = Duration::from_millis(v);
+    }
+    if let Some(v) = group.jitter {
+        e.jitter = v;
+    }
+    if let Some(v) = group.enable_prefix_caching {
+        e.enable_prefix_caching = v;
+    }
+    if let Some(v) = &group.lora_adapters {
+        p.lora_adapters = v.clone();
+    }
+    if let Some(v) = &group.preload_loras {
+        p.preload_loras = v.clone();
+    }
+    Ok(p)
+}
+
+/// Reads a YAML fleet file on top of the flags.
+pub fn load_file(path: &Path, args: &SimArgs) -> Result<FleetConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    from_yaml(&text, args).map_err(|e| match e {
+        ConfigError::Parse { source, .. } => ConfigError::Parse {
+            path: path.to_path_buf(),
+            source,
+        },
+        other => other,
+    })
+}
+
+/// Parses YAML fleet text on top of the flags.
+pub fn from_yaml(text: &str, args: &SimArgs) -> Result<FleetConfig, ConfigError> {
+    let file: FileConfig = serde_norway::from_str(text).map_err(|source| ConfigError::Parse {
+        path: PathBuf::from("<yaml>"),
+        source,
+    })?;
+    let mut fleet = from_flags(args)?;
+    let base = fleet.pods.first().cloned().unwrap_or_default();
+    if let Some(m) = file.model {
+        fleet.model = m;
+    }
+    if let Some(s) = file.speedup {
+        fleet.speedup = s;
+    }
+    if let Some(s) = file.seed {
+        fleet.seed = s;
+    }
+    if !file.pods.is_empty() {
+        fleet.pods.clear();
+        for g in &file.pods {
+            let pod = apply(g, &base)?;
+            for _ in 0..g.count.unwrap_or(1) {
+                fleet.pods.push(pod.clone());
+            }
+        }
+    }
+    fleet.validate()?;
+    Ok(fleet)
+}
+
+fn from_flags(args: &SimArgs) -> Result<FleetConfig, ConfigError> {
+    let pod = pod_from_args(args)?;
+    Ok(FleetConfig {
+        host: args.host,
+        port: args.port,
+        model: args.model.clone(),
+        speedup: args.speedup,
+        seed: args.seed,
+        pods: vec![pod; args.pods],
+    })
+}
+
+impl TryFrom<&SimArgs> for FleetConfig {
+    type Error = ConfigError;
+
+    fn try_from(args: &SimArgs) -> Result<FleetConfig, ConfigError> {
+        let fleet = match &args.config {
+            Some(path) => load_file(path, args)?,
+            None => from_flags(args)?,
+        };
+        fleet.validate()?;
+        Ok(fleet)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+
+    fn args(extra: &[&str]) -> SimArgs {
+        let mut argv = vec!["sim"];
+        argv.extend_from_slice(extra);
+        Cli::try_parse_from(argv).expect("flags parse").sim
+    }
+
+    #[test]
+    fn flags_build_a_uniform_fleet() {
+        let a = args(&[
+            "--pods",
+            "3",
+            "--port",
+            "9100",
+            "--lora-adapters",
+            "a,b",
+            "--num-gpu-blocks",
+            "500",
+        ]);
+        let fleet = FleetConfig::try_from(&a).expect("valid");
+        assert_eq!(fleet.pods.len(), 3);
+        assert_eq!(fleet.port, 9100);
+        assert_eq!(fleet.pods[2].lora_adapters, vec!["a", "b"]);
+        assert_eq!(fleet.pods[0].engine.num_gpu_blocks, 500);
+    }
+
+    #[test]
+    fn yaml_groups_make_a_heterogeneous_fleet() {
+        let a = args(&["--num-gpu-blocks", "1000", "--lora-adapters", "x"]);
+        let yaml = "speedup: 5\npods:\n  - count: 2\n    num_gpu_blocks: 300\n    preload_loras: [x]\n  - profile: a100-llama3-8b\n";
+        let fleet = from_yaml(yaml, &a).expect("valid");
+        assert_eq!(fleet.pods.len(), 3);
+        assert_eq!(fleet.speedup, 5.0);
+        assert_eq!(fleet.pods[0].engine.num_gpu_blocks, 300);
+        assert_eq!(fleet.pods[0].preload_loras, vec!["x"]);
+        assert_eq!(fleet.pods[2].profile.name, "a100-llama3-8b");
+        assert!(fleet.pods[2].engine.num_gpu_blocks > 20_000);
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_a_reason() {
+        let a = args(&["--speedup", "0"]);
+        assert!(FleetConfig::try_from(&a).is_err());
+        let a = args(&["--preload-loras", "q"]);
+        let err = FleetConfig::try_from(&a).expect_err("not an adapter");
+        assert!(err.to_string().contains("not in lora_adapters"), "{err}");
+        assert!(from_yaml("pods:\n  - colour: red\n", &args(&[])).is_err());
+        assert!(from_yaml("pods:\n  - profile: tpu\n", &args(&[])).is_err());
+    }
+}

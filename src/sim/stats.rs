@@ -1,0 +1,170 @@
+//! Counters and histograms an engine accumulates (rendered by `metrics`).
+
+/// vLLM's buckets for `vllm:time_to_first_token_seconds`.
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// vLLM's buckets for `vllm:inter_token_latency_seconds`.
+pub const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+/// vLLM's buckets for the request-level latency histograms (e2e, queue, prefill, decode).
+pub const REQUEST_LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+/// 1-2-5 buckets up to the model length, as vLLM builds for token-count histograms.
+pub const TOKEN_COUNT_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
+    50000.0, 100000.0,
+];
+
+/// A Prometheus histogram with fixed upper bounds (`+Inf` implied).
+#[derive(Debug, Clone)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    /// An empty histogram over `bounds` (ascending).
+    pub fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    /// Records one observation.
+    pub fn observe(&mut self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
+            self.counts[i] += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    /// Upper bounds.
+    pub fn bounds(&self) -> &'static [f64] {
+        self.bounds
+    }
+
+    /// Cumulative counts per bound (without `+Inf`).
+    pub fn cumulative(&self) -> Vec<u64> {
+        let mut acc = 0;
+        self.counts
+            .iter()
+            .map(|c| {
+                acc += c;
+                acc
+            })
+            .collect()
+    }
+
+    /// Sum of observations.
+    pub fn sum(&self) -> f64 {
+        self.sum
+    }
+
+    /// Number of observations.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Mean of observations (0 when empty).
+    pub fn mean(&self) -> f64 {
+        if self.count == 0 {
+            0.0
+        } else {
+            self.sum / self.count as f64
+        }
+    }
+}
+
+/// Everything an engine counts since it started.
+#[derive(Debug, Clone)]
+pub struct EngineStats {
+    /// `vllm:prompt_tokens_total`.
+    pub prompt_tokens: u64,
+    /// `vllm:generation_tokens_total`.
+    pub generation_tokens: u64,
+    /// `vllm:num_preemptions_total`.
+    pub preemptions: u64,
+    /// `vllm:prefix_cache_queries_total` (tokens).
+    pub prefix_cache_queries: u64,
+    /// `vllm:prefix_cache_hits_total` (tokens).
+    pub prefix_cache_hits: u64,
+    /// `vllm:request_success_total{finished_reason="stop"}`.
+    pub success_stop: u64,
+    /// `vllm:request_success_total{finished_reason="length"}`.
+    pub success_length: u64,
+    /// `vllm:request_success_total{finished_reason="abort"}`.
+    pub aborted: u64,
+    /// Engine steps run.
+    pub steps: u64,
+    /// Time to first token.
+    pub ttft: Histogram,
+    /// Inter-token latency.
+    pub itl: Histogram,
+    /// Arrival to last token.
+    pub e2e: Histogram,
+    /// Arrival to first scheduling.
+    pub queue: Histogram,
+    /// First scheduling to first token.
+    pub prefill: Histogram,
+    /// First token to last token.
+    pub decode: Histogram,
+    /// First scheduling to last token.
+    pub inference: Histogram,
+    /// Prompt tokens per request.
+    pub prompt_len: Histogram,
+    /// Output tokens per request.
+    pub generation_len: Histogram,
+}
+
+impl Default for EngineStats {
+    fn default() -> EngineStats {
+        EngineStats {
+            prompt_tokens: 0,
+            generation_tokens: 0,
+            preemptions: 0,
+            prefix_cache_queries: 0,
+            prefix_cache_hits: 0,
+            success_stop: 0,
+            success_length: 0,
+            aborted: 0,
+            steps: 0,
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            e2e: Histogram::new(REQUEST_LATENCY_BUCKETS),
+            queue: Histogram::new(REQUEST_LATENCY_BUCKETS),
+            prefill: Histogram::new(REQUEST_LATENCY_BUCKETS),
+            decode: Histogram::new(REQUEST_LATENCY_BUCKETS),
+            inference: Histogram::new(REQUEST_LATENCY_BUCKETS),
+            prompt_len: Histogram::new(TOKEN_COUNT_BUCKETS),
+            generation_len: Histogram::new(TOKEN_COUNT_BUCKETS),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_counts_are_cumulative_and_overflow_goes_to_inf_only() {
+        let mut h = Histogram::new(&[1.0, 2.0]);
+        h.observe(0.5);
+        h.observe(1.5);
+        h.observe(9.0);
+        assert_eq!(h.cumulative(), vec![1, 2]);
+        assert_eq!(h.count(), 3);
+        assert!((h.sum() - 11.0).abs() < 1e-9);
+    }
+}
