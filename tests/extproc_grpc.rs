@@ -334,3 +334,145 @@ async fn a_pod_whose_metrics_lie_or_fail_is_taken_out_and_comes_back() {
         })
         .await;
 }
+
+async fn route_one_buffered(kvroute: &Kvroute) -> ProcessingResponse {
+    let mut stream = Stream::open(kvroute).await;
+    stream
+        .send(headers_message(
+            "/v1/completions",
+            false,
+            BodySendMode::Buffered,
+        ))
+        .await;
+    stream.next().await;
+    stream.send(body_message(COMPLETION, true)).await;
+    stream.next().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decision_log_shows_every_top_candidates_scores_when_enabled() {
+    let pods = vec![
+        FakePod::start("pod-0", "llama", &[]).await,
+        FakePod::start("pod-1", "llama", &[]).await,
+    ];
+    pods[0].set_metrics(FakeMetrics {
+        kv_usage: 0.6,
+        ..FakeMetrics::default()
+    });
+    let mut config = test_config(pods.iter().map(|p| p.addr).collect());
+    config.debug_decisions = 8;
+    let kvroute = Kvroute::start(config).await;
+    kvroute.wait_until_scraped(2).await;
+    kvroute.wait_for_pod(pods[0].addr, 0.6, 0).await;
+    let answer = route_one_buffered(&kvroute).await;
+    assert_eq!(destination(&answer), Some(pods[1].addr.to_string()));
+
+    let url = format!("http://{}/debug/decisions", kvroute.addrs.metrics);
+    let log: serde_json::Value = support::http_client()
+        .get(url)
+        .send()
+        .await
+        .expect("get")
+        .json()
+        .await
+        .expect("json");
+    let last = &log.as_array().expect("a list")[0];
+    assert_eq!(last["model"], "llama");
+    assert_eq!(last["decision"]["endpoint"], pods[1].addr.to_string());
+    assert_eq!(last["decision"]["reason"], "least_loaded");
+    let ranked = last["decision"]["ranked"].as_array().expect("ranked");
+    assert_eq!(ranked.len(), 2);
+    assert!(ranked[0]["total"].as_f64() > ranked[1]["total"].as_f64());
+    assert!(ranked[0]["kv_headroom"].as_f64() > ranked[1]["kv_headroom"].as_f64());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decision_log_is_off_by_default_and_says_how_to_enable_it() {
+    let pod = FakePod::start("pod-0", "llama", &[]).await;
+    let kvroute = Kvroute::start(test_config(vec![pod.addr])).await;
+    let url = format!("http://{}/debug/decisions", kvroute.addrs.metrics);
+    let response = support::http_client().get(url).send().await.expect("get");
+    assert_eq!(response.status(), 404);
+    let body: serde_json::Value = response.json().await.expect("json");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("--debug-decisions"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_metrics_count_requests_and_show_each_pods_scraped_state() {
+    let pod = FakePod::start("pod-0", "llama", &[]).await;
+    pod.set_metrics(FakeMetrics {
+        kv_usage: 0.25,
+        waiting: 2,
+        ..FakeMetrics::default()
+    });
+    let kvroute = Kvroute::start(test_config(vec![pod.addr])).await;
+    kvroute.wait_until_scraped(1).await;
+    kvroute.wait_for_pod(pod.addr, 0.25, 2).await;
+    route_one_buffered(&kvroute).await;
+    let url = format!("http://{}/metrics", kvroute.addrs.metrics);
+    let text = support::http_client()
+        .get(url)
+        .send()
+        .await
+        .expect("get")
+        .text()
+        .await
+        .expect("text");
+    let samples = kvroute::scrape::exposition::parse(&text).expect("valid exposition");
+    let value = |name: &str, label: (&str, &str)| {
+        samples
+            .iter()
+            .filter(|s| s.name == name && s.label(label.0) == Some(label.1))
+            .map(|s| s.value)
+            .sum::<f64>()
+    };
+    let pod_label = pod.addr.to_string();
+    assert!(
+        value("kvroute_requests_total", ("outcome", "routed")) >= 1.0,
+        "{text}"
+    );
+    assert_eq!(
+        value("kvroute_pod_kv_cache_usage_ratio", ("pod", &pod_label)),
+        0.25
+    );
+    assert_eq!(
+        value("kvroute_pod_requests_waiting", ("pod", &pod_label)),
+        2.0
+    );
+    assert_eq!(value("kvroute_pod_healthy", ("pod", &pod_label)), 1.0);
+    assert!(text.contains("kvroute_pick_duration_seconds_bucket"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_whose_metrics_hang_is_taken_out_after_the_scrape_timeout() {
+    let pods = vec![
+        FakePod::start("pod-0", "llama", &[]).await,
+        FakePod::start("pod-1", "llama", &[]).await,
+    ];
+    let mut config = test_config(pods.iter().map(|p| p.addr).collect());
+    config.scrape.timeout = Duration::from_millis(100);
+    let kvroute = Kvroute::start(config).await;
+    kvroute.wait_until_scraped(2).await;
+    let hung = pods[0].addr;
+    pods[0].hang_metrics(true);
+    kvroute
+        .wait_for("the hung pod marked down", move |s| {
+            s.pod(hung).is_some_and(|p| !p.healthy)
+        })
+        .await;
+    // Requests keep flowing to the healthy pod meanwhile.
+    for _ in 0..3 {
+        let answer = route_one_buffered(&kvroute).await;
+        assert_eq!(destination(&answer), Some(pods[1].addr.to_string()));
+    }
+    pods[0].hang_metrics(false);
+    kvroute
+        .wait_for("the pod back once it answers", move |s| {
+            s.pod(hung).is_some_and(|p| p.healthy)
+        })
+        .await;
+}

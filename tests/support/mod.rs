@@ -91,6 +91,8 @@ struct PodState {
     last_headers: Mutex<Option<HeaderMap>>,
     /// When set, `/metrics` answers with this body instead (e.g. a lying page).
     metrics_override: Mutex<Option<(StatusCode, String)>>,
+    /// While true, `/metrics` never answers.
+    metrics_hang: watch::Sender<bool>,
 }
 
 /// A minimal vLLM look-alike: `/metrics`, `/v1/models`, `/v1/completions`,
@@ -112,6 +114,7 @@ impl FakePod {
             hold: watch::Sender::new(false),
             last_headers: Mutex::new(None),
             metrics_override: Mutex::new(None),
+            metrics_hang: watch::Sender::new(false),
         });
         let router = axum::Router::new()
             .route("/metrics", get(metrics))
@@ -157,6 +160,11 @@ impl FakePod {
         });
     }
 
+    /// Makes `/metrics` hang (never answer) while `hang` is true.
+    pub fn hang_metrics(&self, hang: bool) {
+        self.state.metrics_hang.send_replace(hang);
+    }
+
     pub fn metrics(&self) -> FakeMetrics {
         self.state.metrics.lock().expect("lock").clone()
     }
@@ -197,6 +205,8 @@ impl Drop for FakePod {
 }
 
 async fn metrics(State(pod): State<Arc<PodState>>) -> Response {
+    let mut hang = pod.metrics_hang.subscribe();
+    let _ = hang.wait_for(|hang| !*hang).await;
     if let Some((status, body)) = pod.metrics_override.lock().expect("lock").clone() {
         return (status, body).into_response();
     }
