@@ -14,23 +14,18 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ProcessingRequest,
-    ProcessingResponse, StreamedBodyResponse, body_mutation,
-};
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::TcpIncoming;
 
 use kvroute::app::App;
 use kvroute::config::ServeConfig;
+use kvroute::extproc::messages;
 use kvroute::gateway::{EnvoyProcess, Gateway, envoy_binary};
 
 const BODY: &str = r#"{"model":"llama","prompt":"Summarise the following text in one sentence: the quick brown fox jumps over the lazy dog.","max_tokens":64}"#;
@@ -73,48 +68,6 @@ struct NoopProcessor {
     destination: String,
 }
 
-fn headers_answer(destination: &str) -> ProcessingResponse {
-    let mutation = HeaderMutation {
-        set_headers: vec![HeaderValueOption {
-            header: Some(HeaderValue {
-                key: "x-gateway-destination-endpoint".into(),
-                raw_value: destination.as_bytes().to_vec(),
-                ..HeaderValue::default()
-            }),
-            append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-            ..HeaderValueOption::default()
-        }],
-        ..HeaderMutation::default()
-    };
-    ProcessingResponse {
-        response: Some(Response::RequestHeaders(HeadersResponse {
-            response: Some(CommonResponse {
-                header_mutation: Some(mutation),
-                clear_route_cache: true,
-                ..CommonResponse::default()
-            }),
-        })),
-        ..ProcessingResponse::default()
-    }
-}
-
-fn streamed(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
-    BodyResponse {
-        response: Some(CommonResponse {
-            body_mutation: Some(BodyMutation {
-                mutation: Some(body_mutation::Mutation::StreamedResponse(
-                    StreamedBodyResponse {
-                        body,
-                        end_of_stream,
-                        ..StreamedBodyResponse::default()
-                    },
-                )),
-            }),
-            ..CommonResponse::default()
-        }),
-    }
-}
-
 #[tonic::async_trait]
 impl ExternalProcessor for NoopProcessor {
     type ProcessStream = ReceiverStream<Result<ProcessingResponse, tonic::Status>>;
@@ -129,34 +82,29 @@ impl ExternalProcessor for NoopProcessor {
         tokio::spawn(async move {
             let mut body = Vec::new();
             while let Ok(Some(message)) = inbound.message().await {
+                // The same answer builders kvroute uses: only the deciding is left out.
                 let answers = match message.request {
                     Some(Request::RequestHeaders(h)) if h.end_of_stream => {
-                        vec![headers_answer(&destination)]
+                        vec![messages::route_in_headers(&destination)]
                     }
                     Some(Request::RequestHeaders(_)) => vec![],
                     Some(Request::RequestBody(b)) => {
                         body.extend_from_slice(&b.body);
                         if b.end_of_stream {
-                            let echo = ProcessingResponse {
-                                response: Some(Response::RequestBody(streamed(
-                                    std::mem::take(&mut body),
-                                    true,
-                                ))),
-                                ..ProcessingResponse::default()
-                            };
-                            vec![headers_answer(&destination), echo]
+                            vec![
+                                messages::route_in_headers(&destination),
+                                messages::streamed_request_body(std::mem::take(&mut body), true),
+                            ]
                         } else {
                             vec![]
                         }
                     }
-                    Some(Request::ResponseHeaders(_)) => vec![ProcessingResponse {
-                        response: Some(Response::ResponseHeaders(HeadersResponse::default())),
-                        ..ProcessingResponse::default()
-                    }],
-                    Some(Request::ResponseBody(b)) => vec![ProcessingResponse {
-                        response: Some(Response::ResponseBody(streamed(b.body, b.end_of_stream))),
-                        ..ProcessingResponse::default()
-                    }],
+                    Some(Request::ResponseHeaders(_)) => {
+                        vec![messages::continue_response_headers()]
+                    }
+                    Some(Request::ResponseBody(b)) => {
+                        vec![messages::streamed_response_body(b.body, b.end_of_stream)]
+                    }
                     _ => vec![],
                 };
                 for answer in answers {

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use serde_json::json;
-use support::{Envoy, FakeMetrics, FakePod, Gateway, Kvroute, complete, http_client, test_config};
+use support::{FakeMetrics, FakePod, Gateway, behind_envoy, complete, http_client, test_config};
 
 const MODEL: &str = "llama";
 
@@ -34,10 +34,8 @@ async fn a_near_full_pod_is_avoided() {
         kv_usage: 0.3,
         ..FakeMetrics::default()
     });
-    let kvroute = Kvroute::start(test_config(addrs(&pods))).await;
-    kvroute.wait_until_scraped(2).await;
-    kvroute.wait_for_pod(pods[0].addr, 0.97, 0).await;
-    let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &addrs(&pods)).await;
+    let (_kvroute, envoy) =
+        behind_envoy(&pods, test_config(addrs(&pods)), Gateway::OriginalDst).await;
     let client = http_client();
     for _ in 0..10 {
         let (status, pod, body) = complete(
@@ -66,10 +64,8 @@ async fn a_large_prompt_goes_where_it_fits_even_if_another_pod_has_a_shorter_que
         waiting: 3,
         ..FakeMetrics::default()
     });
-    let kvroute = Kvroute::start(test_config(addrs(&pods))).await;
-    kvroute.wait_until_scraped(2).await;
-    kvroute.wait_for_pod(pods[1].addr, 0.3, 3).await;
-    let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &addrs(&pods)).await;
+    let (_kvroute, envoy) =
+        behind_envoy(&pods, test_config(addrs(&pods)), Gateway::OriginalDst).await;
     let client = http_client();
 
     // ~8,000 tokens at 4 bytes per token: fits only on pod-1.
@@ -108,10 +104,8 @@ async fn an_adapter_holding_pod_is_preferred_until_it_saturates() {
         ..FakeMetrics::default()
     };
     pods[1].set_metrics(holding.clone());
-    let kvroute = Kvroute::start(test_config(addrs(&pods))).await;
-    kvroute.wait_until_scraped(3).await;
-    kvroute.wait_for_pod(pods[1].addr, 0.4, 0).await;
-    let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &addrs(&pods)).await;
+    let (kvroute, envoy) =
+        behind_envoy(&pods, test_config(addrs(&pods)), Gateway::OriginalDst).await;
     let client = http_client();
     for _ in 0..5 {
         let (status, pod, body) = complete(
@@ -153,9 +147,7 @@ async fn a_burst_between_two_scrapes_spreads_instead_of_herding() {
     // accounting can tell the pods apart.
     config.scrape.interval = Duration::from_secs(3600);
     config.scheduler.max_metrics_age = Duration::from_secs(3600);
-    let kvroute = Kvroute::start(config).await;
-    kvroute.wait_until_scraped(4).await;
-    let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &addrs(&pods)).await;
+    let (_kvroute, envoy) = behind_envoy(&pods, config, Gateway::OriginalDst).await;
     let client = http_client();
 
     let burst: Vec<_> = (0..8)
@@ -199,9 +191,8 @@ async fn a_burst_between_two_scrapes_spreads_instead_of_herding() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_openai_style_errors_through_envoy() {
     let pods = fleet(1, &[]).await;
-    let kvroute = Kvroute::start(test_config(addrs(&pods))).await;
-    kvroute.wait_until_scraped(1).await;
-    let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &addrs(&pods)).await;
+    let (_kvroute, envoy) =
+        behind_envoy(&pods, test_config(addrs(&pods)), Gateway::OriginalDst).await;
     let client = http_client();
 
     let response = client
@@ -244,10 +235,8 @@ async fn a_client_sent_destination_header_is_ignored() {
         kv_usage: 0.97,
         ..FakeMetrics::default()
     });
-    let kvroute = Kvroute::start(test_config(addrs(&pods))).await;
-    kvroute.wait_until_scraped(2).await;
-    kvroute.wait_for_pod(pods[0].addr, 0.97, 0).await;
-    let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &addrs(&pods)).await;
+    let (_kvroute, envoy) =
+        behind_envoy(&pods, test_config(addrs(&pods)), Gateway::OriginalDst).await;
     let client = http_client();
     let response = client
         .post(envoy.url("/v1/completions"))
@@ -279,9 +268,8 @@ async fn a_client_sent_destination_header_is_ignored() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_models_listings_and_large_bodies_pass_through() {
     let pods = fleet(2, &[]).await;
-    let kvroute = Kvroute::start(test_config(addrs(&pods))).await;
-    kvroute.wait_until_scraped(2).await;
-    let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &addrs(&pods)).await;
+    let (_kvroute, envoy) =
+        behind_envoy(&pods, test_config(addrs(&pods)), Gateway::OriginalDst).await;
     let client = http_client();
 
     let response = client
@@ -330,9 +318,7 @@ async fn a_body_over_the_limit_gets_413() {
     let pods = fleet(1, &[]).await;
     let mut config = test_config(addrs(&pods));
     config.max_body_bytes = 100_000;
-    let kvroute = Kvroute::start(config).await;
-    kvroute.wait_until_scraped(1).await;
-    let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &addrs(&pods)).await;
+    let (_kvroute, envoy) = behind_envoy(&pods, config, Gateway::OriginalDst).await;
     let prompt = "x".repeat(300_000);
     let (status, _, body) = complete(
         &http_client(),
@@ -356,10 +342,7 @@ async fn with_the_fail_open_config_requests_still_succeed_when_kvroute_is_stoppe
     // override_host accepts kvroute's fallback list.
     let mut config = test_config(addrs(&pods));
     config.scheduler.fallbacks = 1;
-    let mut kvroute = Kvroute::start(config).await;
-    kvroute.wait_until_scraped(2).await;
-    kvroute.wait_for_pod(pods[0].addr, 0.6, 0).await;
-    let envoy = Envoy::start(Gateway::OverrideHost, kvroute.addrs.grpc, &addrs(&pods)).await;
+    let (mut kvroute, envoy) = behind_envoy(&pods, config, Gateway::OverrideHost).await;
     let client = http_client();
     for _ in 0..4 {
         let (status, pod, body) =

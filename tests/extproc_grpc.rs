@@ -133,11 +133,15 @@ fn destination(answer: &ProcessingResponse) -> Option<String> {
     Some(from_header)
 }
 
-async fn two_pods_second_preferred() -> (Vec<FakePod>, Kvroute) {
-    let pods = vec![
+async fn two_pods() -> [FakePod; 2] {
+    [
         FakePod::start("pod-0", "llama", &[]).await,
         FakePod::start("pod-1", "llama", &[]).await,
-    ];
+    ]
+}
+
+async fn two_pods_second_preferred() -> ([FakePod; 2], Kvroute) {
+    let pods = two_pods().await;
     pods[0].set_metrics(FakeMetrics {
         kv_usage: 0.95,
         ..FakeMetrics::default()
@@ -311,10 +315,7 @@ async fn readiness_follows_whether_any_pod_is_scraped_while_liveness_always_serv
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_whose_metrics_lie_or_fail_is_taken_out_and_comes_back() {
-    let pods = [
-        FakePod::start("pod-0", "llama", &[]).await,
-        FakePod::start("pod-1", "llama", &[]).await,
-    ];
+    let pods = two_pods().await;
     let kvroute = Kvroute::start(test_config(pods.iter().map(|p| p.addr).collect())).await;
     kvroute.wait_until_scraped(2).await;
     let bad = pods[0].addr;
@@ -351,10 +352,7 @@ async fn route_one_buffered(kvroute: &Kvroute) -> ProcessingResponse {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_decision_log_shows_every_top_candidates_scores_when_enabled() {
-    let pods = vec![
-        FakePod::start("pod-0", "llama", &[]).await,
-        FakePod::start("pod-1", "llama", &[]).await,
-    ];
+    let pods = two_pods().await;
     pods[0].set_metrics(FakeMetrics {
         kv_usage: 0.6,
         ..FakeMetrics::default()
@@ -449,10 +447,7 @@ async fn prometheus_metrics_count_requests_and_show_each_pods_scraped_state() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_whose_metrics_hang_is_taken_out_after_the_scrape_timeout() {
-    let pods = vec![
-        FakePod::start("pod-0", "llama", &[]).await,
-        FakePod::start("pod-1", "llama", &[]).await,
-    ];
+    let pods = two_pods().await;
     let mut config = test_config(pods.iter().map(|p| p.addr).collect());
     config.scrape.timeout = Duration::from_millis(100);
     let kvroute = Kvroute::start(config).await;

@@ -307,6 +307,16 @@ impl Kvroute {
         .await;
     }
 
+    /// Waits until every pod is scraped and the snapshot shows what each reports now.
+    pub async fn wait_until_current(&self, pods: &[FakePod]) {
+        self.wait_until_scraped(pods.len()).await;
+        for pod in pods {
+            let metrics = pod.metrics();
+            self.wait_for_pod(pod.addr, metrics.kv_usage, metrics.waiting)
+                .await;
+        }
+    }
+
     /// Waits until the pod at `addr` reports `kv_usage` and `waiting` as given.
     pub async fn wait_for_pod(&self, addr: SocketAddr, kv_usage: f64, waiting: u32) {
         self.wait_for("pod metrics to update", move |s| {
@@ -333,6 +343,19 @@ impl Drop for Kvroute {
             let _ = stop.send(());
         }
     }
+}
+
+/// kvroute with `config` in front of `pods`, scraped up to date, behind a real Envoy.
+pub async fn behind_envoy(
+    pods: &[FakePod],
+    config: ServeConfig,
+    gateway: Gateway,
+) -> (Kvroute, Envoy) {
+    let kvroute = Kvroute::start(config).await;
+    kvroute.wait_until_current(pods).await;
+    let endpoints: Vec<SocketAddr> = pods.iter().map(|p| p.addr).collect();
+    let envoy = Envoy::start(gateway, kvroute.addrs.grpc, &endpoints).await;
+    (kvroute, envoy)
 }
 
 /// kvroute configured for tests: loopback ephemeral ports, quick scrapes.
