@@ -22,7 +22,7 @@ use tonic_health::server::HealthReporter;
 use tracing::{info, warn};
 
 use crate::config::ServeConfig;
-use crate::discovery::StaticDiscovery;
+use crate::discovery::Discovery;
 use crate::extproc::ExtProcService;
 use crate::picker::LivePicker;
 use crate::scrape::ScrapeManager;
@@ -51,6 +51,7 @@ pub struct App {
     store: Arc<PodStore>,
     picker: Arc<LivePicker>,
     prometheus: PrometheusHandle,
+    discovery: Discovery,
 }
 
 async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
@@ -62,6 +63,7 @@ async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
 impl App {
     pub async fn bind(config: ServeConfig) -> anyhow::Result<App> {
         config.validate()?;
+        let discovery = Discovery::connect(&config.discovery()).await?;
         let prometheus = telemetry::install().map_err(anyhow::Error::msg)?;
         let grpc = bind(config.grpc_addr, "--grpc-addr").await?;
         let health = match config.health_addr {
@@ -83,6 +85,7 @@ impl App {
             store,
             picker,
             prometheus,
+            discovery,
         })
     }
 
@@ -116,12 +119,16 @@ impl App {
             store,
             picker,
             prometheus,
+            discovery,
         } = self;
 
         let scrapers = ScrapeManager::new(Arc::clone(&store), config.scrape.clone())
             .context("cannot build the HTTP client for scraping")?;
-        StaticDiscovery::new(config.endpoints.clone()).apply(&store);
-        scrapers.reconcile();
+        let reconciler = tokio::spawn(apply_endpoints(
+            discovery.start(),
+            Arc::clone(&store),
+            scrapers,
+        ));
         let publisher = tokio::spawn(Arc::clone(&store).run_publisher(config.scrape.interval));
 
         let (reporter, health_service) = tonic_health::server::health_reporter();
@@ -195,8 +202,32 @@ impl App {
         publisher.abort();
         readiness.abort();
         shutdown_driver.abort();
-        drop(scrapers);
+        // Stops discovery (its channel closes) and the scrapers the task owns.
+        reconciler.abort();
+        let _ = reconciler.await;
         result.map(|_| ())
+    }
+}
+
+/// Applies every endpoint set that discovery sends: the store drops removed endpoints
+/// with their in-flight accounting and adds new ones (down until scraped), its
+/// publisher rebuilds the snapshot, and the scrapers follow. Owns the scrapers: they
+/// stop when this task is aborted.
+async fn apply_endpoints(
+    mut endpoints: watch::Receiver<Vec<SocketAddr>>,
+    store: Arc<PodStore>,
+    scrapers: ScrapeManager,
+) {
+    loop {
+        let current = endpoints.borrow_and_update().clone();
+        if store.set_endpoints(&current) {
+            scrapers.reconcile();
+            info!(endpoints = current.len(), "endpoint set changed");
+        }
+        if endpoints.changed().await.is_err() {
+            // A static list sends once and closes: keep scraping what it gave.
+            std::future::pending::<()>().await;
+        }
     }
 }
 

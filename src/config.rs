@@ -10,6 +10,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::discovery::inference_pool::MAX_TARGET_PORTS;
+use crate::discovery::{
+    DiscoverySource, KubeTarget, KubernetesDiscovery, LabelSelector, PodTarget,
+};
 use crate::scheduler::{Saturation, SchedulerConfig, Weights};
 use crate::state::HealthPolicy;
 
@@ -25,8 +29,16 @@ pub enum ConfigError {
         path: PathBuf,
         source: serde_norway::Error,
     },
-    #[error("no endpoints: pass --endpoints IP:PORT,... or list `endpoints` in --config")]
+    #[error(
+        "no endpoints: pass --endpoints IP:PORT,..., list `endpoints` in --config, \
+         or discover them in Kubernetes with --pool-name or --endpoint-selector"
+    )]
     NoEndpoints,
+    #[error(
+        "static endpoints (--endpoints or `endpoints` in --config) and Kubernetes discovery \
+         (--pool-name, --endpoint-selector) exclude each other: use one"
+    )]
+    MixedDiscovery,
     #[error("invalid endpoint `{0}`: expected IP:PORT")]
     BadEndpoint(String),
     #[error("{0}")]
@@ -49,6 +61,20 @@ pub struct ServeArgs {
     /// YAML file with endpoints, scheduler weights and thresholds, and adapter → base map.
     #[arg(long, env = "KVROUTE_CONFIG")]
     pub config: Option<PathBuf>,
+    /// Kubernetes discovery: route to the pods and ports of this InferencePool
+    /// (inference.networking.k8s.io/v1), followed live.
+    #[arg(long, env = "KVROUTE_POOL_NAME")]
+    pub pool_name: Option<String>,
+    /// Namespace of the InferencePool or of the selected pods [default: the service
+    /// account's namespace, or the kubeconfig context's].
+    #[arg(long, env = "KVROUTE_POOL_NAMESPACE")]
+    pub pool_namespace: Option<String>,
+    /// Kubernetes discovery without the CRD: the pods with these labels, `k=v,...`.
+    #[arg(long, env = "KVROUTE_ENDPOINT_SELECTOR", value_parser = parse_selector)]
+    pub endpoint_selector: Option<LabelSelector>,
+    /// The ports of each selected pod to route to (with --endpoint-selector).
+    #[arg(long, env = "KVROUTE_ENDPOINT_TARGET_PORTS", value_delimiter = ',')]
+    pub endpoint_target_ports: Vec<u16>,
     /// Address of the Envoy ext_proc gRPC service (also serves gRPC health).
     #[arg(long, env = "KVROUTE_GRPC_ADDR", default_value = "0.0.0.0:9002")]
     pub grpc_addr: SocketAddr,
@@ -98,6 +124,52 @@ pub struct ServeArgs {
     /// Log format.
     #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+}
+
+fn parse_selector(text: &str) -> Result<LabelSelector, String> {
+    text.parse().map_err(|e| format!("{e}"))
+}
+
+/// Kubernetes discovery from the flags, if any of its flags is given.
+fn kubernetes_from_args(args: &ServeArgs) -> Result<Option<KubernetesDiscovery>, ConfigError> {
+    let invalid = |msg: &str| Err(ConfigError::Invalid(msg.to_owned()));
+    let target = match (&args.pool_name, &args.endpoint_selector) {
+        (Some(_), Some(_)) => {
+            return invalid("--pool-name and --endpoint-selector exclude each other: use one");
+        }
+        (Some(name), None) => {
+            if !args.endpoint_target_ports.is_empty() {
+                return invalid(
+                    "--endpoint-target-ports goes with --endpoint-selector; \
+                     an InferencePool names its own targetPorts",
+                );
+            }
+            KubeTarget::Pool { name: name.clone() }
+        }
+        (None, Some(selector)) => {
+            if args.endpoint_target_ports.is_empty() {
+                return invalid("--endpoint-selector needs --endpoint-target-ports PORT,...");
+            }
+            KubeTarget::Pods(PodTarget::new(
+                selector.clone(),
+                args.endpoint_target_ports.clone(),
+            ))
+        }
+        (None, None) => {
+            if !args.endpoint_target_ports.is_empty() {
+                return invalid("--endpoint-target-ports needs --endpoint-selector");
+            }
+            if args.pool_namespace.is_some() {
+                return invalid("--pool-namespace needs --pool-name or --endpoint-selector");
+            }
+            return Ok(None);
+        }
+    };
+    Ok(Some(KubernetesDiscovery {
+        namespace: args.pool_namespace.clone(),
+        target,
+        client: None,
+    }))
 }
 
 /// An address that can be switched off with `off`.
@@ -219,7 +291,10 @@ pub struct ServeConfig {
     pub grpc_addr: SocketAddr,
     pub health_addr: Option<SocketAddr>,
     pub metrics_addr: SocketAddr,
+    /// Static discovery: the endpoints (empty with Kubernetes discovery).
     pub endpoints: Vec<SocketAddr>,
+    /// Kubernetes discovery, instead of `endpoints`.
+    pub kubernetes: Option<KubernetesDiscovery>,
     pub scrape: ScrapeConfig,
     pub scheduler: SchedulerConfig,
     pub health: HealthPolicy,
@@ -237,6 +312,7 @@ impl ServeConfig {
             health_addr: None,
             metrics_addr: loopback,
             endpoints,
+            kubernetes: None,
             scrape: ScrapeConfig::default(),
             scheduler: SchedulerConfig::default(),
             health: HealthPolicy::default(),
@@ -252,6 +328,10 @@ impl ServeConfig {
             Some(path) => FileConfig::load(path)?,
             None => FileConfig::default(),
         };
+        let kubernetes = kubernetes_from_args(args)?;
+        if kubernetes.is_some() && !(args.endpoints.is_empty() && file.endpoints.is_empty()) {
+            return Err(ConfigError::MixedDiscovery);
+        }
         let endpoints = if args.endpoints.is_empty() {
             file.endpoints
                 .iter()
@@ -288,6 +368,7 @@ impl ServeConfig {
             health_addr: args.health_addr.0,
             metrics_addr: args.metrics_addr,
             endpoints,
+            kubernetes,
             scrape: ScrapeConfig {
                 interval: args.refresh_metrics_interval,
                 timeout: args.scrape_timeout,
@@ -308,11 +389,46 @@ impl ServeConfig {
         Ok(config)
     }
 
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.endpoints.is_empty() {
-            return Err(ConfigError::NoEndpoints);
+    /// Where endpoints come from.
+    pub fn discovery(&self) -> DiscoverySource {
+        match &self.kubernetes {
+            Some(kubernetes) => DiscoverySource::Kubernetes(Box::new(kubernetes.clone())),
+            None => DiscoverySource::Static(self.endpoints.clone()),
         }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |msg: &str| Err(ConfigError::Invalid(msg.to_owned()));
+        match &self.kubernetes {
+            None if self.endpoints.is_empty() => return Err(ConfigError::NoEndpoints),
+            None => {}
+            Some(_) if !self.endpoints.is_empty() => return Err(ConfigError::MixedDiscovery),
+            Some(kubernetes) => {
+                if kubernetes.namespace.as_deref() == Some("") {
+                    return invalid("--pool-namespace must not be empty");
+                }
+                match &kubernetes.target {
+                    KubeTarget::Pool { name } if name.is_empty() => {
+                        return invalid("--pool-name must not be empty");
+                    }
+                    KubeTarget::Pool { .. } => {}
+                    KubeTarget::Pods(target) => {
+                        if target.selector().is_empty() {
+                            return invalid(
+                                "--endpoint-selector must name at least one label `k=v` \
+                                 (an empty selector would pick every pod)",
+                            );
+                        }
+                        if target.ports().contains(&0) {
+                            return invalid("--endpoint-target-ports must be ports above 0");
+                        }
+                        if target.ports().len() > MAX_TARGET_PORTS {
+                            return invalid("--endpoint-target-ports takes at most 8 ports");
+                        }
+                    }
+                }
+            }
+        }
         if self.scrape.interval.is_zero() {
             return invalid("--refresh-metrics-interval must be above zero");
         }
@@ -422,6 +538,115 @@ mod tests {
                 .map(String::as_str),
             Some("llama")
         );
+    }
+
+    #[test]
+    fn a_pool_name_selects_kubernetes_discovery_of_that_pool() {
+        let config =
+            parse(&["--pool-name", "vllm-llama3", "--pool-namespace", "llm"]).expect("valid");
+        let kubernetes = config.kubernetes.expect("kubernetes discovery");
+        assert_eq!(kubernetes.namespace.as_deref(), Some("llm"));
+        assert_eq!(
+            kubernetes.target,
+            KubeTarget::Pool {
+                name: "vllm-llama3".into()
+            }
+        );
+        assert!(config.endpoints.is_empty());
+    }
+
+    #[test]
+    fn a_selector_with_ports_selects_kubernetes_discovery_of_pods() {
+        let config = parse(&[
+            "--endpoint-selector",
+            "app=vllm,tier=gpu",
+            "--endpoint-target-ports",
+            "8001,8000",
+        ])
+        .expect("valid");
+        let kubernetes = config.kubernetes.expect("kubernetes discovery");
+        assert_eq!(kubernetes.namespace, None, "the client's namespace");
+        let KubeTarget::Pods(target) = kubernetes.target else {
+            panic!("expected a pod selector");
+        };
+        assert_eq!(target.selector().to_string(), "app=vllm,tier=gpu");
+        assert_eq!(target.ports(), &[8000, 8001]);
+    }
+
+    #[test]
+    fn static_endpoints_and_kubernetes_discovery_together_are_one_clear_error() {
+        let error =
+            parse(&["--endpoints", "10.0.0.1:8000", "--pool-name", "p"]).expect_err("invalid");
+        assert!(error.contains("exclude each other"), "{error}");
+        assert!(!error.contains('\n'), "one line: {error}");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("kvroute.yaml");
+        std::fs::write(&path, "endpoints: ['10.0.0.1:8000']\n").expect("write");
+        let path = path.to_str().expect("utf-8 path");
+        let error = parse(&[
+            "--config",
+            path,
+            "--endpoint-selector",
+            "app=x",
+            "--endpoint-target-ports",
+            "80",
+        ])
+        .expect_err("invalid");
+        assert!(error.contains("exclude each other"), "{error}");
+    }
+
+    #[test]
+    fn a_config_file_without_endpoints_goes_with_kubernetes_discovery() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("kvroute.yaml");
+        std::fs::write(&path, "scheduler: {fallbacks: 1}\n").expect("write");
+        let path = path.to_str().expect("utf-8 path");
+        let config = parse(&["--config", path, "--pool-name", "p"]).expect("valid");
+        assert!(config.kubernetes.is_some());
+        assert_eq!(config.scheduler.fallbacks, 1);
+    }
+
+    #[test]
+    fn incomplete_kubernetes_flags_are_rejected() {
+        for (args, expected) in [
+            (
+                &["--endpoint-selector", "app=x"][..],
+                "--endpoint-target-ports",
+            ),
+            (
+                &["--endpoint-target-ports", "8000"][..],
+                "--endpoint-selector",
+            ),
+            (&["--pool-namespace", "llm"][..], "--pool-name"),
+            (
+                &["--pool-name", "p", "--endpoint-selector", "a=b"][..],
+                "exclude",
+            ),
+            (
+                &["--pool-name", "p", "--endpoint-target-ports", "80"][..],
+                "targetPorts",
+            ),
+            (
+                &["--endpoint-selector", "", "--endpoint-target-ports", "80"][..],
+                "empty selector",
+            ),
+            (
+                &[
+                    "--endpoint-selector",
+                    "app",
+                    "--endpoint-target-ports",
+                    "80",
+                ][..],
+                "key=value",
+            ),
+            (
+                &["--endpoint-selector", "a=b", "--endpoint-target-ports", "0"][..],
+                "above 0",
+            ),
+        ] {
+            let error = parse(args).expect_err("invalid");
+            assert!(error.contains(expected), "{args:?}: {error}");
+        }
     }
 
     #[test]

@@ -78,9 +78,10 @@ fn workload(args: &DemoArgs, base_model: &str) -> Vec<Job> {
                 }
                 format!("lora-{index}")
             };
-            // Heavy-tailed prompt lengths: log-uniform 100..4,000 tokens (4 chars each).
+            // Heavy-tailed prompt lengths: log-uniform 100..4,000 tokens. "abc " is one
+            // token for the simulator's tokenizer (pieces of at most 4 characters).
             let tokens = (100.0 * 40f64.powf(rng.random::<f64>())) as usize;
-            let prompt = format!("request {i}: ") + &"word ".repeat(tokens);
+            let prompt = format!("request {i}: ") + &"abc ".repeat(tokens);
             Job {
                 at: Duration::from_secs_f64(at),
                 model,
@@ -114,11 +115,18 @@ async fn send(client: &reqwest::Client, url: &str, job: &Job, speedup: f64) -> O
         .get("x-sim-pod")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let ok = response.status().is_success();
+    let status_ok = response.status().is_success();
     let mut ttft = None;
-    while let Ok(Some(_chunk)) = response.chunk().await {
+    // A stream counts as served only if it ends with `data: [DONE]`; the marker may
+    // straddle two chunks, so keep the tail of the previous one.
+    let mut tail: Vec<u8> = Vec::new();
+    while let Ok(Some(chunk)) = response.chunk().await {
         ttft.get_or_insert_with(|| started.elapsed());
+        tail.extend_from_slice(&chunk);
+        let keep_from = tail.len().saturating_sub(32);
+        tail.drain(..keep_from);
     }
+    let ok = status_ok && tail.windows(6).any(|w| w == b"[DONE]");
     let e2e = started.elapsed();
     Outcome {
         ok,

@@ -15,6 +15,7 @@ pub mod demo;
 pub mod discovery;
 pub mod extproc;
 pub mod gateway;
+pub mod loadgen;
 pub mod picker;
 pub mod request;
 pub mod scheduler;

@@ -1,11 +1,14 @@
 //! The `kvroute` command: parse, build, run.
 
+use std::io::IsTerminal;
+
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
 use kvroute::app::{App, shutdown_signal};
 use kvroute::config::{LogFormat, ServeArgs, ServeConfig};
 use kvroute::demo::DemoArgs;
+use kvroute::loadgen::BenchArgs;
 use kvroute::sim::SimArgs;
 
 #[derive(Parser)]
@@ -27,13 +30,19 @@ enum Command {
     Sim(SimArgs),
     /// Try kvroute locally: simulated fleet + kvroute + Envoy, against Envoy round robin.
     Demo(DemoArgs),
+    /// Drive an OpenAI-compatible endpoint with a workload file; report latencies as JSON.
+    Bench(BenchArgs),
 }
 
 /// Logs to stderr; `RUST_LOG` overrides `default_filter`.
 fn init_logging(format: LogFormat, default_filter: &str) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    // Colour only for a terminal: logs piped to files or collectors stay plain text.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -59,6 +68,11 @@ async fn main() -> std::process::ExitCode {
             // The demo prints its own progress; kvroute's logs would drown it.
             init_logging(LogFormat::Text, "warn");
             kvroute::demo::run(args).await
+        }
+        Command::Bench(args) => {
+            // The progress bar and the report go to the terminal; keep logs to warnings.
+            init_logging(LogFormat::Text, "warn");
+            kvroute::loadgen::run(args).await
         }
     };
     match result {

@@ -168,8 +168,8 @@ impl Candidate {
             flags,
             waiting: signals.map_or(0, |s| s.waiting),
             inflight: pod.load.inflight(),
-            kv_usage: signals.map_or(0.0, |s| s.kv_usage as f32),
-            capacity: signals.and_then(|s| s.kv_capacity_tokens).unwrap_or(0),
+            kv_usage: signals.map_or(0.0, |s| s.kv_usage),
+            capacity: signals.map_or(0, |s| s.kv_capacity_tokens),
             free_kv: free_kv.unwrap_or(UNKNOWN),
         }
     }
@@ -394,7 +394,8 @@ fn is_fresh(pod: &PodView, config: &SchedulerConfig) -> bool {
 
 fn is_saturated(pod: &PodView, config: &SchedulerConfig) -> bool {
     pod.signals().is_some_and(|s| {
-        s.waiting >= config.saturation.queue_depth || s.kv_usage >= config.saturation.kv_usage
+        s.waiting >= config.saturation.queue_depth
+            || f64::from(s.kv_usage) >= config.saturation.kv_usage
     })
 }
 
@@ -402,8 +403,8 @@ fn is_saturated(pod: &PodView, config: &SchedulerConfig) -> bool {
 /// scrape. `None` when the pod did not report its capacity.
 pub fn free_kv_tokens(pod: &PodView) -> Option<u64> {
     let signals = pod.signals()?;
-    let capacity = signals.kv_capacity_tokens?;
-    let free = (capacity as f64 * (1.0 - signals.kv_usage)) as u64;
+    let capacity = Some(signals.kv_capacity_tokens).filter(|c| *c > 0)?;
+    let free = (capacity as f64 * (1.0 - f64::from(signals.kv_usage))) as u64;
     Some(free.saturating_sub(pod.load.unscraped_tokens()))
 }
 

@@ -21,7 +21,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use super::kv::{BlockId, BlockPool, block_hash, mix};
-use super::lora::{AdapterId, LoraSlots};
+use super::lora::{AdapterId, LoraLoads, LoraSlots};
 use super::profile::{Profile, StepShape};
 use super::stats::EngineStats;
 use super::tokens::output_token;
@@ -465,6 +465,11 @@ impl Engine {
     /// Recent LoRA info label sets, oldest first; the last one is current.
     pub fn lora_history(&self) -> &[LoraInfo] {
         &self.lora_history
+    }
+
+    /// Adapter loads into GPU slots completed so far (from disk, from the host cache).
+    pub fn lora_loads(&self) -> LoraLoads {
+        self.lora.loads()
     }
 
     /// Adapters currently in GPU slots (loaded or loading).

@@ -15,8 +15,21 @@ pub type AdapterId = u32;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum SlotState {
-    Loading { ready_at: Duration },
+    /// `from_host`: the weights come from the host cache (a PCIe copy), not from disk.
+    Loading {
+        ready_at: Duration,
+        from_host: bool,
+    },
     Loaded,
+}
+
+/// Adapter loads completed so far, by where the weights came from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoraLoads {
+    /// Cold loads (`--lora-load-ms`: not in the host cache).
+    pub disk: u64,
+    /// Reloads from the host cache (a PCIe copy).
+    pub host: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -36,7 +49,7 @@ pub struct LoraSlots {
     slots: Vec<Slot>,
     /// Host cache, least recently used first.
     cpu: Vec<AdapterId>,
-    loads_total: u64,
+    loads: LoraLoads,
 }
 
 impl LoraSlots {
@@ -54,7 +67,7 @@ impl LoraSlots {
             swap_in,
             slots: Vec::new(),
             cpu: Vec::new(),
-            loads_total: 0,
+            loads: LoraLoads::default(),
         }
     }
 
@@ -93,13 +106,25 @@ impl LoraSlots {
 
     /// Loads completed so far.
     pub fn loads_total(&self) -> u64 {
-        self.loads_total
+        self.loads.disk + self.loads.host
     }
 
-    /// Marks an adapter as used by the batch at `now` (for LRU eviction).
+    /// Loads completed so far, from disk and from the host cache.
+    pub fn loads(&self) -> LoraLoads {
+        self.loads
+    }
+
+    /// Marks an adapter as used by the batch at `now` (for LRU eviction). As in vLLM, use
+    /// refreshes the host cache too: adapters in GPU slots are its most recently used.
     pub fn touch(&mut self, adapter: AdapterId, now: Duration) {
         if let Some(i) = self.slot_of(adapter) {
             self.slots[i].last_used = now;
+        }
+        if let Some(position) = self.cpu.iter().position(|&a| a == adapter)
+            && position + 1 != self.cpu.len()
+        {
+            let used = self.cpu.remove(position);
+            self.cpu.push(used);
         }
     }
 
@@ -115,7 +140,8 @@ impl LoraSlots {
         if self.slot_of(adapter).is_some() {
             return true;
         }
-        let duration = if self.cpu.contains(&adapter) {
+        let from_host = self.cpu.contains(&adapter);
+        let duration = if from_host {
             self.swap_in
         } else {
             self.cold_load
@@ -124,6 +150,7 @@ impl LoraSlots {
             adapter,
             state: SlotState::Loading {
                 ready_at: now + duration,
+                from_host,
             },
             last_used: now,
         };
@@ -152,7 +179,7 @@ impl LoraSlots {
         self.slots
             .iter()
             .filter_map(|s| match s.state {
-                SlotState::Loading { ready_at } => Some(ready_at),
+                SlotState::Loading { ready_at, .. } => Some(ready_at),
                 SlotState::Loaded => None,
             })
             .min()
@@ -162,18 +189,25 @@ impl LoraSlots {
     pub fn complete_loads(&mut self, now: Duration) -> usize {
         let mut done = Vec::new();
         for s in &mut self.slots {
-            if let SlotState::Loading { ready_at } = s.state
+            if let SlotState::Loading {
+                ready_at,
+                from_host,
+            } = s.state
                 && ready_at <= now
             {
                 s.state = SlotState::Loaded;
                 s.last_used = ready_at;
                 done.push(s.adapter);
+                if from_host {
+                    self.loads.host += 1;
+                } else {
+                    self.loads.disk += 1;
+                }
             }
         }
         for &a in &done {
             self.cache_on_host(a);
         }
-        self.loads_total += done.len() as u64;
         done.len()
     }
 
@@ -189,11 +223,19 @@ impl LoraSlots {
         self.slots.iter().position(|s| s.adapter == adapter)
     }
 
+    /// Evicts the least recently used adapter that is not in a GPU slot: in vLLM the
+    /// slot-resident adapters are a subset of the host cache.
     fn cache_on_host(&mut self, adapter: AdapterId) {
         self.cpu.retain(|&a| a != adapter);
         self.cpu.push(adapter);
-        if self.cpu.len() > self.max_cpu_loras {
-            self.cpu.remove(0);
+        while self.cpu.len() > self.max_cpu_loras {
+            let oldest_idle = self.cpu.iter().position(|&a| self.slot_of(a).is_none());
+            match oldest_idle {
+                Some(position) => {
+                    self.cpu.remove(position);
+                }
+                None => break,
+            }
         }
     }
 }
@@ -218,6 +260,9 @@ mod tests {
         slots.complete_loads(500 * MS);
         assert!(slots.request_load(0, 600 * MS, |_| false));
         assert_eq!(slots.next_ready(), Some(602 * MS));
+        slots.complete_loads(602 * MS);
+        assert_eq!(slots.loads(), LoraLoads { disk: 2, host: 1 });
+        assert_eq!(slots.loads_total(), 3);
     }
 
     #[test]
@@ -230,5 +275,25 @@ mod tests {
         assert!(slots.request_load(2, MS, |a| a == 0));
         assert!(slots.is_loaded(0));
         assert!(!slots.is_loaded(1));
+    }
+
+    #[test]
+    fn an_adapter_in_a_gpu_slot_never_falls_out_of_the_host_cache() {
+        let (a, b, c) = (1, 2, 3);
+        let ms = Duration::from_millis;
+        let mut slots = LoraSlots::new(2, 2, ms(100), ms(2));
+        assert!(slots.request_load(a, ms(0), |_| false));
+        assert!(slots.request_load(b, ms(0), |_| false));
+        slots.complete_loads(ms(100));
+        // `a` stays busy, `b` goes idle; `c` takes `b`'s slot.
+        slots.touch(a, ms(200));
+        assert!(slots.request_load(c, ms(300), |x| x == a));
+        slots.complete_loads(ms(400));
+        assert!(slots.is_loaded(a) && slots.is_loaded(c));
+        // The host cache (2) keeps the resident `a` and `c`: `b` was the one to go, so
+        // it reloads cold.
+        assert!(slots.request_load(b, ms(500), |x| x == c));
+        slots.complete_loads(ms(600));
+        assert_eq!(slots.loads(), LoraLoads { disk: 4, host: 0 });
     }
 }

@@ -3,7 +3,8 @@
 //! Like Python's `prometheus_client`, labels are sorted by name, floats are written with a
 //! decimal point, counters are declared without their `_total` suffix in `# HELP` / `# TYPE`,
 //! and `vllm:lora_requests_info` keeps one series per label set it has exported, the newest
-//! (largest value: a unix timestamp) being current.
+//! (largest value: a unix timestamp) being current. One series is the simulator's own and not
+//! vLLM's: `kvroute_sim:lora_loads_total{source="disk"|"host"}`, adapter loads for benchmarks.
 
 use std::fmt::Write;
 
@@ -260,6 +261,24 @@ pub fn render(engine: &Engine, ctx: RenderContext<'_>) -> String {
             let ts = ctx.epoch_unix + info.since.as_secs_f64();
             let _ = writeln!(out, "vllm:lora_requests_info{l} {}", f(ts));
         }
+        // Not a vLLM metric: the simulator's own count, for benchmarks.
+        let loads = engine.lora_loads();
+        header(
+            &mut out,
+            "kvroute_sim:lora_loads",
+            "counter",
+            "Adapter loads into a GPU slot completed, by where the weights came from (simulator only, not a vLLM metric).",
+        );
+        for (source, v) in [("disk", loads.disk), ("host", loads.host)] {
+            let mut l = base.to_vec();
+            l.push(("source", source));
+            let _ = writeln!(
+                out,
+                "kvroute_sim:lora_loads_total{} {}",
+                labels(&l),
+                f(v as f64)
+            );
+        }
     }
     out
 }
@@ -291,5 +310,69 @@ mod tests {
         assert!(text.contains(
             "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1700000000.0"
         ));
+        assert!(text.contains(
+            "kvroute_sim:lora_loads_total{engine=\"0\",model_name=\"m\",source=\"disk\"} 0.0\n"
+        ));
+    }
+
+    #[test]
+    fn adapter_loads_are_counted_by_source_from_disk_then_from_the_host_cache() {
+        use crate::sim::engine::{FinishReason, RequestSpec};
+        let profile = Profile::by_name("h100-llama3-8b").expect("profile");
+        let cfg = EngineConfig {
+            max_loras: 1,
+            max_cpu_loras: 2,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new(cfg, profile);
+        // a (cold), b (cold, evicts a), a again (from the host cache).
+        for (i, adapter) in ["a", "b", "a"].into_iter().enumerate() {
+            let now = engine.now();
+            engine.add_request(
+                now,
+                RequestSpec {
+                    prompt: vec![i as u32 + 1; 32],
+                    adapter: Some(adapter.into()),
+                    max_output: 2,
+                    finish_reason: FinishReason::Length,
+                    output_seed: 1,
+                },
+            );
+            while let Some(t) = engine.next_event_time() {
+                engine.advance(t);
+            }
+        }
+        let text = render(
+            &engine,
+            RenderContext {
+                model: "m",
+                epoch_unix: 0.0,
+            },
+        );
+        assert!(
+            text.contains("# TYPE kvroute_sim:lora_loads counter\n"),
+            "{text}"
+        );
+        assert!(text.contains(
+            "kvroute_sim:lora_loads_total{engine=\"0\",model_name=\"m\",source=\"disk\"} 2.0\n"
+        ));
+        assert!(text.contains(
+            "kvroute_sim:lora_loads_total{engine=\"0\",model_name=\"m\",source=\"host\"} 1.0\n"
+        ));
+        let without_lora = Engine::new(
+            EngineConfig {
+                max_loras: 0,
+                ..EngineConfig::default()
+            },
+            Profile::by_name("h100-llama3-8b").expect("profile"),
+        );
+        let text = render(
+            &without_lora,
+            RenderContext {
+                model: "m",
+                epoch_unix: 0.0,
+            },
+        );
+        assert!(!text.contains("kvroute_sim:lora_loads"));
     }
 }

@@ -48,36 +48,42 @@ impl ServedModels {
 pub struct LoadSignals {
     pub waiting: u32,
     /// KV-cache use, 0..=1.
-    pub kv_usage: f64,
-    pub kv_capacity_tokens: Option<u64>,
+    pub kv_usage: f32,
+    /// KV capacity in tokens; 0 when the pod does not report it.
+    pub kv_capacity_tokens: u64,
 }
 
 impl LoadSignals {
     pub fn of(metrics: &PodMetrics) -> Self {
         LoadSignals {
             waiting: metrics.waiting,
-            kv_usage: metrics.kv_usage.clamp(0.0, 1.0),
-            kv_capacity_tokens: metrics.kv_capacity_tokens,
+            kv_usage: metrics.kv_usage.clamp(0.0, 1.0) as f32,
+            kv_capacity_tokens: metrics.kv_capacity_tokens.unwrap_or(0),
         }
     }
 }
 
 /// One pod as the scheduler sees it.
+///
+/// Laid out so that what every pick reads of every pod (the load counters, the model
+/// list pointer, the signals, the age, the health) shares the first cache line: a pick
+/// over thousands of pods is bound by how many lines it touches.
 #[derive(Debug, Clone)]
+#[repr(C, align(64))]
 pub struct PodView {
-    pub endpoint: SocketAddr,
-    /// Up or down, after hysteresis over scrape results.
-    pub healthy: bool,
-    /// The last successful scrape, if any; set with [`PodView::new`] or
-    /// [`PodView::set_metrics`] so that `signals` follows.
-    metrics: Option<Arc<PodMetrics>>,
+    /// kvroute's own in-flight accounting for this pod (live counters).
+    pub load: Arc<PodLoad>,
+    /// What the pod's `/v1/models` said, if it answered yet.
+    pub models: Option<Arc<ServedModels>>,
     signals: Option<LoadSignals>,
     /// How old `metrics` was when this snapshot was built.
     pub metrics_age: Option<Duration>,
-    /// What the pod's `/v1/models` said, if it answered yet.
-    pub models: Option<Arc<ServedModels>>,
-    /// kvroute's own in-flight accounting for this pod (live counters).
-    pub load: Arc<PodLoad>,
+    /// Up or down, after hysteresis over scrape results.
+    pub healthy: bool,
+    pub endpoint: SocketAddr,
+    /// The last successful scrape, if any; set with [`PodView::new`] or
+    /// [`PodView::set_metrics`] so that `signals` follows.
+    metrics: Option<Arc<PodMetrics>>,
 }
 
 impl PodView {
@@ -186,9 +192,10 @@ impl PodStore {
     /// succeeds; removed ones vanish from the next snapshot together with their
     /// in-flight accounting. Returns whether anything changed.
     pub fn set_endpoints(&self, endpoints: &[SocketAddr]) -> bool {
+        let wanted: std::collections::HashSet<&SocketAddr> = endpoints.iter().collect();
         let mut pods = self.lock();
         let before = pods.len();
-        pods.retain(|endpoint, _| endpoints.contains(endpoint));
+        pods.retain(|endpoint, _| wanted.contains(endpoint));
         let mut changed = pods.len() != before;
         for endpoint in endpoints {
             pods.entry(*endpoint).or_insert_with(|| {

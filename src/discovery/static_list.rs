@@ -1,13 +1,9 @@
-//! Where the endpoint set comes from. Static discovery (the default) takes the list
-//! from the command line or the config file; Kubernetes discovery will feed the same
-//! store from watches.
+//! Static discovery: a fixed list of endpoints from `--endpoints` or the config file.
 
 use std::net::SocketAddr;
 
-use crate::state::PodStore;
-
-/// A fixed list of endpoints.
-#[derive(Debug, Clone)]
+/// A fixed list of endpoints, sorted and without duplicates.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StaticDiscovery {
     endpoints: Vec<SocketAddr>,
 }
@@ -23,9 +19,8 @@ impl StaticDiscovery {
         &self.endpoints
     }
 
-    /// Puts the endpoints into the store.
-    pub fn apply(&self, store: &PodStore) {
-        store.set_endpoints(&self.endpoints);
+    pub fn into_endpoints(self) -> Vec<SocketAddr> {
+        self.endpoints
     }
 }
 

@@ -1,0 +1,126 @@
+//! The `kvroute` binary itself: configuration errors, serving, and a clean stop on
+//! SIGTERM.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+use support::FakePod;
+
+/// Kills the child if the test fails before it is stopped on purpose.
+struct KillOnDrop(Option<Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn kvroute() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvroute"))
+}
+
+#[test]
+fn serving_without_endpoints_exits_with_a_one_line_reason() {
+    let output = kvroute()
+        .args([
+            "serve",
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ])
+        .env_remove("KVROUTE_ENDPOINTS")
+        .env_remove("KVROUTE_CONFIG")
+        .output()
+        .expect("run kvroute");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("no endpoints"), "{stderr}");
+}
+
+#[test]
+fn a_malformed_flag_is_refused_before_anything_binds() {
+    let output = kvroute()
+        .args([
+            "serve",
+            "--endpoints",
+            "10.0.0.1:8000",
+            "--refresh-metrics-interval",
+            "soon",
+        ])
+        .output()
+        .expect("run kvroute");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--refresh-metrics-interval"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_serves_metrics_and_stops_cleanly_on_sigterm() {
+    let pod = FakePod::start("pod-0", "llama", &[]).await;
+    let mut child = kvroute()
+        .args(["serve", "--endpoints", &pod.addr.to_string()])
+        .args([
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--health-addr",
+            "off",
+        ])
+        .args(["--drain-timeout", "1s"])
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kvroute");
+    // The log names the bound addresses and says when the first scrape made it ready.
+    let stderr = child.stderr.take().expect("stderr");
+    let mut guard = KillOnDrop(Some(child));
+    let (metrics_addr, ready) = tokio::task::spawn_blocking(move || {
+        // Either line may come first.
+        let (mut metrics_addr, mut ready) = (None, false);
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("metrics and debug HTTP listening") {
+                metrics_addr = line.split("addr=").nth(1).map(|a| a.trim().to_owned());
+            }
+            ready |= line.contains("ready: endpoint metrics available");
+            if ready && metrics_addr.is_some() {
+                break;
+            }
+        }
+        (metrics_addr, ready)
+    })
+    .await
+    .expect("log reader");
+    assert!(ready, "kvroute never became ready");
+    let metrics_addr = metrics_addr.expect("metrics address logged");
+    let text = support::http_client()
+        .get(format!("http://{metrics_addr}/metrics"))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(text.contains("kvroute_pod_healthy"), "{text}");
+
+    let mut child = guard.0.take().expect("still running");
+    let pid = child.id().to_string();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .expect("join")
+        .expect("wait");
+    drop(guard);
+    assert!(status.success(), "kvroute exited with {status} on SIGTERM");
+}
