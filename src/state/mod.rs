@@ -64,26 +64,21 @@ impl LoadSignals {
 }
 
 /// One pod as the scheduler sees it.
-///
-/// Laid out so that what every pick reads of every pod (the load counters, the model
-/// list pointer, the signals, the age, the health) shares the first cache line: a pick
-/// over thousands of pods is bound by how many lines it touches.
 #[derive(Debug, Clone)]
-#[repr(C, align(64))]
 pub struct PodView {
-    /// kvroute's own in-flight accounting for this pod (live counters).
-    pub load: Arc<PodLoad>,
-    /// What the pod's `/v1/models` said, if it answered yet.
-    pub models: Option<Arc<ServedModels>>,
-    signals: Option<LoadSignals>,
-    /// How old `metrics` was when this snapshot was built.
-    pub metrics_age: Option<Duration>,
+    pub endpoint: SocketAddr,
     /// Up or down, after hysteresis over scrape results.
     pub healthy: bool,
-    pub endpoint: SocketAddr,
     /// The last successful scrape, if any; set with [`PodView::new`] or
     /// [`PodView::set_metrics`] so that `signals` follows.
     metrics: Option<Arc<PodMetrics>>,
+    signals: Option<LoadSignals>,
+    /// How old `metrics` was when this snapshot was built.
+    pub metrics_age: Option<Duration>,
+    /// What the pod's `/v1/models` said, if it answered yet.
+    pub models: Option<Arc<ServedModels>>,
+    /// kvroute's own in-flight accounting for this pod (live counters).
+    pub load: Arc<PodLoad>,
 }
 
 impl PodView {
