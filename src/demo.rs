@@ -166,6 +166,7 @@ struct Summary {
     ttft: [f64; 3],
     e2e_p90: f64,
     preemptions: f64,
+    lora_loads: f64,
     prefix_hit_rate: f64,
     busiest_share: f64,
 }
@@ -177,12 +178,14 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
-async fn fleet_counters(pods: &[SocketAddr]) -> (f64, f64, f64) {
+/// Fleet totals from each pod's /metrics: preemptions, prefix-cache hits and queries,
+/// and adapter loads (the simulator's own `kvroute_sim:lora_loads_total`).
+async fn fleet_counters(pods: &[SocketAddr]) -> (f64, f64, f64, f64) {
     let client = reqwest::Client::builder()
         .no_proxy()
         .build()
         .unwrap_or_default();
-    let (mut preemptions, mut hits, mut queries) = (0.0, 0.0, 0.0);
+    let (mut preemptions, mut hits, mut queries, mut lora_loads) = (0.0, 0.0, 0.0, 0.0);
     for pod in pods {
         let Ok(response) = client.get(format!("http://{pod}/metrics")).send().await else {
             continue;
@@ -195,8 +198,15 @@ async fn fleet_counters(pods: &[SocketAddr]) -> (f64, f64, f64) {
             hits += metrics.prefix_cache_hits_total.unwrap_or(0.0);
             queries += metrics.prefix_cache_queries_total.unwrap_or(0.0);
         }
+        if let Ok(samples) = crate::scrape::exposition::parse(&text) {
+            lora_loads += samples
+                .iter()
+                .filter(|s| s.name == "kvroute_sim:lora_loads_total")
+                .map(|s| s.value)
+                .sum::<f64>();
+        }
     }
-    (preemptions, hits, queries)
+    (preemptions, hits, queries, lora_loads)
 }
 
 fn fleet_config(args: &DemoArgs) -> FleetConfig {
@@ -248,7 +258,7 @@ async fn run_one(
         envoy.port
     );
     let outcomes = drive(&envoy.url("/v1/completions"), &jobs, args.speedup).await;
-    let (preemptions, hits, queries) = fleet_counters(&pods).await;
+    let (preemptions, hits, queries, lora_loads) = fleet_counters(&pods).await;
     drop(envoy);
     if let Some(task) = kvroute_task {
         task.abort();
@@ -277,6 +287,7 @@ async fn run_one(
         ],
         e2e_p90: percentile(&e2es, 0.9),
         preemptions,
+        lora_loads,
         prefix_hit_rate: if queries > 0.0 { hits / queries } else { 0.0 },
         busiest_share: per_pod.values().max().copied().unwrap_or(0) as f64 / ok.max(1) as f64,
     })
@@ -305,12 +316,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         .context("round-robin run failed")?;
     println!();
     println!(
-        "| router | ok | errors | TTFT p50 s | TTFT p90 s | TTFT p99 s | e2e p90 s | preemptions | prefix hit rate | busiest pod share |"
+        "| router | ok | errors | TTFT p50 s | TTFT p90 s | TTFT p99 s | e2e p90 s | LoRA loads | preemptions | prefix hit rate | busiest pod share |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for s in [&kvroute, &round_robin] {
         println!(
-            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.0} | {:.2} | {:.2} |",
+            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.0} | {:.0} | {:.2} | {:.2} |",
             s.router,
             s.ok,
             s.errors,
@@ -318,6 +329,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             s.ttft[1],
             s.ttft[2],
             s.e2e_p90,
+            s.lora_loads,
             s.preemptions,
             s.prefix_hit_rate,
             s.busiest_share

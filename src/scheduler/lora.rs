@@ -94,8 +94,8 @@ pub fn is_adapter(model: &str, snapshot: &Snapshot, config: &SchedulerConfig) ->
     }
 }
 
-/// Whether a pod may serve the model. A pod whose `/v1/models` has not answered yet
-/// may: refusing it would turn a slow start into 404s. Pods usually share one model
+/// Whether a pod may serve the model. A healthy pod whose `/v1/models` has not answered
+/// yet may: refusing it would turn a slow start into 404s. Pods usually share one model
 /// list (the store interns equal lists), so the answer is remembered per list.
 pub struct ServesModel<'a> {
     model: &'a str,
@@ -113,8 +113,10 @@ impl<'a> ServesModel<'a> {
     }
 
     pub fn check(&mut self, pod: &PodView) -> bool {
+        // An unlisted pod may serve anything only while it is up: a dead pod that never
+        // answered /v1/models must not turn every unknown model's 404 into a 503.
         let Some(models) = pod.models.as_ref() else {
-            return true;
+            return pod.healthy;
         };
         let key = Arc::as_ptr(models);
         let listed = match self.last {

@@ -132,6 +132,18 @@ fn a_pod_that_has_not_listed_its_models_yet_may_serve_any_model() {
 }
 
 #[test]
+fn a_down_pod_that_never_listed_its_models_does_not_hide_an_unknown_model() {
+    let mut silent_and_down = pod(2);
+    silent_and_down.models = None;
+    silent_and_down.healthy = false;
+    let snapshot = fleet(vec![pod(1), silent_and_down]);
+    assert_eq!(
+        pick_seeded(&request("gpt-9", 10), &snapshot),
+        Err(PickError::UnknownModel("gpt-9".into()))
+    );
+}
+
+#[test]
 fn the_adapter_map_lets_pods_of_the_base_model_serve_an_unlisted_adapter() {
     let snapshot = fleet(vec![pod(1)]);
     let mut config = SchedulerConfig::default();
