@@ -1,7 +1,8 @@
 //! Wiring of `kvroute serve`: binds every listener first (so a bad address fails
 //! before anything runs, and tests can bind port 0), then runs discovery, scraping,
-//! snapshot publishing, the ext_proc and health gRPC services and the admin HTTP
-//! server until shutdown, letting open request streams drain.
+//! snapshot publishing, the ext_proc and health gRPC services, the gRPC admin API
+//! (decision tap) and the metrics/debug HTTP server until shutdown, letting open
+//! request streams drain.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -21,6 +22,7 @@ use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 use tracing::{info, warn};
 
+use crate::admin::AdminService;
 use crate::config::ServeConfig;
 use crate::discovery::Discovery;
 use crate::extproc::ExtProcService;
@@ -39,6 +41,8 @@ pub const EXTPROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 pub struct BoundAddrs {
     pub grpc: SocketAddr,
     pub health: Option<SocketAddr>,
+    /// The gRPC admin API, unless switched off.
+    pub admin: Option<SocketAddr>,
     pub metrics: SocketAddr,
 }
 
@@ -47,6 +51,7 @@ pub struct App {
     config: ServeConfig,
     grpc: TcpListener,
     health: Option<TcpListener>,
+    admin: Option<TcpListener>,
     metrics: TcpListener,
     store: Arc<PodStore>,
     picker: Arc<LivePicker>,
@@ -70,6 +75,10 @@ impl App {
             Some(addr) => Some(bind(addr, "--health-addr").await?),
             None => None,
         };
+        let admin = match config.admin_addr {
+            Some(addr) => Some(bind(addr, "--admin-addr").await?),
+            None => None,
+        };
         let metrics = bind(config.metrics_addr, "--metrics-addr").await?;
         let store = Arc::new(PodStore::new(config.health));
         let picker = Arc::new(LivePicker::new(
@@ -81,6 +90,7 @@ impl App {
             config,
             grpc,
             health,
+            admin,
             metrics,
             store,
             picker,
@@ -94,6 +104,11 @@ impl App {
             grpc: self.grpc.local_addr()?,
             health: self
                 .health
+                .as_ref()
+                .map(TcpListener::local_addr)
+                .transpose()?,
+            admin: self
+                .admin
                 .as_ref()
                 .map(TcpListener::local_addr)
                 .transpose()?,
@@ -115,6 +130,7 @@ impl App {
             config,
             grpc,
             health,
+            admin,
             metrics,
             store,
             picker,
@@ -157,6 +173,8 @@ impl App {
                 let _ = abort_tx.send(true);
             }
         });
+        let admin_service =
+            AdminService::new(Arc::clone(&picker), Arc::clone(&store), stop_rx.clone());
         let stopped = move || {
             let mut stop = stop_rx.clone();
             async move {
@@ -185,6 +203,21 @@ impl App {
             }
         };
 
+        // Watch streams end on the stop signal, so this server drains at once.
+        let admin_grpc_server = async {
+            match admin {
+                Some(listener) => {
+                    info!(addr = %listener.local_addr()?, "gRPC admin API listening");
+                    tonic::transport::Server::builder()
+                        .add_service(admin_service.into_server())
+                        .serve_with_incoming_shutdown(incoming(listener), stopped())
+                        .await
+                        .context("admin API server failed")
+                }
+                None => Ok(()),
+            }
+        };
+
         let admin = AdminState {
             prometheus,
             picker,
@@ -197,6 +230,7 @@ impl App {
         let result = tokio::try_join!(
             async { grpc_server.await.context("ext_proc server failed") },
             health_server,
+            admin_grpc_server,
             async { admin_server.await.context("metrics server failed") },
         );
         publisher.abort();
@@ -263,7 +297,8 @@ async fn track_readiness(store: Arc<PodStore>, reporter: HealthReporter) {
                 }
                 ServingStatus::NotServing
             };
-            for service in [READINESS_SERVICE, EXTPROC_SERVICE, ""] {
+            // Readiness last: whoever sees it flip finds the other services flipped too.
+            for service in [EXTPROC_SERVICE, "", READINESS_SERVICE] {
                 reporter.set_service_status(service, status).await;
             }
             ready = Some(now_ready);

@@ -81,6 +81,10 @@ pub struct ServeArgs {
     /// Address of a separate gRPC health endpoint for probes ("off" to disable).
     #[arg(long, env = "KVROUTE_HEALTH_ADDR", default_value = "0.0.0.0:9003", value_parser = parse_optional_addr)]
     pub health_addr: OptionalAddr,
+    /// Address of kvroute's gRPC admin API (`kvroute tap`, `kvroute endpoints`); loopback
+    /// by default, as decisions name models and pods ("off" to disable).
+    #[arg(long, env = "KVROUTE_ADMIN_ADDR", default_value = "127.0.0.1:9004", value_parser = parse_optional_addr)]
+    pub admin_addr: OptionalAddr,
     /// Address of the Prometheus exposition (/metrics) and debug endpoints.
     #[arg(long, env = "KVROUTE_METRICS_ADDR", default_value = "0.0.0.0:9090")]
     pub metrics_addr: SocketAddr,
@@ -290,6 +294,8 @@ impl Default for ScrapeConfig {
 pub struct ServeConfig {
     pub grpc_addr: SocketAddr,
     pub health_addr: Option<SocketAddr>,
+    /// The gRPC admin API (decision tap, endpoint list); `None`: off.
+    pub admin_addr: Option<SocketAddr>,
     pub metrics_addr: SocketAddr,
     /// Static discovery: the endpoints (empty with Kubernetes discovery).
     pub endpoints: Vec<SocketAddr>,
@@ -310,6 +316,7 @@ impl ServeConfig {
         ServeConfig {
             grpc_addr: loopback,
             health_addr: None,
+            admin_addr: None,
             metrics_addr: loopback,
             endpoints,
             kubernetes: None,
@@ -366,6 +373,7 @@ impl ServeConfig {
         let config = ServeConfig {
             grpc_addr: args.grpc_addr,
             health_addr: args.health_addr.0,
+            admin_addr: args.admin_addr.0,
             metrics_addr: args.metrics_addr,
             endpoints,
             kubernetes,
@@ -499,6 +507,18 @@ mod tests {
         let config =
             parse(&["--endpoints", "10.0.0.1:8000", "--health-addr", "off"]).expect("valid");
         assert_eq!(config.health_addr, None);
+    }
+
+    #[test]
+    fn the_admin_api_listens_on_loopback_by_default_and_can_be_switched_off() {
+        let config = parse(&["--endpoints", "10.0.0.1:8000"]).expect("valid");
+        assert_eq!(
+            config.admin_addr,
+            Some("127.0.0.1:9004".parse().expect("addr"))
+        );
+        let config =
+            parse(&["--endpoints", "10.0.0.1:8000", "--admin-addr", "off"]).expect("valid");
+        assert_eq!(config.admin_addr, None);
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //! `demo` puts them together.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod app;
+pub mod compare;
 pub mod config;
 pub mod demo;
 pub mod discovery;

@@ -5,7 +5,9 @@ use std::io::IsTerminal;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
+use kvroute::admin::tap::{EndpointsArgs, TapArgs};
 use kvroute::app::{App, shutdown_signal};
+use kvroute::compare::CompareArgs;
 use kvroute::config::{LogFormat, ServeArgs, ServeConfig};
 use kvroute::demo::DemoArgs;
 use kvroute::loadgen::BenchArgs;
@@ -32,6 +34,13 @@ enum Command {
     Demo(DemoArgs),
     /// Drive an OpenAI-compatible endpoint with a workload file; report latencies as JSON.
     Bench(BenchArgs),
+    /// Compare kvroute with Envoy round robin / least request, sglang-router and vllm-router
+    /// on identical simulated fleets; writes a Markdown report, plots and raw JSON.
+    Compare(CompareArgs),
+    /// Print kvroute's routing decisions live, with the top candidates' scores.
+    Tap(TapArgs),
+    /// Print the endpoints kvroute routes to, with their scraped metrics.
+    Endpoints(EndpointsArgs),
 }
 
 /// Logs to stderr; `RUST_LOG` overrides `default_filter`.
@@ -73,6 +82,19 @@ async fn main() -> std::process::ExitCode {
             // The progress bar and the report go to the terminal; keep logs to warnings.
             init_logging(LogFormat::Text, "warn");
             kvroute::loadgen::run(args).await
+        }
+        Command::Compare(args) => {
+            // Progress and the report go to the terminal; keep logs to warnings.
+            init_logging(LogFormat::Text, "warn");
+            kvroute::compare::run(args).await
+        }
+        Command::Tap(args) => {
+            init_logging(LogFormat::Text, "warn");
+            kvroute::admin::tap::tap(args).await
+        }
+        Command::Endpoints(args) => {
+            init_logging(LogFormat::Text, "warn");
+            kvroute::admin::tap::endpoints(args).await
         }
     };
     match result {

@@ -1,11 +1,13 @@
 //! The live router: runs the pure scheduler over the current snapshot, reserves the
-//! chosen pod's in-flight accounting, and records what happened (metrics, debug log).
+//! chosen pod's in-flight accounting, and records what happened (metrics, debug log,
+//! the live decision tap that the admin API's watchers subscribe to).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
+use tokio::sync::broadcast;
 use tracing::debug;
 
 use crate::extproc::{RouteError, RouteRequest, Routed, Router};
@@ -21,7 +23,12 @@ pub struct LivePicker {
     /// free KV and herd onto one pod. A pick takes microseconds.
     placement: Mutex<()>,
     decisions: DecisionLog,
+    /// Each decision, for live watchers; built only while someone is subscribed.
+    tap: broadcast::Sender<Arc<DecisionRecord>>,
 }
+
+/// Decisions a watcher may fall behind by before it starts missing some.
+const TAP_CAPACITY: usize = 4096;
 
 impl LivePicker {
     pub fn new(store: Arc<PodStore>, config: SchedulerConfig, keep_decisions: usize) -> Self {
@@ -30,7 +37,30 @@ impl LivePicker {
             config,
             placement: Mutex::new(()),
             decisions: DecisionLog::new(keep_decisions),
+            tap: broadcast::channel(TAP_CAPACITY).0,
         }
+    }
+
+    /// Every decision from now on. A receiver that falls more than a few thousand
+    /// decisions behind gets `RecvError::Lagged` with the count it missed; routing
+    /// never waits for it.
+    pub fn watch(&self) -> broadcast::Receiver<Arc<DecisionRecord>> {
+        self.tap.subscribe()
+    }
+
+    /// Records a decision for the debug log and the watchers; costs one uncontended
+    /// lock (`receiver_count`) when neither wants it: nothing is built or cloned.
+    fn record(&self, request: &PickRequest<'_>, outcome: Result<Decision, String>) {
+        let watched = self.tap.receiver_count() > 0;
+        if !watched && !self.decisions.enabled() {
+            return;
+        }
+        let record = Arc::new(DecisionRecord::new(request, outcome));
+        if watched {
+            // Fails only when the last watcher left in between: nothing to do.
+            let _ = self.tap.send(Arc::clone(&record));
+        }
+        self.decisions.push(record);
     }
 
     /// The recent decisions kept for `/debug/decisions` (empty when switched off).
@@ -76,7 +106,7 @@ impl Router for LivePicker {
                 let endpoints = std::iter::once(decision.endpoint)
                     .chain(decision.fallbacks.iter().copied())
                     .collect();
-                self.decisions.push(&pick_request, Ok(decision));
+                self.record(&pick_request, Ok(decision));
                 Ok(Routed {
                     endpoints,
                     labels,
@@ -85,7 +115,7 @@ impl Router for LivePicker {
             }
             Err(error) => {
                 debug!(%error, "not routed");
-                self.decisions.push(&pick_request, Err(error.to_string()));
+                self.record(&pick_request, Err(error.to_string()));
                 Err(RouteError { error, labels })
             }
         }
@@ -139,11 +169,30 @@ pub struct DecisionRecord {
     pub error: Option<String>,
 }
 
+impl DecisionRecord {
+    fn new(request: &PickRequest<'_>, outcome: Result<Decision, String>) -> Self {
+        let (decision, error) = match outcome {
+            Ok(decision) => (Some(decision), None),
+            Err(error) => (None, Some(error)),
+        };
+        DecisionRecord {
+            unix_ms: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis()),
+            model: request.model.map(str::to_owned),
+            prompt_tokens: request.prompt_tokens,
+            max_output_tokens: request.max_output_tokens,
+            decision,
+            error,
+        }
+    }
+}
+
 /// The last N decisions with their candidates' scores, for operators.
 #[derive(Debug)]
 pub struct DecisionLog {
     capacity: usize,
-    entries: Mutex<VecDeque<DecisionRecord>>,
+    entries: Mutex<VecDeque<Arc<DecisionRecord>>>,
 }
 
 impl DecisionLog {
@@ -158,24 +207,10 @@ impl DecisionLog {
         self.capacity > 0
     }
 
-    fn push(&self, request: &PickRequest<'_>, outcome: Result<Decision, String>) {
+    fn push(&self, record: Arc<DecisionRecord>) {
         if self.capacity == 0 {
             return;
         }
-        let (decision, error) = match outcome {
-            Ok(decision) => (Some(decision), None),
-            Err(error) => (None, Some(error)),
-        };
-        let record = DecisionRecord {
-            unix_ms: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis()),
-            model: request.model.map(str::to_owned),
-            prompt_tokens: request.prompt_tokens,
-            max_output_tokens: request.max_output_tokens,
-            decision,
-            error,
-        };
         let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
         if entries.len() == self.capacity {
             entries.pop_front();
@@ -186,6 +221,49 @@ impl DecisionLog {
     /// The kept decisions, newest last.
     pub fn recent(&self) -> Vec<DecisionRecord> {
         let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        entries.iter().cloned().collect()
+        entries.iter().map(|record| (**record).clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::HealthPolicy;
+
+    fn picker(keep_decisions: usize) -> LivePicker {
+        let store = Arc::new(PodStore::new(HealthPolicy::default()));
+        LivePicker::new(store, SchedulerConfig::default(), keep_decisions)
+    }
+
+    fn route_unplaceable(picker: &LivePicker) {
+        let request = RouteRequest {
+            inference: None,
+            subset: None,
+        };
+        assert!(picker.route(&request).is_err(), "no pods: not routed");
+    }
+
+    #[test]
+    fn a_watcher_sees_each_decision_even_with_the_debug_log_off() {
+        let picker = picker(0);
+        route_unplaceable(&picker);
+        let mut watcher = picker.watch();
+        route_unplaceable(&picker);
+        let record = watcher.try_recv().expect("the decision after subscribing");
+        assert_eq!(record.error.as_deref(), Some("no endpoints are known"));
+        assert!(
+            watcher.try_recv().is_err(),
+            "nothing from before subscribing"
+        );
+        assert!(picker.decisions().recent().is_empty());
+    }
+
+    #[test]
+    fn the_debug_log_keeps_the_last_decisions_without_watchers() {
+        let picker = picker(2);
+        for _ in 0..3 {
+            route_unplaceable(&picker);
+        }
+        assert_eq!(picker.decisions().recent().len(), 2);
     }
 }

@@ -74,7 +74,7 @@ async fn the_binary_serves_metrics_and_stops_cleanly_on_sigterm() {
             "--health-addr",
             "off",
         ])
-        .args(["--drain-timeout", "1s"])
+        .args(["--admin-addr", "off", "--drain-timeout", "1s"])
         .env("RUST_LOG", "info")
         .stderr(Stdio::piped())
         .spawn()

@@ -1,0 +1,349 @@
+//! kvroute's own gRPC admin API (`proto/kvroute/admin/v1/admin.proto`): a live tap on
+//! routing decisions and the current endpoint snapshot, for `kvroute tap` and
+//! `kvroute endpoints`. Served on `--admin-addr`, loopback by default.
+//!
+//! The picker publishes each decision on a broadcast channel, and only builds it while
+//! someone watches; a watcher that falls behind is told how many it missed, and routing
+//! never waits for it.
+
+pub mod tap;
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::{broadcast, watch};
+use tonic::{Request, Response, Status};
+use tracing::debug;
+
+use crate::picker::{DecisionRecord, LivePicker};
+use crate::scheduler::{CandidateScore, Decision, LoraTier};
+use crate::state::{PodStore, PodView, Snapshot};
+
+/// The generated messages, client and server of `kvroute.admin.v1`.
+#[allow(clippy::all, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("kvroute.admin.v1");
+}
+
+use pb::admin_server::{Admin, AdminServer};
+
+/// The admin service over the live picker and the pod store.
+pub struct AdminService {
+    picker: Arc<LivePicker>,
+    store: Arc<PodStore>,
+    /// Turns true on shutdown: open watch streams end.
+    stop: watch::Receiver<bool>,
+}
+
+impl AdminService {
+    pub fn new(picker: Arc<LivePicker>, store: Arc<PodStore>, stop: watch::Receiver<bool>) -> Self {
+        AdminService {
+            picker,
+            store,
+            stop,
+        }
+    }
+
+    pub fn into_server(self) -> AdminServer<Self> {
+        AdminServer::new(self)
+    }
+}
+
+type DecisionStream = Pin<Box<dyn Stream<Item = Result<pb::DecisionEvent, Status>> + Send>>;
+
+/// What one watcher asked to see.
+struct Filter {
+    model: Option<String>,
+}
+
+impl Filter {
+    fn admits(&self, record: &DecisionRecord) -> bool {
+        self.model
+            .as_deref()
+            .is_none_or(|model| record.model.as_deref() == Some(model))
+    }
+}
+
+struct Watcher {
+    decisions: broadcast::Receiver<Arc<DecisionRecord>>,
+    stop: watch::Receiver<bool>,
+    filter: Filter,
+}
+
+impl Watcher {
+    /// The next event for this watcher, or `None` when the stream should end.
+    async fn next(&mut self) -> Option<pb::DecisionEvent> {
+        loop {
+            let received = tokio::select! {
+                received = self.decisions.recv() => received,
+                () = stopped(self.stop.clone()) => return None,
+            };
+            match received {
+                Ok(record) if self.filter.admits(&record) => return Some(event(&record)),
+                Ok(_) => {}
+                Err(RecvError::Lagged(count)) => {
+                    debug!(missed = count, "a decision watcher fell behind");
+                    return Some(missed(count));
+                }
+                Err(RecvError::Closed) => return None,
+            }
+        }
+    }
+}
+
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    // A dropped sender means the server is gone too.
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    type WatchDecisionsStream = DecisionStream;
+
+    async fn watch_decisions(
+        &self,
+        request: Request<pb::WatchDecisionsRequest>,
+    ) -> Result<Response<DecisionStream>, Status> {
+        let request = request.into_inner();
+        let watcher = Watcher {
+            decisions: self.picker.watch(),
+            stop: self.stop.clone(),
+            filter: Filter {
+                model: Some(request.model).filter(|model| !model.is_empty()),
+            },
+        };
+        let events = futures::stream::unfold(watcher, |mut watcher| async move {
+            let event = watcher.next().await?;
+            Some((Ok(event), watcher))
+        });
+        Ok(Response::new(Box::pin(events)))
+    }
+
+    async fn list_endpoints(
+        &self,
+        _request: Request<pb::ListEndpointsRequest>,
+    ) -> Result<Response<pb::ListEndpointsResponse>, Status> {
+        Ok(Response::new(endpoints(&self.store.snapshot())))
+    }
+}
+
+/// The wire form of one decision.
+pub fn event(record: &DecisionRecord) -> pb::DecisionEvent {
+    let outcome = match (&record.decision, &record.error) {
+        (Some(decision), _) => Some(pb::decision_event::Outcome::Routed(routed(decision))),
+        (None, Some(error)) => Some(pb::decision_event::Outcome::Error(error.clone())),
+        (None, None) => None,
+    };
+    pb::DecisionEvent {
+        unix_ms: u64::try_from(record.unix_ms).unwrap_or(u64::MAX),
+        model: record.model.clone(),
+        prompt_tokens: record.prompt_tokens,
+        max_output_tokens: record.max_output_tokens,
+        outcome,
+    }
+}
+
+fn missed(count: u64) -> pb::DecisionEvent {
+    pb::DecisionEvent {
+        unix_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        outcome: Some(pb::decision_event::Outcome::Missed(pb::Missed { count })),
+        ..Default::default()
+    }
+}
+
+fn routed(decision: &Decision) -> pb::Routed {
+    pb::Routed {
+        endpoint: decision.endpoint.to_string(),
+        fallbacks: decision.fallbacks.iter().map(ToString::to_string).collect(),
+        reason: decision.reason.as_str().to_owned(),
+        relaxed: Some(pb::Relaxed {
+            stale_metrics: decision.relaxed.stale_metrics,
+            saturation: decision.relaxed.saturation,
+            kv_headroom: decision.relaxed.kv_headroom,
+        }),
+        tokens_needed: decision.tokens_needed,
+        candidates: u32::try_from(decision.candidates).unwrap_or(u32::MAX),
+        ranked: decision.ranked.iter().map(candidate).collect(),
+    }
+}
+
+fn candidate(score: &CandidateScore) -> pb::CandidateScore {
+    pb::CandidateScore {
+        endpoint: score.endpoint.to_string(),
+        total: score.total,
+        kv_headroom: score.kv_headroom,
+        queue: score.queue,
+        inflight: score.inflight,
+        lora: score.lora,
+        lora_tier: score
+            .lora_tier
+            .map(tier_name)
+            .unwrap_or_default()
+            .to_owned(),
+        free_kv_tokens: score.free_kv_tokens,
+    }
+}
+
+fn tier_name(tier: LoraTier) -> &'static str {
+    match tier {
+        LoraTier::Active => "active",
+        LoraTier::FreeSlot => "free_slot",
+        LoraTier::Unknown => "unknown",
+        LoraTier::Waiting => "waiting",
+        LoraTier::MustEvict => "must_evict",
+    }
+}
+
+/// The wire form of a snapshot.
+pub fn endpoints(snapshot: &Snapshot) -> pb::ListEndpointsResponse {
+    pb::ListEndpointsResponse {
+        generation: snapshot.generation,
+        endpoints: snapshot.pods.iter().map(endpoint).collect(),
+    }
+}
+
+fn endpoint(pod: &PodView) -> pb::Endpoint {
+    let metrics = pod.metrics().map(|m| pb::PodMetrics {
+        waiting: m.waiting,
+        running: m.running,
+        kv_usage: m.kv_usage,
+        kv_capacity_tokens: m.kv_capacity_tokens,
+        lora: m.lora.as_ref().map(|l| pb::LoraStatus {
+            max_lora: l.max_lora,
+            running: l.running.clone(),
+            waiting: l.waiting.clone(),
+        }),
+    });
+    let (models, adapters) = match pod.models.as_deref() {
+        Some(models) => (
+            models.base.clone(),
+            models
+                .adapters
+                .iter()
+                .map(|(adapter, base)| (adapter.clone(), base.clone()))
+                .collect(),
+        ),
+        None => Default::default(),
+    };
+    pb::Endpoint {
+        endpoint: pod.endpoint.to_string(),
+        healthy: pod.healthy,
+        metrics_age_seconds: pod.metrics_age.map(|age| age.as_secs_f64()),
+        metrics,
+        models,
+        adapters,
+        inflight: pod.load.inflight(),
+        unscraped_tokens: pod.load.unscraped_tokens(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::{Reason, Relaxed};
+
+    fn record(model: Option<&str>) -> DecisionRecord {
+        let endpoint = "10.0.0.1:8000".parse().expect("addr");
+        DecisionRecord {
+            unix_ms: 1_700_000_000_000,
+            model: model.map(str::to_owned),
+            prompt_tokens: 100,
+            max_output_tokens: Some(50),
+            decision: Some(Decision {
+                endpoint,
+                fallbacks: vec!["10.0.0.2:8000".parse().expect("addr")],
+                reason: Reason::Lora(LoraTier::Active),
+                relaxed: Relaxed {
+                    kv_headroom: true,
+                    ..Relaxed::default()
+                },
+                tokens_needed: 150,
+                candidates: 2,
+                ranked: vec![CandidateScore {
+                    endpoint,
+                    total: 3.5,
+                    kv_headroom: 0.9,
+                    queue: 1.0,
+                    inflight: 0.6,
+                    lora: 1.0,
+                    lora_tier: Some(LoraTier::Active),
+                    free_kv_tokens: Some(14_000),
+                }],
+            }),
+            error: None,
+        }
+    }
+
+    #[test]
+    fn a_decision_keeps_its_endpoint_reason_and_scores_on_the_wire() {
+        let event = event(&record(Some("sql-lora")));
+        assert_eq!(event.model.as_deref(), Some("sql-lora"));
+        assert_eq!(event.max_output_tokens, Some(50));
+        let Some(pb::decision_event::Outcome::Routed(routed)) = event.outcome else {
+            panic!("not routed: {event:?}");
+        };
+        assert_eq!(routed.endpoint, "10.0.0.1:8000");
+        assert_eq!(routed.fallbacks, ["10.0.0.2:8000"]);
+        assert_eq!(routed.reason, "lora_active");
+        assert!(
+            routed
+                .relaxed
+                .is_some_and(|r| r.kv_headroom && !r.saturation)
+        );
+        assert_eq!(routed.ranked[0].lora_tier, "active");
+        assert_eq!(routed.ranked[0].free_kv_tokens, Some(14_000));
+        assert_eq!(routed.ranked[0].total, 3.5);
+    }
+
+    #[test]
+    fn the_model_filter_admits_only_that_model() {
+        let filter = Filter {
+            model: Some("sql-lora".into()),
+        };
+        assert!(filter.admits(&record(Some("sql-lora"))));
+        assert!(!filter.admits(&record(Some("base"))));
+        assert!(!filter.admits(&record(None)));
+        assert!(Filter { model: None }.admits(&record(None)));
+    }
+
+    #[tokio::test]
+    async fn a_watcher_that_falls_behind_is_told_how_many_it_missed() {
+        let (tx, decisions) = broadcast::channel(2);
+        let (_stop_tx, stop) = watch::channel(false);
+        let mut watcher = Watcher {
+            decisions,
+            stop,
+            filter: Filter { model: None },
+        };
+        for _ in 0..5 {
+            tx.send(Arc::new(record(Some("base")))).expect("send");
+        }
+        let first = watcher.next().await.expect("event");
+        assert_eq!(
+            first.outcome,
+            Some(pb::decision_event::Outcome::Missed(pb::Missed { count: 3 }))
+        );
+        let next = watcher.next().await.expect("event");
+        assert!(matches!(
+            next.outcome,
+            Some(pb::decision_event::Outcome::Routed(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn watch_streams_end_on_shutdown() {
+        let (_tx, decisions) = broadcast::channel::<Arc<DecisionRecord>>(2);
+        let (stop_tx, stop) = watch::channel(false);
+        let mut watcher = Watcher {
+            decisions,
+            stop,
+            filter: Filter { model: None },
+        };
+        stop_tx.send(true).expect("stop");
+        assert_eq!(watcher.next().await, None);
+    }
+}

@@ -1,0 +1,365 @@
+//! Starting each router the comparison measures in front of a fleet, and stopping it.
+//!
+//! - `kvroute`: the in-process [`App`] behind Envoy with the shipped fail-closed gateway
+//!   (ORIGINAL_DST), scraping every 50 ms of simulated time;
+//! - `round-robin`, `least-request`: Envoy's own load balancers, no picker;
+//! - `sglang`, `vllm-router`: `python -m sglang_router.launch_router` /
+//!   `python -m vllm_router.launch_router` with `--policy cache_aware`, bound to 127.0.0.1.
+//!
+//! Every router is held by a guard that stops it when dropped: nothing outlives a run.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Serialize;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::app::{App, wait_for_snapshot};
+use crate::config::ServeConfig;
+use crate::gateway::{EnvoyProcess, Gateway, free_port};
+
+/// A router the comparison can measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RouterKind {
+    /// kvroute behind Envoy (shipped fail-closed gateway).
+    Kvroute,
+    /// Envoy ROUND_ROBIN.
+    RoundRobin,
+    /// Envoy LEAST_REQUEST.
+    LeastRequest,
+    /// sglang-router, cache_aware.
+    Sglang,
+    /// vllm-router, cache_aware.
+    VllmRouter,
+}
+
+impl RouterKind {
+    /// Every router, in report order.
+    pub const ALL: [RouterKind; 5] = [
+        RouterKind::Kvroute,
+        RouterKind::RoundRobin,
+        RouterKind::LeastRequest,
+        RouterKind::Sglang,
+        RouterKind::VllmRouter,
+    ];
+
+    /// The name used in flags, tables and file names.
+    pub fn name(self) -> &'static str {
+        match self {
+            RouterKind::Kvroute => "kvroute",
+            RouterKind::RoundRobin => "round-robin",
+            RouterKind::LeastRequest => "least-request",
+            RouterKind::Sglang => "sglang",
+            RouterKind::VllmRouter => "vllm-router",
+        }
+    }
+
+    /// What it is, in words, for the report.
+    pub fn description(self) -> &'static str {
+        match self {
+            RouterKind::Kvroute => {
+                "kvroute behind Envoy, shipped fail-closed gateway (ORIGINAL_DST), scrape every 50 ms simulated"
+            }
+            RouterKind::RoundRobin => "Envoy `ROUND_ROBIN`",
+            RouterKind::LeastRequest => "Envoy `LEAST_REQUEST`",
+            RouterKind::Sglang => "sglang-router `--policy cache_aware` (PyPI)",
+            RouterKind::VllmRouter => "vllm-router `--policy cache_aware` (PyPI)",
+        }
+    }
+
+    /// The Python module and its `--log-level` for warnings (the two spell it differently).
+    fn python_module(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            RouterKind::Sglang => Some(("sglang_router.launch_router", "warn")),
+            RouterKind::VllmRouter => Some(("vllm_router.launch_router", "warning")),
+            _ => None,
+        }
+    }
+}
+
+/// Where the external programs are, and where their logs go.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    /// Envoy binary.
+    pub envoy: PathBuf,
+    /// Python with sglang-router and vllm-router installed.
+    pub python: PathBuf,
+    /// Directory for the routers' logs.
+    pub log_dir: PathBuf,
+    /// kvroute's scrape period (wall time) instead of 50 ms simulated.
+    pub kvroute_scrape_interval: Option<Duration>,
+}
+
+/// A running router; stopped by [`RunningRouter::stop`] or when dropped.
+pub struct RunningRouter {
+    /// Which router.
+    pub kind: RouterKind,
+    /// Base URL clients send to.
+    pub base_url: String,
+    guard: Guard,
+}
+
+enum Guard {
+    Kvroute {
+        // Declared first: dropped (killed) before kvroute stops.
+        envoy: EnvoyProcess,
+        app: AbortOnDrop,
+        stop: Option<oneshot::Sender<()>>,
+    },
+    Envoy(EnvoyProcess),
+    Process(ChildGuard),
+}
+
+/// A task aborted when dropped.
+struct AbortOnDrop(Option<JoinHandle<anyhow::Result<()>>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// A child process killed (and reaped) when dropped.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl RunningRouter {
+    /// Stops the router and waits until it is gone.
+    pub async fn stop(self) {
+        match self.guard {
+            Guard::Kvroute {
+                envoy,
+                mut app,
+                mut stop,
+            } => {
+                drop(envoy);
+                if let Some(stop) = stop.take() {
+                    let _ = stop.send(());
+                }
+                if let Some(task) = app.0.take() {
+                    let abort = task.abort_handle();
+                    if tokio::time::timeout(Duration::from_secs(5), task)
+                        .await
+                        .is_err()
+                    {
+                        abort.abort();
+                    }
+                }
+            }
+            Guard::Envoy(envoy) => drop(envoy),
+            Guard::Process(child) => drop(child),
+        }
+    }
+}
+
+/// Starts `kind` in front of `pods` (a fleet clocked `speedup` times faster) and waits until
+/// it answers a completion for `model`.
+pub async fn start(
+    kind: RouterKind,
+    pods: &[SocketAddr],
+    speedup: f64,
+    model: &str,
+    tools: &Tools,
+) -> anyhow::Result<RunningRouter> {
+    let (guard, base_url) = match kind {
+        RouterKind::Kvroute => {
+            let mut config = kvroute_config(pods, speedup);
+            if let Some(interval) = tools.kvroute_scrape_interval {
+                config.scrape.interval = interval;
+                config.scheduler.max_metrics_age =
+                    config.scheduler.max_metrics_age.max(interval * 10);
+            }
+            start_kvroute(config, pods, &tools.envoy).await?
+        }
+        RouterKind::RoundRobin | RouterKind::LeastRequest => {
+            let gateway = if kind == RouterKind::RoundRobin {
+                Gateway::RoundRobin
+            } else {
+                Gateway::LeastRequest
+            };
+            let envoy = EnvoyProcess::start(gateway, pods, &tools.envoy, "error").await?;
+            let url = envoy.url("");
+            (Guard::Envoy(envoy), url)
+        }
+        RouterKind::Sglang | RouterKind::VllmRouter => {
+            let (module, level) = kind.python_module().unwrap_or_default();
+            let log = tools.log_dir.join(format!("{}.log", kind.name()));
+            let (child, url) = start_python_router(&tools.python, module, level, pods, &log)?;
+            (Guard::Process(child), url)
+        }
+    };
+    let mut router = RunningRouter {
+        kind,
+        base_url,
+        guard,
+    };
+    let base = router.base_url.clone();
+    let guard = &mut router.guard;
+    let alive = move || match guard {
+        Guard::Process(ChildGuard(child)) => match child.try_wait() {
+            Ok(Some(status)) => Err(format!("it exited ({status}); see its log")),
+            _ => Ok(()),
+        },
+        _ => Ok(()),
+    };
+    wait_answering(&base, model, Duration::from_secs(90), alive)
+        .await
+        .with_context(|| format!("{} did not become ready", kind.name()))?;
+    Ok(router)
+}
+
+/// kvroute scrapes every 50 ms of simulated time (at least every 2 ms of wall time) and
+/// counts metrics older than 1 simulated second as stale, as it would in front of real pods.
+pub fn kvroute_config(pods: &[SocketAddr], speedup: f64) -> ServeConfig {
+    let mut serve = ServeConfig::local(pods.to_vec());
+    serve.scrape.interval = Duration::from_secs_f64(0.05 / speedup).max(Duration::from_millis(2));
+    serve.scheduler.max_metrics_age =
+        Duration::from_secs_f64(1.0 / speedup).max(serve.scrape.interval * 10);
+    serve.drain_timeout = Duration::from_secs(1);
+    serve
+}
+
+async fn start_kvroute(
+    config: ServeConfig,
+    pods: &[SocketAddr],
+    envoy: &Path,
+) -> anyhow::Result<(Guard, String)> {
+    let app = App::bind(config).await?;
+    let addr = app.addrs()?.grpc;
+    let store = app.store();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let app = AbortOnDrop(Some(tokio::spawn(app.run(async move {
+        let _ = stopped.await;
+    }))));
+    let scraped = wait_for_snapshot(&store, Duration::from_secs(20), |s| {
+        s.pods.iter().all(|p| p.healthy && p.models.is_some())
+    })
+    .await;
+    anyhow::ensure!(scraped, "kvroute did not scrape every pod of the fleet");
+    let envoy =
+        EnvoyProcess::start(Gateway::OriginalDst { kvroute: addr }, pods, envoy, "error").await?;
+    let url = envoy.url("");
+    Ok((
+        Guard::Kvroute {
+            envoy,
+            app,
+            stop: Some(stop),
+        },
+        url,
+    ))
+}
+
+/// Python that dies with its parent (`PR_SET_PDEATHSIG`, SIGKILL) before running `module`,
+/// so a router cannot outlive a comparison that is killed; Linux only, skipped elsewhere.
+const LAUNCH: &str = "\
+import ctypes, runpy, sys
+try:
+    ctypes.CDLL(None).prctl(1, 9)
+except Exception:
+    pass
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)
+";
+
+fn start_python_router(
+    python: &Path,
+    module: &str,
+    log_level: &str,
+    pods: &[SocketAddr],
+    log: &Path,
+) -> anyhow::Result<(ChildGuard, String)> {
+    let (port, prometheus) = (free_port()?, free_port()?);
+    let log_file =
+        std::fs::File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
+    let mut cmd = Command::new(python);
+    cmd.args(["-c", LAUNCH, module, "--worker-urls"])
+        .args(pods.iter().map(|p| format!("http://{p}")))
+        .args(["--policy", "cache_aware", "--host", "127.0.0.1"])
+        .args(["--port", &port.to_string()])
+        .args(["--prometheus-port", &prometheus.to_string()])
+        .args(["--log-level", log_level])
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file);
+    let child = cmd.spawn().with_context(|| {
+        format!(
+            "cannot run {} -m {module}; run scripts/setup or pass --python",
+            python.display()
+        )
+    })?;
+    Ok((ChildGuard(child), format!("http://127.0.0.1:{port}")))
+}
+
+/// Polls with a one-token completion until the router answers 200; gives up when `alive`
+/// says the router is gone.
+async fn wait_answering(
+    base: &str,
+    model: &str,
+    timeout: Duration,
+    mut alive: impl FnMut() -> Result<(), String>,
+) -> anyhow::Result<()> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(5))
+        .build()?;
+    let body = serde_json::json!({"model": model, "prompt": "ready", "max_tokens": 1});
+    let deadline = Instant::now() + timeout;
+    loop {
+        let last = match client
+            .post(format!("{base}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+        {
+            Ok(r) if r.status().is_success() => return Ok(()),
+            Ok(r) => format!("status {}", r.status()),
+            Err(e) => e.to_string(),
+        };
+        alive().map_err(anyhow::Error::msg)?;
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "no successful completion within {timeout:?} (last: {last})"
+        );
+        // Another process: no event to await, so poll.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kvroute_scrapes_every_fifty_simulated_milliseconds() {
+        let pods = ["127.0.0.1:1".parse().expect("addr")];
+        let c = kvroute_config(&pods, 10.0);
+        assert_eq!(c.scrape.interval, Duration::from_millis(5));
+        assert_eq!(c.scheduler.max_metrics_age, Duration::from_millis(100));
+        let fast = kvroute_config(&pods, 1000.0);
+        assert_eq!(fast.scrape.interval, Duration::from_millis(2));
+    }
+
+    #[test]
+    fn router_names_are_the_flag_values() {
+        use clap::ValueEnum;
+        for kind in RouterKind::ALL {
+            assert_eq!(
+                RouterKind::from_str(kind.name(), false).expect("parses"),
+                kind
+            );
+        }
+    }
+}
