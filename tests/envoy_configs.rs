@@ -2,38 +2,17 @@
 
 mod support;
 
-use std::process::Command;
-
 use kvroute::gateway::{ORIGINAL_DST_CONFIG, OVERRIDE_HOST_CONFIG, rewrite_shipped};
-use support::{envoy_binary, project_file};
-
-fn validate(path: &std::path::Path) {
-    let output = Command::new(envoy_binary())
-        .arg("--mode")
-        .arg("validate")
-        .arg("-c")
-        .arg(path)
-        .arg("--disable-hot-restart")
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", envoy_binary().display()));
-    let text = String::from_utf8_lossy(&output.stdout).into_owned()
-        + &String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "{} is invalid:\n{text}",
-        path.display()
-    );
-    assert!(text.contains("OK"), "{text}");
-}
+use support::{envoy_validate_file, project_file};
 
 #[test]
 fn the_fail_closed_original_dst_gateway_config_is_valid() {
-    validate(&project_file("envoy/gateway-original-dst.yaml"));
+    envoy_validate_file(&project_file("envoy/gateway-original-dst.yaml"));
 }
 
 #[test]
 fn the_fail_open_override_host_gateway_config_is_valid() {
-    validate(&project_file("envoy/gateway-override-host.yaml"));
+    envoy_validate_file(&project_file("envoy/gateway-override-host.yaml"));
 }
 
 #[test]
@@ -54,6 +33,6 @@ fn the_configs_rewritten_for_local_ports_are_valid_too() {
             rewrite_shipped(template, 18080, 19901, kvroute, &pods),
         )
         .expect("write");
-        validate(&path);
+        envoy_validate_file(&path);
     }
 }

@@ -19,8 +19,8 @@ use serde_json::{Value, json};
 use kvroute::config::{ServeArgs, ServeConfig};
 use kvroute::discovery::inference_pool::InferencePool;
 use support::{
-    Envoy, FakeMetrics, FakePod, Gateway, Kvroute, envoy_binary, http_client, project_file,
-    test_config,
+    Envoy, FakeMetrics, FakePod, Gateway, Kvroute, envoy_validate, envoy_validate_file,
+    http_client, project_file, test_config,
 };
 
 // ---------------------------------------------------------------------------------
@@ -677,29 +677,6 @@ fn the_kvroute_service_exposes_grpc_as_h2c_health_and_metrics() {
 // ---------------------------------------------------------------------------------
 // Envoy: the Istio EnvoyFilter and the sidecar variant
 
-/// `envoy --mode validate -c path` passes.
-fn validate(path: &Path) {
-    validate_with_args(&["--config-path".to_owned(), path.display().to_string()]);
-}
-
-/// `envoy --mode validate` with these arguments passes.
-fn validate_with_args(args: &[String]) {
-    let output = Command::new(envoy_binary())
-        .arg("--mode")
-        .arg("validate")
-        .args(args)
-        .arg("--disable-hot-restart")
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", envoy_binary().display()));
-    let text = String::from_utf8_lossy(&output.stdout).into_owned()
-        + &String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "envoy {args:?} is invalid:\n{text}"
-    );
-    assert!(text.contains("OK"), "{text}");
-}
-
 /// Protobuf MERGE, as Istio applies it: objects merge field by field, lists append,
 /// anything else is replaced.
 fn merge(base: &mut Value, patch: &Value) {
@@ -925,7 +902,7 @@ fn the_istio_envoy_filter_patches_pass_envoy_validation_in_a_gateway_bootstrap()
         serde_json::to_string_pretty(&bootstrap).expect("json"),
     )
     .expect("write");
-    validate(&path);
+    envoy_validate_file(&path);
 }
 
 #[test]
@@ -958,7 +935,7 @@ fn the_sidecar_envoy_config_is_the_shipped_gateway_config_and_is_valid() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("envoy.yaml");
     std::fs::write(&path, text).expect("write");
-    validate(&path);
+    envoy_validate_file(&path);
 
     // The pod: Envoy reads that ConfigMap; kvroute listens where Envoy looks for it.
     let deployment = find(&docs, "Deployment", "kvroute-gateway");
@@ -995,7 +972,7 @@ fn the_sidecar_envoy_config_is_the_shipped_gateway_config_and_is_valid() {
     let mut local_args = args.clone();
     local_args[at + 1] = path.display().to_string();
     local_args.retain(|a| a != "--disable-hot-restart");
-    validate_with_args(&local_args);
+    envoy_validate(&local_args);
     assert_locked_down(&envoy, pod);
 
     let kvroute = container(pod, "kvroute");

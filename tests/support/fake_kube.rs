@@ -152,18 +152,7 @@ impl FakeKube {
             )
             .fallback(not_found)
             .with_state(Arc::clone(&shared));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind fake kube");
-        let addr = listener.local_addr().expect("addr");
-        let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, router)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
+        let (addr, stop) = crate::support::serve_on_loopback(router).await;
         FakeKube {
             addr,
             shared,

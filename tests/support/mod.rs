@@ -123,18 +123,7 @@ impl FakePod {
             .route("/v1/chat/completions", post(completion))
             .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
             .with_state(Arc::clone(&state));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind fake pod");
-        let addr = listener.local_addr().expect("addr");
-        let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, router)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
+        let (addr, stop) = serve_on_loopback(router).await;
         FakePod {
             addr,
             state,
@@ -263,6 +252,47 @@ async fn completion(State(pod): State<Arc<PodState>>, headers: HeaderMap, body: 
         "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
     });
     (pod_header, Json(answer)).into_response()
+}
+
+/// Serves `router` on an ephemeral loopback port until the returned sender is used or
+/// dropped.
+pub async fn serve_on_loopback(router: axum::Router) -> (SocketAddr, oneshot::Sender<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind a loopback port");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router)
+            .with_graceful_shutdown(async {
+                let _ = stopped.await;
+            })
+            .await;
+    });
+    (addr, stop)
+}
+
+/// `envoy --mode validate` with these arguments passes.
+pub fn envoy_validate(args: &[String]) {
+    let output = std::process::Command::new(envoy_binary())
+        .arg("--mode")
+        .arg("validate")
+        .args(args)
+        .arg("--disable-hot-restart")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", envoy_binary().display()));
+    let text = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "envoy {args:?} is invalid:\n{text}"
+    );
+    assert!(text.contains("OK"), "{text}");
+}
+
+/// `envoy --mode validate -c path` passes.
+pub fn envoy_validate_file(path: &std::path::Path) {
+    envoy_validate(&["--config-path".to_owned(), path.display().to_string()]);
 }
 
 /// kvroute running in this process.
