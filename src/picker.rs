@@ -85,9 +85,16 @@ impl Router for LivePicker {
             let _placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
             scheduler::pick(&pick_request, &snapshot, &self.config, &mut rand::rng()).map(
                 |decision| {
-                    let reservation = snapshot
-                        .pod(decision.endpoint)
-                        .map(|pod| pod.load.reserve(decision.tokens_needed));
+                    let pod = snapshot.pod(decision.endpoint);
+                    let reservation = pod.map(|pod| pod.load.reserve(decision.tokens_needed));
+                    // An adapter request (it has a LoRA tier): the pod now holds the adapter.
+                    if let (Some(pod), Some(model), Some(_)) = (
+                        pod,
+                        pick_request.model,
+                        decision.ranked.first().and_then(|c| c.lora_tier),
+                    ) {
+                        pod.load.note_adapter(crate::state::adapter_key(model));
+                    }
                     (decision, reservation)
                 },
             )

@@ -191,6 +191,7 @@ fn candidate(score: &CandidateScore) -> pb::CandidateScore {
 fn tier_name(tier: LoraTier) -> &'static str {
     match tier {
         LoraTier::Active => "active",
+        LoraTier::Warm => "warm",
         LoraTier::FreeSlot => "free_slot",
         LoraTier::Unknown => "unknown",
         LoraTier::Waiting => "waiting",

@@ -18,6 +18,8 @@ use super::SchedulerConfig;
 pub enum LoraTier {
     /// The adapter is in the pod's running batch.
     Active,
+    /// kvroute sent the adapter here recently enough that it likely still holds a slot.
+    Warm,
     /// The pod has a free adapter slot.
     FreeSlot,
     /// The pod reports no LoRA state (fresh pod or LoRA metrics missing).
@@ -29,7 +31,8 @@ pub enum LoraTier {
 }
 
 impl LoraTier {
-    pub fn of(pod: &PodView, adapter: &str) -> LoraTier {
+    /// `key` is [`crate::state::adapter_key`] of `adapter`.
+    pub fn of(pod: &PodView, adapter: &str, key: u64) -> LoraTier {
         let Some(lora) = pod.metrics().and_then(|m| m.lora.as_ref()) else {
             return LoraTier::Unknown;
         };
@@ -38,6 +41,15 @@ impl LoraTier {
         }
         if lora.waiting.iter().any(|a| a == adapter) {
             return LoraTier::Waiting;
+        }
+        // Among the last `max_lora` distinct adapters sent here: vLLM evicts idle
+        // adapters least recently used first, so it is most likely still loaded.
+        if pod
+            .load
+            .adapter_recency(key)
+            .is_some_and(|rank| (rank as u64) < u64::from(lora.max_lora))
+        {
+            return LoraTier::Warm;
         }
         // Distinct adapters holding a slot; the lists are a handful long, so a nested
         // scan beats allocating a set.
@@ -57,6 +69,7 @@ impl LoraTier {
     pub fn score(self) -> f64 {
         match self {
             LoraTier::Active => 1.0,
+            LoraTier::Warm => 0.9,
             LoraTier::FreeSlot => 0.6,
             LoraTier::Unknown => 0.5,
             LoraTier::Waiting => 0.4,
@@ -68,6 +81,7 @@ impl LoraTier {
     pub fn reason(self) -> &'static str {
         match self {
             LoraTier::Active => "lora_active",
+            LoraTier::Warm => "lora_warm",
             LoraTier::FreeSlot => "lora_free_slot",
             LoraTier::Unknown => "lora_unknown",
             LoraTier::Waiting => "lora_waiting",

@@ -269,6 +269,7 @@ pub fn pick<R: Rng + ?Sized>(
         .unwrap_or(0);
     let scorer = Scorer {
         adapter,
+        adapter_key: adapter.map_or(0, crate::state::adapter_key),
         tokens_needed,
         max_inflight,
         config,
@@ -425,6 +426,8 @@ fn kv_headroom_score(free: u64, needed: u64, capacity: u64) -> f64 {
 /// The scores of one request against candidates.
 struct Scorer<'a> {
     adapter: Option<&'a str>,
+    /// [`crate::state::adapter_key`] of `adapter`.
+    adapter_key: u64,
     tokens_needed: u64,
     max_inflight: u32,
     config: &'a SchedulerConfig,
@@ -458,7 +461,8 @@ impl Scorer<'_> {
     }
 
     fn lora_tier(&self, pod: &PodView) -> Option<LoraTier> {
-        self.adapter.map(|adapter| LoraTier::of(pod, adapter))
+        self.adapter
+            .map(|adapter| LoraTier::of(pod, adapter, self.adapter_key))
     }
 
     fn total(&self, c: &Candidate, pod: &PodView) -> f64 {

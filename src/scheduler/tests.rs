@@ -397,3 +397,34 @@ fn expected_output_defaults_when_the_request_sets_no_max_tokens() {
         1_000 + u64::from(config.default_output_tokens)
     );
 }
+
+#[test]
+fn an_adapter_sent_to_a_pod_recently_keeps_its_affinity_after_its_requests_finish() {
+    // vLLM lists only adapters of running requests; pod 2 served a1 a moment ago.
+    let snapshot = fleet(vec![pod(1), pod(2), pod(3)]);
+    let warm = snapshot.pod(endpoint(2)).expect("known");
+    warm.load.note_adapter(crate::state::adapter_key("a1"));
+    for seed in 0..10 {
+        let decision = pick(
+            &request("a1", 100),
+            &snapshot,
+            &SchedulerConfig::default(),
+            &mut SmallRng::seed_from_u64(seed),
+        )
+        .expect("placed");
+        assert_eq!(decision.endpoint, endpoint(2));
+        assert_eq!(decision.reason, Reason::Lora(LoraTier::Warm));
+    }
+}
+
+#[test]
+fn a_pod_that_was_sent_more_other_adapters_than_it_has_slots_is_no_longer_warm() {
+    let snapshot = fleet(vec![pod(1)]);
+    let load = &snapshot.pods[0].load;
+    load.note_adapter(crate::state::adapter_key("a1"));
+    load.note_adapter(crate::state::adapter_key("a2"));
+    load.note_adapter(crate::state::adapter_key("a3"));
+    // max_lora is 2: a1 was pushed out by a2 and a3.
+    let decision = pick_seeded(&request("a1", 100), &snapshot).expect("placed");
+    assert_eq!(decision.reason, Reason::Lora(LoraTier::FreeSlot));
+}

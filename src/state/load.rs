@@ -17,6 +17,23 @@ pub struct PodLoad {
     inflight: AtomicU32,
     unscraped_tokens: AtomicU64,
     ledger: Mutex<Ledger>,
+    /// Keys of the LoRA adapters kvroute last sent here, most recent first (0: empty).
+    /// vLLM reports only the adapters of requests running *now*; an adapter whose
+    /// requests just finished usually still sits in a GPU slot, and this remembers it.
+    /// Readers load the slots without the lock: a torn read only blurs a heuristic.
+    recent_adapters: [AtomicU64; RECENT_ADAPTERS],
+    recent_adapters_lock: Mutex<()>,
+}
+
+/// How many adapters [`PodLoad`] remembers per pod (vLLM's `--max-loras` is rarely more).
+pub const RECENT_ADAPTERS: usize = 8;
+
+/// A non-zero key for an adapter name (FNV-1a), computed once per request.
+pub fn adapter_key(name: &str) -> u64 {
+    let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    hash.max(1)
 }
 
 #[derive(Debug, Default)]
@@ -86,6 +103,34 @@ impl PodLoad {
             tag,
             tokens,
         }
+    }
+
+    /// Remembers that a request for the adapter with `key` was sent here.
+    pub fn note_adapter(&self, key: u64) {
+        let _writer = self
+            .recent_adapters_lock
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let current: Vec<u64> = self
+            .recent_adapters
+            .iter()
+            .map(|slot| slot.load(Ordering::Relaxed))
+            .collect();
+        let others = current.into_iter().filter(|&k| k != key && k != 0);
+        let order = std::iter::once(key)
+            .chain(others)
+            .chain(std::iter::repeat(0));
+        for (slot, value) in self.recent_adapters.iter().zip(order) {
+            slot.store(value, Ordering::Relaxed);
+        }
+    }
+
+    /// How recently the adapter with `key` was sent here among the remembered ones:
+    /// 0 for the most recent; `None` if not remembered.
+    pub fn adapter_recency(&self, key: u64) -> Option<usize> {
+        self.recent_adapters
+            .iter()
+            .position(|slot| slot.load(Ordering::Relaxed) == key)
     }
 
     /// Marks the start of a scrape; pass the ticket to [`PodLoad::scrape_succeeded`].
@@ -182,6 +227,28 @@ mod tests {
         let next = load.scrape_started();
         load.scrape_succeeded(next);
         assert_eq!(load.unscraped_tokens(), 0);
+    }
+
+    #[test]
+    fn recently_sent_adapters_are_remembered_most_recent_first() {
+        let load = PodLoad::default();
+        let (a, b, c) = (adapter_key("a"), adapter_key("b"), adapter_key("c"));
+        assert_eq!(load.adapter_recency(a), None);
+        load.note_adapter(a);
+        load.note_adapter(b);
+        load.note_adapter(c);
+        load.note_adapter(a);
+        assert_eq!(load.adapter_recency(a), Some(0));
+        assert_eq!(load.adapter_recency(c), Some(1));
+        assert_eq!(load.adapter_recency(b), Some(2));
+        for n in 0..RECENT_ADAPTERS {
+            load.note_adapter(adapter_key(&format!("other-{n}")));
+        }
+        assert_eq!(
+            load.adapter_recency(a),
+            None,
+            "only the last few are remembered"
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
 
 pub use health::{HealthPolicy, HealthTracker};
-pub use load::{PodLoad, Reservation, ScrapeTicket};
+pub use load::{PodLoad, RECENT_ADAPTERS, Reservation, ScrapeTicket, adapter_key};
 
 use crate::scrape::vllm::PodMetrics;
 
