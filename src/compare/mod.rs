@@ -56,7 +56,8 @@ pub struct CompareArgs {
     #[arg(long, env = "KVROUTE_COMPARE_ENVOY")]
     pub envoy: Option<PathBuf>,
     /// kvroute's scrape period, wall time [default: 50 ms of simulated time, i.e. 50 ms / the
-    /// workload's speedup]; for measuring what the scraping costs on a small machine.
+    /// workload's speedup, but never below 20 ms of wall time]; for measuring what the
+    /// scraping costs on a small machine.
     #[arg(long, env = "KVROUTE_COMPARE_KVROUTE_SCRAPE_INTERVAL", value_parser = humantime::parse_duration)]
     pub kvroute_scrape_interval: Option<Duration>,
     /// Python with sglang-router and vllm-router installed [default: ./.venv/bin/python].
