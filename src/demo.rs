@@ -13,9 +13,9 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use crate::app::{App, wait_for_snapshot};
+use crate::compare::fleet_stats::parse_pod;
 use crate::config::ServeConfig;
 use crate::gateway::{EnvoyProcess, Gateway, envoy_binary};
-use crate::scrape::vllm::parse_vllm_metrics;
 use crate::sim::{FleetConfig, PodConfig, SimFleet};
 
 /// Flags of `kvroute demo`.
@@ -193,17 +193,11 @@ async fn fleet_counters(pods: &[SocketAddr]) -> (f64, f64, f64, f64) {
         let Ok(text) = response.text().await else {
             continue;
         };
-        if let Ok(metrics) = parse_vllm_metrics(&text) {
-            preemptions += metrics.preemptions_total.unwrap_or(0.0);
-            hits += metrics.prefix_cache_hits_total.unwrap_or(0.0);
-            queries += metrics.prefix_cache_queries_total.unwrap_or(0.0);
-        }
-        if let Ok(samples) = crate::scrape::exposition::parse(&text) {
-            lora_loads += samples
-                .iter()
-                .filter(|s| s.name == "kvroute_sim:lora_loads_total")
-                .map(|s| s.value)
-                .sum::<f64>();
+        if let Some(sample) = parse_pod(&text) {
+            preemptions += sample.preemptions;
+            hits += sample.prefix_hits;
+            queries += sample.prefix_queries;
+            lora_loads += sample.lora_loads_disk + sample.lora_loads_host;
         }
     }
     (preemptions, hits, queries, lora_loads)

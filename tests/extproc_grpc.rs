@@ -271,17 +271,8 @@ async fn readiness_follows_whether_any_pod_is_scraped_while_liveness_always_serv
     );
 
     // Requests get 503 while no pod is ready.
-    let mut stream = Stream::open(&kvroute).await;
-    stream
-        .send(headers_message(
-            "/v1/completions",
-            false,
-            BodySendMode::Buffered,
-        ))
-        .await;
-    stream.next().await;
-    stream.send(body_message(COMPLETION, true)).await;
-    let Some(Response::ImmediateResponse(reply)) = stream.next().await.response else {
+    let Some(Response::ImmediateResponse(reply)) = route_one_buffered(&kvroute).await.response
+    else {
         panic!("immediate response expected");
     };
     assert_eq!(reply.status.map(|s| s.code), Some(503));
