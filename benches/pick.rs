@@ -67,6 +67,7 @@ fn fleet(pods: usize, rng: &mut SmallRng) -> Snapshot {
     Snapshot {
         pods,
         generation: 1,
+        endpoints_version: 1,
     }
 }
 
@@ -83,6 +84,7 @@ fn bench_pick(c: &mut Criterion) {
             prompt_tokens: 1_500,
             max_output_tokens: Some(256),
             subset: None,
+            prefix: None,
         };
         let adapter = PickRequest {
             model: Some("adapter-3"),

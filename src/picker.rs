@@ -12,7 +12,7 @@ use tracing::debug;
 
 use crate::extproc::{RouteError, RouteRequest, Routed, Router};
 use crate::scheduler::{self, Decision, PickRequest, SchedulerConfig};
-use crate::state::{PodStore, Snapshot};
+use crate::state::{PodStore, PrefixIndex, Snapshot, block_hashes};
 use crate::telemetry::{self, ModelLabels};
 
 /// The router kvroute serves with.
@@ -21,10 +21,19 @@ pub struct LivePicker {
     config: SchedulerConfig,
     /// Serialises pick + reserve, so two concurrent requests cannot both see the same
     /// free KV and herd onto one pod. A pick takes microseconds.
-    placement: Mutex<()>,
+    placement: Mutex<Placement>,
     decisions: DecisionLog,
     /// Each decision, for live watchers; built only while someone is subscribed.
     tap: broadcast::Sender<Arc<DecisionRecord>>,
+}
+
+/// What placing a request reads and updates besides the pods' counters.
+#[derive(Debug, Default)]
+struct Placement {
+    /// The prompt blocks sent to each pod, for prefix-cache affinity.
+    prefix: PrefixIndex,
+    /// The snapshot's endpoint set `prefix` was last pruned to.
+    endpoints_version: u64,
 }
 
 /// Decisions a watcher may fall behind by before it starts missing some.
@@ -35,7 +44,7 @@ impl LivePicker {
         LivePicker {
             store,
             config,
-            placement: Mutex::new(()),
+            placement: Mutex::new(Placement::default()),
             decisions: DecisionLog::new(keep_decisions),
             tap: broadcast::channel(TAP_CAPACITY).0,
         }
@@ -78,15 +87,32 @@ impl Router for LivePicker {
             prompt_tokens: inference.map_or(0, |r| r.prompt_tokens),
             max_output_tokens: inference.and_then(|r| r.max_output_tokens),
             subset: request.subset,
+            prefix: None,
         };
+        // Hashing is the costly part of prefix matching, so it happens before the lock.
+        let blocks = inference.map_or_else(Vec::new, |r| block_hashes(&r.model, &r.prompt_prefix));
         let labels = model_labels(pick_request.model, &snapshot, &self.config);
         let started = Instant::now();
         let placed = {
-            let _placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+            let mut placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+            if placement.endpoints_version != snapshot.endpoints_version {
+                let endpoints: Vec<_> = snapshot.pods.iter().map(|pod| pod.endpoint).collect();
+                placement.prefix.retain_pods(&endpoints);
+                placement.endpoints_version = snapshot.endpoints_version;
+            }
+            let matches = placement.prefix.matches(&blocks);
+            let pick_request = PickRequest {
+                prefix: Some(&matches),
+                ..pick_request.clone()
+            };
             scheduler::pick(&pick_request, &snapshot, &self.config, &mut rand::rng()).map(
                 |decision| {
                     let pod = snapshot.pod(decision.endpoint);
                     let reservation = pod.map(|pod| pod.load.reserve(decision.tokens_needed));
+                    if let Some(pod) = pod {
+                        let capacity = pod.signals().map_or(0, |s| s.kv_capacity_tokens);
+                        placement.prefix.record(pod.endpoint, &blocks, capacity);
+                    }
                     // An adapter request (it has a LoRA tier): the pod now holds the adapter.
                     if let (Some(pod), Some(model), Some(_)) = (
                         pod,

@@ -28,8 +28,9 @@ use serde::de::{
     self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Unexpected, Visitor,
 };
 
-/// How many bytes of prompt text [`InferenceRequest::prompt_prefix`] keeps at most.
-pub const PROMPT_PREFIX_BYTES: usize = 4096;
+/// How many bytes of prompt text [`InferenceRequest::prompt_prefix`] keeps at most: 256
+/// prefix-cache blocks of 64 bytes, the depth the reference picker matches.
+pub const PROMPT_PREFIX_BYTES: usize = 16 * 1024;
 
 /// Bytes per token in [`estimate_tokens`]: the usual figure for English text under BPE
 /// tokenizers (GPT, Llama, Qwen families); code and non-Latin scripts run denser, so this
@@ -1725,8 +1726,8 @@ mod tests {
 
         // Many messages: later ones still count but no longer grow the prefix.
         let message = format!(r#"{{"role":"user","content":"{}"}}"#, "y".repeat(1000));
-        let request = chat(&format!("[{}]", [message.as_str(); 10].join(",")));
-        assert_eq!(request.prompt_tokens, 10 * (OVERHEAD + 250));
+        let request = chat(&format!("[{}]", [message.as_str(); 20].join(",")));
+        assert_eq!(request.prompt_tokens, 20 * (OVERHEAD + 250));
         assert_eq!(request.prompt_prefix.len(), PROMPT_PREFIX_BYTES);
         assert!(request.prompt_prefix.starts_with(b"user\nyyyy"));
 

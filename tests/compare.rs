@@ -119,13 +119,13 @@ fn a_tiny_comparison_writes_tables_plots_and_json_and_leaves_nothing_running() {
         let rows = rows_of(&report, router);
         assert_eq!(rows.len(), 2, "one row per rate for {router}:\n{report}");
         for cells in rows {
-            assert_eq!(cells.len(), 13, "{cells:?}");
-            let (errors, planned) = cells[8].split_once('/').expect("errors/planned");
+            assert_eq!(cells.len(), 17, "{cells:?}");
+            let (errors, planned) = cells[12].split_once('/').expect("errors/planned");
             let errors: usize = errors.parse().expect("errors");
             let planned: usize = planned.parse().expect("planned");
             assert!(planned > 0 && errors == 0, "{router}: {cells:?}");
             for (i, cell) in cells.iter().enumerate() {
-                if i == 8 {
+                if i == 12 {
                     continue;
                 }
                 let value: f64 = cell
@@ -135,6 +135,16 @@ fn a_tiny_comparison_writes_tables_plots_and_json_and_leaves_nothing_running() {
             }
             let throughput: f64 = cells[0].parse().expect("req/s");
             assert!(throughput > 0.0);
+            // TTFT at real scale is the pod's own TTFT plus the time outside the pod.
+            let number = |i: usize| cells[i].parse::<f64>().expect("number");
+            assert!(
+                number(5) > 0.0,
+                "the simulator times each request: {cells:?}"
+            );
+            assert!(
+                number(3) >= number(5),
+                "TTFT p90 >= pod TTFT p90: {cells:?}"
+            );
         }
     }
     // The ratio table has one row per rate against round robin.

@@ -185,6 +185,7 @@ fn candidate(score: &CandidateScore) -> pb::CandidateScore {
             .unwrap_or_default()
             .to_owned(),
         free_kv_tokens: score.free_kv_tokens,
+        prefix: score.prefix,
     }
 }
 
@@ -272,6 +273,7 @@ mod tests {
                     inflight: 0.6,
                     lora: 1.0,
                     lora_tier: Some(LoraTier::Active),
+                    prefix: 0.25,
                     free_kv_tokens: Some(14_000),
                 }],
             }),

@@ -45,7 +45,7 @@ pub fn parse_pod(text: &str) -> Option<PodSample> {
         prefix_queries: m.prefix_cache_queries_total.unwrap_or(0.0),
         ..PodSample::default()
     };
-    for s in exposition::parse(text).ok()? {
+    for s in exposition::parse_where(text, |name| name == LORA_LOADS).ok()? {
         if s.name == LORA_LOADS {
             match s.label("source") {
                 Some("host") => sample.lora_loads_host += s.value,

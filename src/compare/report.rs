@@ -58,8 +58,15 @@ pub struct Row {
     pub requests_per_s: f64,
     /// Output tokens per simulated second.
     pub output_tokens_per_s: f64,
-    /// TTFT p50, p90, p99 (s).
+    /// TTFT p50, p90, p99 (s) at real scale: the pods' simulated TTFT plus the wall time
+    /// spent outside them, unscaled; the client's TTFT where the pods report no timing.
     pub ttft: [Option<f64>; 3],
+    /// TTFT p90 from the client's clock, wall time × speedup (s).
+    pub client_ttft_p90: Option<f64>,
+    /// TTFT p90 as the pods timed it (s, simulated).
+    pub pod_ttft_p90: Option<f64>,
+    /// Wall time outside the pods before the first token, p50 and p90 (ms).
+    pub path_ms: [Option<f64>; 2],
     /// ITL p50, p90 (s).
     pub itl: [Option<f64>; 2],
     /// e2e p90 (s).
@@ -91,7 +98,15 @@ impl RouterRun {
                     rate: s.rate,
                     requests_per_s: s.throughput.requests_per_s,
                     output_tokens_per_s: s.throughput.output_tokens_per_s,
-                    ttft: [s.ttft_s.p50, s.ttft_s.p90, s.ttft_s.p99],
+                    ttft: if s.ttft_real_scale_s.p90.is_some() {
+                        let t = &s.ttft_real_scale_s;
+                        [t.p50, t.p90, t.p99]
+                    } else {
+                        [s.ttft_s.p50, s.ttft_s.p90, s.ttft_s.p99]
+                    },
+                    client_ttft_p90: s.ttft_s.p90,
+                    pod_ttft_p90: s.pod_ttft_s.p90,
+                    path_ms: [s.path_s.p50, s.path_s.p90].map(|v| v.map(|v| v * 1e3)),
                     itl: [s.itl_s.p50, s.itl_s.p90],
                     e2e_p90: s.e2e_s.p90,
                     errors: s.errors,
@@ -205,8 +220,8 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
         };
         let _ = writeln!(s, "### {} at {rate} req/s{marker}\n", w.workload);
         s.push_str(
-            "| router | req/s | tok/s | TTFT p50 s | TTFT p90 s | TTFT p99 s | ITL p50 s | ITL p90 s | e2e p90 s | errors | preemptions | LoRA loads | prefix hit rate | KV spread |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "| router | req/s | tok/s | TTFT p50 s | TTFT p90 s | TTFT p99 s | pod TTFT p90 s | path p50 ms | path p90 ms | client TTFT p90 s | ITL p50 s | ITL p90 s | e2e p90 s | errors | preemptions | LoRA loads | prefix hit rate | KV spread |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for (kind, rs) in &rows {
             let Some(r) = rs.iter().find(|r| same_rate(r.rate, rate)) else {
@@ -214,13 +229,17 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
             };
             let _ = writeln!(
                 s,
-                "| {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} | {}/{} | {:.0} | {:.0} | {} | {} |",
+                "| {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} | {:.0} | {:.0} | {} | {} |",
                 kind.name(),
                 r.requests_per_s,
                 r.output_tokens_per_s,
                 num(r.ttft[0], 3),
                 num(r.ttft[1], 3),
                 num(r.ttft[2], 3),
+                num(r.pod_ttft_p90, 3),
+                num(r.path_ms[0], 1),
+                num(r.path_ms[1], 1),
+                num(r.client_ttft_p90, 3),
                 num(r.itl[0], 4),
                 num(r.itl[1], 4),
                 num(r.e2e_p90, 3),
@@ -265,8 +284,8 @@ fn ratio_markdown(
         w.workload
     );
     s.push_str(
-        "| rate | vs | TTFT p50 | TTFT p90 | TTFT p99 | e2e p90 | throughput | preemptions | LoRA loads | KV spread |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n",
+        "| rate | vs | TTFT p50 | TTFT p90 | TTFT p99 | pod TTFT p90 | client TTFT p90 | e2e p90 | throughput | preemptions | LoRA loads | KV spread |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for &rate in &w.rates {
         let Some(k) = ours.iter().find(|r| same_rate(r.rate, rate)) else {
@@ -283,11 +302,13 @@ fn ratio_markdown(
             };
             let _ = writeln!(
                 s,
-                "| {rate}{marker} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {rate}{marker} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 kind.name(),
                 num(ratio(k.ttft[0], o.ttft[0]), 2),
                 num(ratio(k.ttft[1], o.ttft[1]), 2),
                 num(ratio(k.ttft[2], o.ttft[2]), 2),
+                num(ratio(k.pod_ttft_p90, o.pod_ttft_p90), 2),
+                num(ratio(k.client_ttft_p90, o.client_ttft_p90), 2),
                 num(ratio(k.e2e_p90, o.e2e_p90), 2),
                 num(ratio(Some(k.requests_per_s), Some(o.requests_per_s)), 2),
                 num(ratio(Some(k.preemptions), Some(o.preemptions)), 2),
@@ -302,8 +323,14 @@ fn ratio_markdown(
 
 /// Column meanings, for the top of the report.
 pub const LEGEND: &str = "\
-Columns: `req/s`, `tok/s`: successful requests and output tokens per simulated second; TTFT,
-ITL (gaps between streamed text events; bursty against the simulator at speedup > 1, see
+Columns: `req/s`, `tok/s`: successful requests and output tokens per simulated second;
+`TTFT`: time to first token at real scale, the pod's own TTFT (simulated time, from the
+request's arrival at the pod: queueing, prefill, adapter loads, preemptions, everything the
+routing decision causes) plus `path`, the wall time the request spent outside the pod before
+its first token (load generator, router, Envoy, HTTP, this machine's scheduling), counted
+once; `pod TTFT`: the first part alone; `client TTFT`: the client's wall clock × speedup,
+which also multiplies `path` by the speedup (at speedup 10, 1 ms of routing reads as 10 ms,
+and the routers carry 10× the request rate in wall time on two cores); ITL (gaps between streamed text events; bursty against the simulator at speedup > 1, see
 docs/workloads.md), e2e: simulated seconds, successful requests only; `errors`: failed /
 planned; `preemptions`, `LoRA loads` (GPU slot loads, disk + host): fleet counters over the
 step (from `/metrics` sampled every ~250 ms of wall time, cut at the step boundaries by

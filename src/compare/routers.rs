@@ -1,7 +1,8 @@
 //! Starting each router the comparison measures in front of a fleet, and stopping it.
 //!
-//! - `kvroute`: the in-process [`App`] behind Envoy with the shipped fail-closed gateway
-//!   (ORIGINAL_DST), scraping every 50 ms of simulated time;
+//! - `kvroute`: `kvroute serve` (this executable, in its own process like every other
+//!   router) behind Envoy with the shipped fail-closed gateway (ORIGINAL_DST), scraping
+//!   every 50 ms of simulated time;
 //! - `round-robin`, `least-request`: Envoy's own load balancers, no picker;
 //! - `sglang`, `vllm-router`: `python -m sglang_router.launch_router` /
 //!   `python -m vllm_router.launch_router` with `--policy cache_aware`, bound to 127.0.0.1.
@@ -13,14 +14,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
-use serde::Serialize;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-
-use crate::app::{App, wait_for_snapshot};
 use crate::config::ServeConfig;
 use crate::gateway::{EnvoyProcess, Gateway, free_port};
+use anyhow::Context;
+use serde::Serialize;
 
 /// A router the comparison can measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, Serialize)]
@@ -108,22 +105,10 @@ enum Guard {
     Kvroute {
         // Declared first: dropped (killed) before kvroute stops.
         envoy: EnvoyProcess,
-        app: AbortOnDrop,
-        stop: Option<oneshot::Sender<()>>,
+        kvroute: ChildGuard,
     },
     Envoy(EnvoyProcess),
     Process(ChildGuard),
-}
-
-/// A task aborted when dropped.
-struct AbortOnDrop(Option<JoinHandle<anyhow::Result<()>>>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        if let Some(task) = &self.0 {
-            task.abort();
-        }
-    }
 }
 
 /// A child process killed (and reaped) when dropped.
@@ -140,24 +125,9 @@ impl RunningRouter {
     /// Stops the router and waits until it is gone.
     pub async fn stop(self) {
         match self.guard {
-            Guard::Kvroute {
-                envoy,
-                mut app,
-                mut stop,
-            } => {
+            Guard::Kvroute { envoy, kvroute } => {
                 drop(envoy);
-                if let Some(stop) = stop.take() {
-                    let _ = stop.send(());
-                }
-                if let Some(task) = app.0.take() {
-                    let abort = task.abort_handle();
-                    if tokio::time::timeout(Duration::from_secs(5), task)
-                        .await
-                        .is_err()
-                    {
-                        abort.abort();
-                    }
-                }
+                drop(kvroute);
             }
             Guard::Envoy(envoy) => drop(envoy),
             Guard::Process(child) => drop(child),
@@ -182,7 +152,7 @@ pub async fn start(
                 config.scheduler.max_metrics_age =
                     config.scheduler.max_metrics_age.max(interval * 10);
             }
-            start_kvroute(config, pods, &tools.envoy).await?
+            start_kvroute(&config, pods, tools).await?
         }
         RouterKind::RoundRobin | RouterKind::LeastRequest => {
             let gateway = if kind == RouterKind::RoundRobin {
@@ -240,35 +210,108 @@ pub fn kvroute_config(pods: &[SocketAddr], speedup: f64) -> ServeConfig {
     serve
 }
 
+/// Runs `kvroute serve` with `config`'s scrape settings in its own process, as every other
+/// router runs: in the comparison's process it would share a runtime with the simulated fleet
+/// and the load generator and queue behind their tasks.
 async fn start_kvroute(
-    config: ServeConfig,
+    config: &ServeConfig,
     pods: &[SocketAddr],
-    envoy: &Path,
+    tools: &Tools,
 ) -> anyhow::Result<(Guard, String)> {
-    let app = App::bind(config).await?;
-    let addr = app.addrs()?.grpc;
-    let store = app.store();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let app = AbortOnDrop(Some(tokio::spawn(app.run(async move {
-        let _ = stopped.await;
-    }))));
-    let scraped = wait_for_snapshot(&store, Duration::from_secs(20), |s| {
-        s.pods.iter().all(|p| p.healthy && p.models.is_some())
-    })
-    .await;
-    anyhow::ensure!(scraped, "kvroute did not scrape every pod of the fleet");
-    let envoy =
-        EnvoyProcess::start(Gateway::OriginalDst { kvroute: addr }, pods, envoy, "error").await?;
+    let exe = std::env::current_exe().context("cannot find the kvroute executable")?;
+    let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let http = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let endpoints: Vec<String> = pods.iter().map(ToString::to_string).collect();
+    let log = tools.log_dir.join("kvroute.log");
+    let log_file =
+        std::fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
+    let millis = |d: Duration| format!("{}ms", d.as_millis().max(1));
+    let mut cmd = Command::new(&tools.python);
+    cmd.args(["-c", EXEC_WITH_PARENT])
+        .arg(&exe)
+        .args(["serve", "--endpoints", &endpoints.join(",")])
+        .args(["--grpc-addr", &grpc.to_string()])
+        .args(["--metrics-addr", &http.to_string()])
+        .args(["--health-addr", "off", "--admin-addr", "off"])
+        .args([
+            "--refresh-metrics-interval",
+            &millis(config.scrape.interval),
+        ])
+        .args([
+            "--max-metrics-age",
+            &millis(config.scheduler.max_metrics_age),
+        ])
+        .args(["--drain-timeout", "1s"])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log_file);
+    let child = ChildGuard(cmd.spawn().with_context(|| {
+        format!(
+            "cannot run {} serve via {}",
+            exe.display(),
+            tools.python.display()
+        )
+    })?);
+    wait_scraped(http, pods.len(), Duration::from_secs(20))
+        .await
+        .with_context(|| format!("kvroute did not scrape every pod; see {}", log.display()))?;
+    let envoy = EnvoyProcess::start(
+        Gateway::OriginalDst { kvroute: grpc },
+        pods,
+        &tools.envoy,
+        "error",
+    )
+    .await?;
     let url = envoy.url("");
     Ok((
         Guard::Kvroute {
             envoy,
-            app,
-            stop: Some(stop),
+            kvroute: child,
         },
         url,
     ))
 }
+
+/// Waits until kvroute's `/debug/endpoints` shows `pods` healthy pods with their models.
+async fn wait_scraped(http: SocketAddr, pods: usize, limit: Duration) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let url = format!("http://{http}/debug/endpoints");
+    let deadline = Instant::now() + limit;
+    let mut last = String::from("no answer");
+    while Instant::now() < deadline {
+        match client.get(&url).send().await {
+            Ok(response) => {
+                let body: serde_json::Value = response.json().await.unwrap_or_default();
+                let ready = body["pods"].as_array().map_or(0, |all| {
+                    all.iter()
+                        .filter(|p| p["healthy"] == true && !p["models"].is_null())
+                        .count()
+                });
+                if ready == pods {
+                    return Ok(());
+                }
+                last = format!("{ready} of {pods} pods ready");
+            }
+            Err(e) => last = e.to_string(),
+        }
+        // Polling a child process: there is no event to await across the process boundary.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("after {limit:?}: {last}")
+}
+
+/// Python that makes the kernel kill it when its parent dies (`PR_SET_PDEATHSIG`, SIGKILL;
+/// kept across `exec`), then becomes the given program: a router started by a comparison
+/// that is killed cannot outlive it. Linux only; elsewhere it just runs the program.
+const EXEC_WITH_PARENT: &str = "\
+import ctypes, os, sys
+try:
+    ctypes.CDLL(None).prctl(1, 9)
+except Exception:
+    pass
+os.execv(sys.argv[1], sys.argv[1:])
+";
 
 /// Python that dies with its parent (`PR_SET_PDEATHSIG`, SIGKILL) before running `module`,
 /// so a router cannot outlive a comparison that is killed; Linux only, skipped elsewhere.

@@ -50,6 +50,22 @@ pub struct Outcome {
     pub pod: Option<String>,
     /// Send to the first data event carrying output text.
     pub ttft_s: Option<f64>,
+    /// Arrival at the pod to first token, as the simulator timed it (`kvroute_sim.ttft_s`
+    /// in the usage chunk): simulated time with nothing of the client's or the router's
+    /// wall-clock delays scaled into it. None against anything but the simulator.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_ttft_s: Option<f64>,
+    /// Wall seconds before the first token that the request spent outside the pod's
+    /// simulated clock (load generator, router, proxies, HTTP, this machine's scheduling):
+    /// the client's wall-clock TTFT minus the pod's TTFT in wall time. Needs `pod_ttft_s`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path_s: Option<f64>,
+    /// Time to first token at real scale: the pod's simulated TTFT plus `path_s` unscaled.
+    /// At speedup `s` the simulator runs `s` times faster than a GPU and the load arrives
+    /// `s` times faster in wall time, so `ttft_s` multiplies every wall-clock millisecond of
+    /// routing and proxying by `s`; on a real fleet those milliseconds count once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_real_scale_s: Option<f64>,
     /// Gaps between successive data events carrying text.
     pub itl_s: Vec<f64>,
     /// Send to the end of the body.
@@ -140,6 +156,8 @@ pub enum Payload {
         text: bool,
         /// `(completion, prompt, cached)` tokens.
         usage: Option<(Option<u32>, Option<u32>, Option<u32>)>,
+        /// The simulator's `kvroute_sim.ttft_s`.
+        pod_ttft: Option<f64>,
     },
     /// An error event.
     Error(String),
@@ -183,7 +201,12 @@ pub fn classify(data: &str) -> Payload {
             count(&v, "/usage/prompt_tokens_details/cached_tokens"),
         )
     });
-    Payload::Chunk { text, usage }
+    let pod_ttft = v.pointer("/kvroute_sim/ttft_s").and_then(Value::as_f64);
+    Payload::Chunk {
+        text,
+        usage,
+        pod_ttft,
+    }
 }
 
 fn seconds(d: Duration, scale: f64) -> f64 {
@@ -257,7 +280,14 @@ pub async fn send(
                     done = true;
                     break 'read;
                 }
-                Payload::Chunk { text, usage } => {
+                Payload::Chunk {
+                    text,
+                    usage,
+                    pod_ttft,
+                } => {
+                    if pod_ttft.is_some() {
+                        out.pod_ttft_s = pod_ttft;
+                    }
                     if text {
                         out.text_events += 1;
                         match last_text {
@@ -287,6 +317,11 @@ pub async fn send(
         }
     }
     out.e2e_s = Some(seconds(started.elapsed(), scale));
+    if let (Some(client), Some(pod)) = (out.ttft_s, out.pod_ttft_s) {
+        let path = ((client - pod) / scale).max(0.0);
+        out.path_s = Some(path);
+        out.ttft_real_scale_s = Some(pod + path);
+    }
     if !done && out.error_kind.is_none() {
         out.fail(ErrorKind::Incomplete, "the stream ended without [DONE]");
     }
@@ -314,23 +349,26 @@ mod tests {
             classify(r#"{"choices":[{"index":0,"text":" the"}]}"#),
             Payload::Chunk {
                 text: true,
-                usage: None
+                usage: None,
+                pod_ttft: None,
             }
         );
         assert_eq!(
             classify(r#"{"choices":[{"delta":{"role":"assistant","content":""}}]}"#),
             Payload::Chunk {
                 text: false,
-                usage: None
+                usage: None,
+                pod_ttft: None,
             }
         );
         assert_eq!(
             classify(
-                r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":0}}}"#
+                r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":0}},"kvroute_sim":{"queue_s":0.5,"ttft_s":0.75}}"#
             ),
             Payload::Chunk {
                 text: false,
-                usage: Some((Some(4), Some(9), Some(0)))
+                usage: Some((Some(4), Some(9), Some(0))),
+                pod_ttft: Some(0.75),
             }
         );
         assert_eq!(

@@ -140,6 +140,13 @@ pub struct StepReport {
     pub tokens: Tokens,
     /// Time to first token.
     pub ttft_s: Latency,
+    /// Time to first token as the pods timed it (simulator only; see
+    /// [`Outcome::pod_ttft_s`]).
+    pub pod_ttft_s: Latency,
+    /// Wall time outside the pod before the first token (see [`Outcome::path_s`]).
+    pub path_s: Latency,
+    /// Time to first token at real scale (see [`Outcome::ttft_real_scale_s`]).
+    pub ttft_real_scale_s: Latency,
     /// Inter-token latency (gaps between text events).
     pub itl_s: Latency,
     /// Time per output token after the first: `(e2e − ttft) / (tokens − 1)`.
@@ -172,6 +179,7 @@ impl StepReport {
         let mut tokens = Tokens::default();
         let (mut ttft, mut itl, mut tpot, mut e2e) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut pod_ttft, mut path, mut real_scale) = (Vec::new(), Vec::new(), Vec::new());
         for r in &records {
             let o = &r.outcome;
             if let Some(s) = o.status {
@@ -195,6 +203,9 @@ impl StepReport {
             tokens.prompt += u64::from(o.prompt_tokens.unwrap_or(0));
             tokens.cached += u64::from(o.cached_tokens.unwrap_or(0));
             ttft.extend(o.ttft_s);
+            pod_ttft.extend(o.pod_ttft_s);
+            path.extend(o.path_s);
+            real_scale.extend(o.ttft_real_scale_s);
             itl.extend_from_slice(&o.itl_s);
             e2e.extend(o.e2e_s);
             if let (Some(first), Some(end)) = (o.ttft_s, o.e2e_s)
@@ -219,6 +230,9 @@ impl StepReport {
             },
             tokens,
             ttft_s: Latency::of(ttft),
+            pod_ttft_s: Latency::of(pod_ttft),
+            path_s: Latency::of(path),
+            ttft_real_scale_s: Latency::of(real_scale),
             itl_s: Latency::of(itl),
             tpot_s: Latency::of(tpot),
             e2e_s: Latency::of(e2e),

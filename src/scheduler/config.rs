@@ -18,6 +18,8 @@ pub struct Weights {
     pub inflight: f64,
     /// Whether the requested LoRA adapter is already running on the pod.
     pub lora_affinity: f64,
+    /// Share of the prompt's prefix the pod likely holds in its prefix cache.
+    pub prefix_affinity: f64,
 }
 
 impl Default for Weights {
@@ -30,6 +32,10 @@ impl Default for Weights {
             queue: 2.0,
             inflight: 1.0,
             lora_affinity: 3.0,
+            // As the reference picker weighs its prefix scorer: a full match outweighs
+            // an idle pod's whole KV and queue advantage only in part, and saturated
+            // pods are filtered out first, so a hot prefix cannot pile onto one pod.
+            prefix_affinity: 3.0,
         }
     }
 }
@@ -41,6 +47,7 @@ impl Weights {
             ("queue", self.queue),
             ("inflight", self.inflight),
             ("lora_affinity", self.lora_affinity),
+            ("prefix_affinity", self.prefix_affinity),
         ];
         for (name, weight) in all {
             if !weight.is_finite() || weight < 0.0 {

@@ -9,7 +9,10 @@
 //!    enough free KV for this request's prompt plus expected output, counting what
 //!    kvroute sent since the last scrape.
 //! 3. Scores, weighted sum, highest wins, random among ties:
-//!    `kv·headroom + queue·limit/(limit + waiting) + inflight·(1 − inflight/max) + lora·tier`.
+//!    `kv·headroom + queue·limit/(limit + waiting) + inflight·(1 − inflight/max) + lora·tier
+//!    + prefix·matched/blocks`, where `matched` is how many of the prompt's leading blocks
+//!    kvroute sent to the pod before (the caller looks them up; see
+//!    [`crate::state::PrefixIndex`]).
 
 mod config;
 mod lora;
@@ -21,7 +24,7 @@ use rand::Rng;
 pub use config::{Saturation, SchedulerConfig, Weights};
 pub use lora::LoraTier;
 
-use crate::state::{PodView, Snapshot};
+use crate::state::{PodView, PrefixMatches, Snapshot};
 
 /// What the scheduler needs to know about a request.
 #[derive(Debug, Clone, Default)]
@@ -35,6 +38,8 @@ pub struct PickRequest<'a> {
     pub max_output_tokens: Option<u32>,
     /// The gateway's subset hint: only these endpoints may be picked.
     pub subset: Option<&'a [SocketAddr]>,
+    /// How much of the prompt's prefix each pod likely holds in its prefix cache.
+    pub prefix: Option<&'a PrefixMatches>,
 }
 
 /// Why a request could not be placed.
@@ -74,6 +79,8 @@ pub enum Reason {
     LeastLoaded,
     /// Adapter request, winner's affinity tier.
     Lora(LoraTier),
+    /// Base-model request placed where part of its prompt is likely cached.
+    PrefixCache,
     /// Every pod failed a soft filter; the least bad one was taken.
     Fallback,
 }
@@ -85,6 +92,7 @@ impl Reason {
             Reason::AnyReady => "any_ready",
             Reason::LeastLoaded => "least_loaded",
             Reason::Lora(tier) => tier.reason(),
+            Reason::PrefixCache => "prefix_cache",
             Reason::Fallback => "fallback",
         }
     }
@@ -100,6 +108,8 @@ pub struct CandidateScore {
     pub inflight: f64,
     pub lora: f64,
     pub lora_tier: Option<LoraTier>,
+    /// Share of the prompt's blocks the pod likely holds, 0..=1.
+    pub prefix: f64,
     /// Free KV tokens the scheduler estimated for the pod, if its capacity is known.
     pub free_kv_tokens: Option<u64>,
 }
@@ -268,6 +278,7 @@ pub fn pick<R: Rng + ?Sized>(
         .max()
         .unwrap_or(0);
     let scorer = Scorer {
+        prefix: request.prefix.filter(|p| p.any() && p.request_blocks > 0),
         adapter,
         adapter_key: adapter.map_or(0, crate::state::adapter_key),
         tokens_needed,
@@ -321,6 +332,8 @@ pub fn pick<R: Rng + ?Sized>(
         Reason::Fallback
     } else if let Some(tier) = ranked[0].lora_tier {
         Reason::Lora(tier)
+    } else if ranked[0].prefix > 0.0 {
+        Reason::PrefixCache
     } else if request.model.is_none() {
         Reason::AnyReady
     } else {
@@ -425,6 +438,7 @@ fn kv_headroom_score(free: u64, needed: u64, capacity: u64) -> f64 {
 
 /// The scores of one request against candidates.
 struct Scorer<'a> {
+    prefix: Option<&'a PrefixMatches>,
     adapter: Option<&'a str>,
     /// [`crate::state::adapter_key`] of `adapter`.
     adapter_key: u64,
@@ -465,12 +479,20 @@ impl Scorer<'_> {
             .map(|adapter| LoraTier::of(pod, adapter, self.adapter_key))
     }
 
+    /// Share of the prompt's leading blocks the pod holds.
+    fn prefix(&self, pod: &PodView) -> f64 {
+        self.prefix.map_or(0.0, |p| {
+            f64::from(p.blocks_at(pod.endpoint)) / f64::from(p.request_blocks)
+        })
+    }
+
     fn total(&self, c: &Candidate, pod: &PodView) -> f64 {
         let weights = &self.config.weights;
         weights.kv_headroom * self.kv_headroom(c)
             + weights.queue * self.queue(c)
             + weights.inflight * self.inflight(c)
             + weights.lora_affinity * self.lora_tier(pod).map_or(1.0, LoraTier::score)
+            + weights.prefix_affinity * self.prefix(pod)
     }
 
     fn breakdown(&self, c: &Candidate, pod: &PodView) -> CandidateScore {
@@ -483,6 +505,7 @@ impl Scorer<'_> {
             inflight: self.inflight(c),
             lora: lora_tier.map_or(1.0, LoraTier::score),
             lora_tier,
+            prefix: self.prefix(pod),
             free_kv_tokens: c.free_kv(),
         }
     }

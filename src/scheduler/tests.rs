@@ -56,6 +56,7 @@ fn fleet(pods: Vec<PodView>) -> Snapshot {
     Snapshot {
         pods,
         generation: 1,
+        endpoints_version: 1,
     }
 }
 
@@ -65,6 +66,7 @@ fn request(model: &str, prompt_tokens: u32) -> PickRequest<'_> {
         prompt_tokens,
         max_output_tokens: Some(100),
         subset: None,
+        prefix: None,
     }
 }
 
@@ -427,4 +429,66 @@ fn a_pod_that_was_sent_more_other_adapters_than_it_has_slots_is_no_longer_warm()
     // max_lora is 2: a1 was pushed out by a2 and a3.
     let decision = pick_seeded(&request("a1", 100), &snapshot).expect("placed");
     assert_eq!(decision.reason, Reason::Lora(LoraTier::FreeSlot));
+}
+
+fn matches(request_blocks: u32, held: &[(u16, u32)]) -> PrefixMatches {
+    PrefixMatches::new(
+        request_blocks,
+        held.iter()
+            .map(|&(n, blocks)| (endpoint(n), blocks))
+            .collect(),
+    )
+}
+
+#[test]
+fn a_pod_holding_the_prompts_prefix_wins_among_equally_loaded_pods() {
+    let snapshot = fleet(vec![pod(1), pod(2), pod(3)]);
+    let held = matches(10, &[(2, 8), (3, 2)]);
+    for seed in 0..10 {
+        let req = PickRequest {
+            prefix: Some(&held),
+            ..request("base", 500)
+        };
+        let decision = pick(
+            &req,
+            &snapshot,
+            &SchedulerConfig::default(),
+            &mut SmallRng::seed_from_u64(seed),
+        )
+        .expect("placed");
+        assert_eq!(decision.endpoint, endpoint(2));
+        assert_eq!(decision.reason, Reason::PrefixCache);
+        assert!((decision.ranked[0].prefix - 0.8).abs() < 1e-9);
+    }
+}
+
+#[test]
+fn a_saturated_pod_holding_the_prefix_is_passed_over_for_a_free_pod() {
+    let busy = with_metrics(pod(1), |m| m.waiting = 9);
+    let snapshot = fleet(vec![busy, pod(2)]);
+    let held = matches(10, &[(1, 10)]);
+    let req = PickRequest {
+        prefix: Some(&held),
+        ..request("base", 500)
+    };
+    let decision = pick_seeded(&req, &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert_eq!(decision.reason, Reason::LeastLoaded);
+}
+
+#[test]
+fn a_prefix_match_does_not_outweigh_a_much_heavier_load() {
+    // Not saturated, but its queue and KV are far worse than the idle pod's.
+    let loaded = with_metrics(pod(1), |m| {
+        m.waiting = 4;
+        m.kv_usage = 0.75;
+    });
+    let snapshot = fleet(vec![loaded, pod(2)]);
+    let held = matches(10, &[(1, 3)]);
+    let req = PickRequest {
+        prefix: Some(&held),
+        ..request("base", 500)
+    };
+    let decision = pick_seeded(&req, &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
 }

@@ -70,11 +70,32 @@ impl ExpositionError {
 ///
 /// The first malformed sample line, as an [`ExpositionError`] naming its line.
 pub fn parse(text: &str) -> Result<Vec<Sample<'_>>, ExpositionError> {
+    parse_where(text, |_| true)
+}
+
+/// Like [`parse`], but only the samples whose metric name passes `wanted`; other lines are
+/// skipped after reading their name, unchecked. A vLLM `/metrics` is mostly histogram
+/// buckets a picker never reads, and it is scraped many times a second.
+///
+/// # Errors
+///
+/// The first malformed line among the wanted ones (or one without a readable name).
+pub fn parse_where(
+    text: &str,
+    wanted: impl Fn(&str) -> bool,
+) -> Result<Vec<Sample<'_>>, ExpositionError> {
     let mut samples = Vec::new();
     for (index, raw) in text.split('\n').enumerate() {
         let line = raw.strip_suffix('\r').unwrap_or(raw);
         let content = line.trim_start_matches(is_blank_char);
         if content.is_empty() || content.starts_with('#') {
+            continue;
+        }
+        let name_end = content
+            .bytes()
+            .position(|byte| !is_metric_name_char(byte))
+            .unwrap_or(content.len());
+        if name_end > 0 && !wanted(&content[..name_end]) {
             continue;
         }
         samples.push(parse_sample(content, index + 1)?);

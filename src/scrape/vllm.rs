@@ -20,6 +20,18 @@ const LORA_INFO: &str = "vllm:lora_requests_info";
 const PREEMPTIONS: &str = "vllm:num_preemptions_total";
 const PREFIX_HITS: &str = "vllm:prefix_cache_hits_total";
 const PREFIX_QUERIES: &str = "vllm:prefix_cache_queries_total";
+/// Every series read here; the rest of the text is skipped unparsed.
+const READ: [&str; 9] = [
+    WAITING,
+    RUNNING,
+    KV_USAGE,
+    KV_USAGE_LEGACY,
+    CACHE_CONFIG,
+    LORA_INFO,
+    PREEMPTIONS,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+];
 
 /// What one pod reported, aggregated over its engines and models.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -87,7 +99,7 @@ pub enum VllmMetricsError {
 /// format, [`VllmMetricsError::Missing`] when a required metric is absent and
 /// [`VllmMetricsError::Invalid`] for impossible values (NaN, negative, ...).
 pub fn parse_vllm_metrics(text: &str) -> Result<PodMetrics, VllmMetricsError> {
-    let samples = exposition::parse(text)?;
+    let samples = exposition::parse_where(text, |name| READ.contains(&name))?;
 
     let mut waiting = Total::default();
     let mut running = Total::default();

@@ -272,6 +272,14 @@ fn usage_json(s: &Summary) -> Value {
     })
 }
 
+/// The pod's timing of one request, simulated seconds from its arrival at the pod.
+fn timing_json(s: &Summary) -> Value {
+    json!({
+        "queue_s": s.queue.as_secs_f64(),
+        "ttft_s": s.ttft.as_secs_f64(),
+    })
+}
+
 fn finish_str(r: FinishReason) -> &'static str {
     match r {
         FinishReason::Stop => "stop",
@@ -391,11 +399,16 @@ impl Format {
         out.push_str("\n\n");
     }
 
+    /// The usage chunk, which also carries the pod's own timing of the request in
+    /// simulated seconds (`kvroute_sim`, not an OpenAI field): benchmarks read it to
+    /// separate where a request waited from what the client's wall clock adds.
     fn usage_chunk(&self, out: &mut String, s: &Summary) {
         out.push_str("data: ");
         out.push_str(&self.head());
         out.push_str("],\"usage\":");
         out.push_str(&usage_json(s).to_string());
+        out.push_str(",\"kvroute_sim\":");
+        out.push_str(&timing_json(s).to_string());
         out.push_str("}\n\n");
     }
 }

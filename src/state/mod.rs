@@ -7,6 +7,7 @@
 
 mod health;
 mod load;
+mod prefix;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -17,6 +18,7 @@ use tokio::sync::{Notify, watch};
 
 pub use health::{HealthPolicy, HealthTracker};
 pub use load::{PodLoad, RECENT_ADAPTERS, Reservation, ScrapeTicket, adapter_key};
+pub use prefix::{BLOCK_BYTES, PrefixIndex, PrefixMatches, block_hashes};
 
 use crate::scrape::vllm::PodMetrics;
 
@@ -124,6 +126,9 @@ pub struct Snapshot {
     pub pods: Vec<PodView>,
     /// Incremented with every rebuild.
     pub generation: u64,
+    /// Incremented whenever the endpoint set changes (not with every rebuild), so
+    /// per-endpoint memories elsewhere know when to forget departed pods.
+    pub endpoints_version: u64,
 }
 
 impl Snapshot {
@@ -163,6 +168,7 @@ pub struct PodStore {
     health_policy: HealthPolicy,
     published: watch::Sender<Arc<Snapshot>>,
     dirty: Notify,
+    endpoints_version: std::sync::atomic::AtomicU64,
 }
 
 impl PodStore {
@@ -172,6 +178,7 @@ impl PodStore {
             health_policy,
             published: watch::Sender::new(Arc::new(Snapshot::default())),
             dirty: Notify::new(),
+            endpoints_version: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -204,6 +211,11 @@ impl PodStore {
                     unpublished: None,
                 }
             });
+        }
+        if changed {
+            // Bumped under the lock, so a publish that sees the new set sees the new version.
+            self.endpoints_version
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         drop(pods);
         if changed {
@@ -297,9 +309,16 @@ impl PodStore {
                 )
             })
             .collect();
+        let endpoints_version = self
+            .endpoints_version
+            .load(std::sync::atomic::Ordering::Relaxed);
         drop(records);
         let generation = self.published.borrow().generation + 1;
-        let snapshot = Arc::new(Snapshot { pods, generation });
+        let snapshot = Arc::new(Snapshot {
+            pods,
+            generation,
+            endpoints_version,
+        });
         self.published.send_replace(Arc::clone(&snapshot));
         snapshot
     }
