@@ -115,6 +115,9 @@ pub struct ServeArgs {
     /// Output tokens to expect when a request sets no max_tokens [default: 256].
     #[arg(long, env = "KVROUTE_DEFAULT_OUTPUT_TOKENS")]
     pub default_output_tokens: Option<u32>,
+    /// Queued prefill tokens at which a pod's prefill-queue score halves [default: 4096].
+    #[arg(long, env = "KVROUTE_PREFILL_QUEUE_TOKENS")]
+    pub prefill_queue_tokens: Option<u32>,
     /// Fallback endpoints sent after the chosen one, for gateways that accept a list
     /// (override_host); ORIGINAL_DST needs a single endpoint [default: 0].
     #[arg(long, env = "KVROUTE_FALLBACKS")]
@@ -237,6 +240,7 @@ pub struct FileScheduler {
     #[serde(with = "humantime_serde_opt")]
     pub max_metrics_age: Option<Duration>,
     pub default_output_tokens: Option<u32>,
+    pub prefill_queue_tokens: Option<u32>,
     pub fallbacks: Option<usize>,
 }
 
@@ -363,6 +367,10 @@ impl ServeConfig {
                 .default_output_tokens
                 .or(file.scheduler.default_output_tokens)
                 .unwrap_or(defaults.default_output_tokens),
+            prefill_queue_tokens: args
+                .prefill_queue_tokens
+                .or(file.scheduler.prefill_queue_tokens)
+                .unwrap_or(defaults.prefill_queue_tokens),
             fallbacks: args
                 .fallbacks
                 .or(file.scheduler.fallbacks)

@@ -108,7 +108,10 @@ impl Router for LivePicker {
             scheduler::pick(&pick_request, &snapshot, &self.config, &mut rand::rng()).map(
                 |decision| {
                     let pod = snapshot.pod(decision.endpoint);
-                    let reservation = pod.map(|pod| pod.load.reserve(decision.tokens_needed));
+                    let reservation = pod.map(|pod| {
+                        let prompt = u64::from(pick_request.prompt_tokens);
+                        pod.load.reserve(decision.tokens_needed, prompt)
+                    });
                     if let Some(pod) = pod {
                         let capacity = pod.signals().map_or(0, |s| s.kv_capacity_tokens);
                         placement.prefix.record(pod.endpoint, &blocks, capacity);

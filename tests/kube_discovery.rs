@@ -180,7 +180,7 @@ async fn deleted_and_terminating_pods_leave_with_their_in_flight_accounting() {
     )
     .await;
     let load = kvroute.store.load(a).expect("a is known");
-    let request = load.reserve(1_000);
+    let request = load.reserve(1_000, 0);
     assert_eq!(load.inflight(), 1);
 
     assert!(fake.delete(Resource::Pods, NS, "a"));

@@ -186,6 +186,7 @@ fn candidate(score: &CandidateScore) -> pb::CandidateScore {
             .to_owned(),
         free_kv_tokens: score.free_kv_tokens,
         prefix: score.prefix,
+        prefill_queue: score.prefill_queue,
     }
 }
 
@@ -274,6 +275,7 @@ mod tests {
                     lora: 1.0,
                     lora_tier: Some(LoraTier::Active),
                     prefix: 0.25,
+                    prefill_queue: 0.5,
                     free_kv_tokens: Some(14_000),
                 }],
             }),

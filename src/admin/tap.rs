@@ -165,6 +165,9 @@ pub fn render_event(event: &pb::DecisionEvent, top: usize) -> String {
                 if !score.lora_tier.is_empty() {
                     let _ = write!(out, " tier={}", score.lora_tier);
                 }
+                if score.prefill_queue < 1.0 {
+                    let _ = write!(out, " prefill={:.3}", score.prefill_queue);
+                }
                 if score.prefix > 0.0 {
                     let _ = write!(out, " prefix={:.3}", score.prefix);
                 }

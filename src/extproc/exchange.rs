@@ -219,6 +219,16 @@ impl<R: Router> Exchange<R> {
     }
 
     fn on_response_body(&mut self, body: HttpBody) -> Vec<ProcessingResponse> {
+        // vLLM streams nothing before the first token (the chat role chunk goes out with
+        // it), so the first body bytes mean the pod has finished this prompt's prefill.
+        if !body.body.is_empty()
+            && let Some(reservation) = self
+                .routed
+                .as_mut()
+                .and_then(|(routed, _)| routed.reservation.as_mut())
+        {
+            reservation.first_token();
+        }
         if let Some(tokens) = find_completion_tokens(&body.body) {
             self.completion_tokens = Some(tokens);
         }

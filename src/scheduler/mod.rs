@@ -9,10 +9,12 @@
 //!    enough free KV for this request's prompt plus expected output, counting what
 //!    kvroute sent since the last scrape.
 //! 3. Scores, weighted sum, highest wins, random among ties:
-//!    `kv·headroom + queue·limit/(limit + waiting) + inflight·(1 − inflight/max) + lora·tier
-//!    + prefix·matched/blocks`, where `matched` is how many of the prompt's leading blocks
-//!    kvroute sent to the pod before (the caller looks them up; see
-//!    [`crate::state::PrefixIndex`]).
+//!    `kv·headroom + queue·limit/(limit + waiting) + inflight·(1 − inflight/max) +
+//!    lora·tier + prefix·matched/blocks + prefill·scale/(scale + queued)`, where
+//!    `matched` counts the prompt's leading blocks kvroute
+//!    sent to the pod before (the caller looks them up; see [`crate::state::PrefixIndex`])
+//!    and `queued` the prompt tokens kvroute sent there that have not streamed a first
+//!    token yet.
 
 mod config;
 mod lora;
@@ -110,6 +112,8 @@ pub struct CandidateScore {
     pub lora_tier: Option<LoraTier>,
     /// Share of the prompt's blocks the pod likely holds, 0..=1.
     pub prefix: f64,
+    /// `scale / (scale + queued prefill tokens)`, 0..=1.
+    pub prefill_queue: f64,
     /// Free KV tokens the scheduler estimated for the pod, if its capacity is known.
     pub free_kv_tokens: Option<u64>,
 }
@@ -150,6 +154,8 @@ struct Candidate {
     flags: u8,
     waiting: u32,
     inflight: u32,
+    /// Prompt tokens sent to the pod and not yet past prefill.
+    prefill: u64,
     kv_usage: f32,
     capacity: u64,
     /// Estimated free KV tokens, or [`UNKNOWN`].
@@ -178,6 +184,7 @@ impl Candidate {
             flags,
             waiting: signals.map_or(0, |s| s.waiting),
             inflight: pod.load.inflight(),
+            prefill: pod.load.prefill_tokens(),
             kv_usage: signals.map_or(0.0, |s| s.kv_usage),
             capacity: signals.map_or(0, |s| s.kv_capacity_tokens),
             free_kv: free_kv.unwrap_or(UNKNOWN),
@@ -474,6 +481,11 @@ impl Scorer<'_> {
         }
     }
 
+    fn prefill_queue(&self, c: &Candidate) -> f64 {
+        let scale = f64::from(self.config.prefill_queue_tokens);
+        scale / (scale + c.prefill as f64)
+    }
+
     fn lora_tier(&self, pod: &PodView) -> Option<LoraTier> {
         self.adapter
             .map(|adapter| LoraTier::of(pod, adapter, self.adapter_key))
@@ -493,6 +505,7 @@ impl Scorer<'_> {
             + weights.inflight * self.inflight(c)
             + weights.lora_affinity * self.lora_tier(pod).map_or(1.0, LoraTier::score)
             + weights.prefix_affinity * self.prefix(pod)
+            + weights.prefill_queue * self.prefill_queue(c)
     }
 
     fn breakdown(&self, c: &Candidate, pod: &PodView) -> CandidateScore {
@@ -506,6 +519,7 @@ impl Scorer<'_> {
             lora: lora_tier.map_or(1.0, LoraTier::score),
             lora_tier,
             prefix: self.prefix(pod),
+            prefill_queue: self.prefill_queue(c),
             free_kv_tokens: c.free_kv(),
         }
     }

@@ -380,7 +380,7 @@ fn reserving_each_pick_spreads_a_burst_over_equal_pods() {
     for _ in 0..8 {
         let decision = pick(&request("base", 2_000), &snapshot, &config, &mut rng).expect("placed");
         let load = &snapshot.pod(decision.endpoint).expect("known").load;
-        reservations.push(load.reserve(decision.tokens_needed));
+        reservations.push(load.reserve(decision.tokens_needed, 2_000));
         *per_pod.entry(decision.endpoint).or_default() += 1;
     }
     assert_eq!(per_pod.len(), 4);

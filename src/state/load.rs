@@ -16,6 +16,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub struct PodLoad {
     inflight: AtomicU32,
     unscraped_tokens: AtomicU64,
+    /// Prompt tokens of requests sent here that have not yet streamed a first token: the
+    /// prefill work queued ahead of a new request, known without waiting for a scrape.
+    prefill_tokens: AtomicU64,
     ledger: Mutex<Ledger>,
     /// Keys of the LoRA adapters kvroute last sent here, most recent first (0: empty).
     /// vLLM reports only the adapters of requests running *now*; an adapter whose
@@ -75,6 +78,11 @@ impl PodLoad {
         self.unscraped_tokens.load(Ordering::Relaxed)
     }
 
+    /// Prompt tokens of requests sent here still waiting for their first token.
+    pub fn prefill_tokens(&self) -> u64 {
+        self.prefill_tokens.load(Ordering::Relaxed)
+    }
+
     fn lock(&self) -> MutexGuard<'_, Ledger> {
         // A panic while holding this lock cannot leave the ledger inconsistent in a way
         // worse than a stale estimate, so recover from poisoning instead of propagating.
@@ -83,9 +91,10 @@ impl PodLoad {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Counts a request of `tokens` (prompt + expected output) as sent to this pod.
-    /// Dropping the returned reservation releases it.
-    pub fn reserve(self: &Arc<Self>, tokens: u64) -> Reservation {
+    /// Counts a request of `tokens` (prompt + expected output), `prompt_tokens` of which
+    /// wait for prefill, as sent to this pod. Dropping the returned reservation releases
+    /// it; [`Reservation::first_token`] ends its prefill earlier.
+    pub fn reserve(self: &Arc<Self>, tokens: u64, prompt_tokens: u64) -> Reservation {
         let tag = {
             let mut ledger = self.lock();
             let tag = ledger.scrapes_started;
@@ -98,10 +107,13 @@ impl PodLoad {
             tag
         };
         self.inflight.fetch_add(1, Ordering::Relaxed);
+        self.prefill_tokens
+            .fetch_add(prompt_tokens, Ordering::Relaxed);
         Reservation {
             load: Arc::clone(self),
             tag,
             tokens,
+            prefill_tokens: prompt_tokens,
         }
     }
 
@@ -177,10 +189,26 @@ pub struct Reservation {
     load: Arc<PodLoad>,
     tag: u64,
     tokens: u64,
+    /// Prompt tokens still counted as waiting for prefill (0 after the first token).
+    prefill_tokens: u64,
+}
+
+impl Reservation {
+    /// The pod streamed the request's first token: its prefill is done. Idempotent.
+    pub fn first_token(&mut self) {
+        let tokens = std::mem::take(&mut self.prefill_tokens);
+        if tokens > 0 {
+            // Never underflows: pairs with the increment in `reserve`.
+            self.load
+                .prefill_tokens
+                .fetch_sub(tokens, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
+        self.first_token();
         self.load.release(self.tag, self.tokens);
     }
 }
@@ -192,8 +220,8 @@ mod tests {
     #[test]
     fn a_reservation_counts_until_dropped() {
         let load = Arc::new(PodLoad::default());
-        let first = load.reserve(100);
-        let second = load.reserve(50);
+        let first = load.reserve(100, 0);
+        let second = load.reserve(50, 0);
         assert_eq!(load.inflight(), 2);
         assert_eq!(load.unscraped_tokens(), 150);
         drop(first);
@@ -207,7 +235,7 @@ mod tests {
     #[test]
     fn a_scrape_started_after_the_request_absorbs_its_tokens_but_not_its_count() {
         let load = Arc::new(PodLoad::default());
-        let request = load.reserve(100);
+        let request = load.reserve(100, 0);
         let ticket = load.scrape_started();
         load.scrape_succeeded(ticket);
         assert_eq!(load.unscraped_tokens(), 0);
@@ -221,7 +249,7 @@ mod tests {
     fn a_scrape_started_before_the_request_does_not_absorb_it() {
         let load = Arc::new(PodLoad::default());
         let ticket = load.scrape_started();
-        let _request = load.reserve(100);
+        let _request = load.reserve(100, 0);
         load.scrape_succeeded(ticket);
         assert_eq!(load.unscraped_tokens(), 100);
         let next = load.scrape_started();
@@ -252,9 +280,24 @@ mod tests {
     }
 
     #[test]
+    fn prompt_tokens_wait_for_prefill_until_the_first_token_or_the_end() {
+        let load = Arc::new(PodLoad::default());
+        let mut streaming = load.reserve(300, 200);
+        let failed = load.reserve(90, 80);
+        assert_eq!(load.prefill_tokens(), 280);
+        streaming.first_token();
+        streaming.first_token();
+        assert_eq!(load.prefill_tokens(), 80, "counted off once");
+        drop(failed);
+        assert_eq!(load.prefill_tokens(), 0, "a request that ends unstreamed");
+        drop(streaming);
+        assert_eq!(load.prefill_tokens(), 0);
+    }
+
+    #[test]
     fn a_failed_scrape_absorbs_nothing() {
         let load = Arc::new(PodLoad::default());
-        let _request = load.reserve(100);
+        let _request = load.reserve(100, 0);
         let _failed = load.scrape_started();
         let _also_failed = load.scrape_started();
         assert_eq!(load.unscraped_tokens(), 100);
@@ -263,9 +306,9 @@ mod tests {
     #[test]
     fn releasing_after_absorption_does_not_subtract_twice() {
         let load = Arc::new(PodLoad::default());
-        let old = load.reserve(100);
+        let old = load.reserve(100, 0);
         let ticket = load.scrape_started();
-        let new = load.reserve(40);
+        let new = load.reserve(40, 0);
         load.scrape_succeeded(ticket);
         drop(old);
         assert_eq!(load.unscraped_tokens(), 40);

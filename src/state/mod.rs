@@ -364,7 +364,7 @@ mod tests {
         let store = PodStore::new(HealthPolicy::default());
         store.set_endpoints(&[addr(1)]);
         let load = store.load(addr(1)).expect("known");
-        let _request = load.reserve(500);
+        let _request = load.reserve(500, 0);
         scrape_ok(&store, addr(1), Instant::now());
         assert_eq!(
             load.unscraped_tokens(),

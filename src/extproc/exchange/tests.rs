@@ -39,7 +39,7 @@ impl Router for StubRouter {
         Ok(Routed {
             endpoints: vec![POD_A.parse().expect("addr"), POD_B.parse().expect("addr")],
             labels: ModelLabels::other(),
-            reservation: Some(self.load.reserve(10)),
+            reservation: Some(self.load.reserve(10, 6)),
         })
     }
 }
@@ -351,10 +351,16 @@ fn response_chunks_are_echoed_at_once_in_full_duplex_and_the_end_releases_the_re
     ex.handle(body(COMPLETION, true));
     assert_eq!(router.load.inflight(), 1);
     ex.handle(headers(&[(":status", "200")], false));
+    assert_eq!(router.load.prefill_tokens(), 6, "no token yet");
     let sse = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
     let answers = ex.handle(response_body(sse, false));
     assert_eq!(streamed_chunk(&answers[0]), Some((sse.to_vec(), false)));
     assert_eq!(router.load.inflight(), 1, "still streaming");
+    assert_eq!(
+        router.load.prefill_tokens(),
+        0,
+        "the first token ends the prefill"
+    );
     let last =
         b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":17}}\n\ndata: [DONE]\n\n";
     let answers = ex.handle(response_body(last, true));
