@@ -175,3 +175,39 @@ fn a_tiny_comparison_writes_tables_plots_and_json_and_leaves_nothing_running() {
     assert!(run["fleet_total"]["samples"].as_u64().unwrap_or(0) > 0);
     assert!(run["fleet_total"]["prefix_queries"].as_f64().unwrap_or(0.0) > 0.0);
 }
+
+#[test]
+fn the_demo_compares_kvroute_with_round_robin_and_says_where_the_plots_are() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let workload = dir.path().join("tiny.yaml");
+    std::fs::write(&workload, WORKLOAD).expect("write workload");
+    let out = dir.path().join("demo");
+    let output = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .arg("demo")
+        .arg("--workload")
+        .arg(&workload)
+        .arg("--output-dir")
+        .arg(&out)
+        .arg("--envoy")
+        .arg(envoy_binary())
+        .output()
+        .expect("run kvroute demo");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "kvroute demo failed:\n{stderr}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    for router in ["kvroute", "round-robin"] {
+        assert_eq!(rows_of(&stdout, router).len(), 2, "{router}:\n{stdout}");
+    }
+    for router in ["least-request", "sglang", "vllm-router"] {
+        assert!(
+            rows_of(&stdout, router).is_empty(),
+            "{router} ran:\n{stdout}"
+        );
+    }
+    let plot = out.join("tiny-ttft-p90.png");
+    assert!(plot.exists(), "{stderr}");
+    assert!(
+        stderr.contains(&plot.display().to_string()),
+        "the demo names its plots:\n{stderr}"
+    );
+}

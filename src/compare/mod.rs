@@ -10,6 +10,8 @@ pub mod fleet_stats;
 pub mod report;
 pub mod routers;
 
+pub use routers::RouterKind;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -17,7 +19,7 @@ use anyhow::Context;
 
 use self::fleet_stats::{Sampler, window};
 use self::report::{RouterRun, WorkloadResult};
-use self::routers::{RouterKind, Tools};
+use self::routers::Tools;
 use crate::gateway::envoy_binary;
 use crate::loadgen::{BenchArgs, Plan, Workload, bench};
 use crate::sim::SimFleet;

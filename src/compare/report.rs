@@ -330,8 +330,9 @@ routing decision causes) plus `path`, the wall time the request spent outside th
 its first token (load generator, router, Envoy, HTTP, this machine's scheduling), counted
 once; `pod TTFT`: the first part alone; `client TTFT`: the client's wall clock × speedup,
 which also multiplies `path` by the speedup (at speedup 10, 1 ms of routing reads as 10 ms,
-and the routers carry 10× the request rate in wall time on two cores); ITL (gaps between streamed text events; bursty against the simulator at speedup > 1, see
-docs/workloads.md), e2e: simulated seconds, successful requests only; `errors`: failed /
+and the routers carry 10× the request rate in wall time on two cores); ITL (gaps between
+streamed text events; bursty against the simulator at speedup > 1, see docs/workloads.md),
+e2e: simulated seconds, successful requests only; `errors`: failed /
 planned; `preemptions`, `LoRA loads` (GPU slot loads, disk + host): fleet counters over the
 step (from `/metrics` sampled every ~250 ms of wall time, cut at the step boundaries by
 interpolation); `prefix hit rate`: prefix-cache hit tokens / queried tokens over the step;

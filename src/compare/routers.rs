@@ -226,10 +226,15 @@ async fn start_kvroute(
     let log_file =
         std::fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
     let millis = |d: Duration| format!("{}ms", d.as_millis().max(1));
-    let mut cmd = Command::new(&tools.python);
-    cmd.args(["-c", EXEC_WITH_PARENT])
-        .arg(&exe)
-        .args(["serve", "--endpoints", &endpoints.join(",")])
+    // Through Python only for its `prctl`, when there is one (scripts/setup provides it).
+    let mut cmd = if tools.python.exists() {
+        let mut cmd = Command::new(&tools.python);
+        cmd.args(["-c", EXEC_WITH_PARENT]).arg(&exe);
+        cmd
+    } else {
+        Command::new(&exe)
+    };
+    cmd.args(["serve", "--endpoints", &endpoints.join(",")])
         .args(["--grpc-addr", &grpc.to_string()])
         .args(["--metrics-addr", &http.to_string()])
         .args(["--health-addr", "off", "--admin-addr", "off"])
@@ -246,13 +251,10 @@ async fn start_kvroute(
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log_file);
-    let child = ChildGuard(cmd.spawn().with_context(|| {
-        format!(
-            "cannot run {} serve via {}",
-            exe.display(),
-            tools.python.display()
-        )
-    })?);
+    let child = ChildGuard(
+        cmd.spawn()
+            .with_context(|| format!("cannot run {} serve", exe.display()))?,
+    );
     wait_scraped(http, pods.len(), Duration::from_secs(20))
         .await
         .with_context(|| format!("kvroute did not scrape every pod; see {}", log.display()))?;
