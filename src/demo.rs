@@ -22,7 +22,7 @@ pub struct DemoArgs {
     /// Where the report, the plots and the raw JSON go.
     #[arg(long, default_value = "demo-results")]
     pub output_dir: PathBuf,
-    /// Run the workload's whole ladder instead of the quick one (4 rates, 30 s steps).
+    /// Run the workload's whole ladder instead of the quick one (3 rates, 10 s steps).
     #[arg(long)]
     pub full: bool,
     /// Envoy binary [default: $ENVOY_BIN, ./.venv/bin/envoy, envoy on PATH].

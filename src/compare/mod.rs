@@ -38,7 +38,8 @@ pub struct CompareArgs {
         value_enum
     )]
     pub routers: Vec<RouterKind>,
-    /// Fewer and shorter steps: at most 4 rates of each ladder, steps of at most 30 s.
+    /// Fewer and shorter steps: at most 3 rates of each ladder (the lowest, the highest and
+    /// one between), steps of at most 10 s; every workload and router within 3 minutes.
     #[arg(long, env = "KVROUTE_COMPARE_QUICK")]
     pub quick: bool,
     /// Replace each workload's ladder (requests per simulated second, comma-separated).
@@ -70,9 +71,9 @@ pub struct CompareArgs {
 /// Wall period of the fleet sampler.
 const SAMPLE_PERIOD: Duration = Duration::from_millis(250);
 /// Most rates a `--quick` ladder keeps.
-const QUICK_RATES: usize = 4;
+const QUICK_RATES: usize = 3;
 /// Longest step of a `--quick` ladder, simulated time.
-const QUICK_STEP: Duration = Duration::from_secs(30);
+const QUICK_STEP: Duration = Duration::from_secs(10);
 
 /// Up to `n` rates of `rates`, spread evenly, first and last kept.
 pub fn spread_rates(rates: &[f64], n: usize) -> Vec<f64> {

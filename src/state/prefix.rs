@@ -167,10 +167,11 @@ impl PrefixIndex {
 
     /// Forgets pods that are not in `endpoints` (they left the fleet).
     pub fn retain_pods(&mut self, endpoints: &[SocketAddr]) {
+        let current: std::collections::HashSet<&SocketAddr> = endpoints.iter().collect();
         let gone: Vec<u32> = self
             .slots
             .iter()
-            .filter(|(endpoint, _)| !endpoints.contains(endpoint))
+            .filter(|(endpoint, _)| !current.contains(endpoint))
             .map(|(_, slot)| *slot)
             .collect();
         for slot in gone {
