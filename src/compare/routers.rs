@@ -14,10 +14,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::config::ServeConfig;
-use crate::gateway::{EnvoyProcess, Gateway, free_port};
 use anyhow::Context;
 use serde::Serialize;
+
+use crate::config::ServeConfig;
+use crate::gateway::{EnvoyProcess, Gateway, free_port};
 
 /// A router the comparison can measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, Serialize)]
@@ -315,18 +316,6 @@ except Exception:
 os.execv(sys.argv[1], sys.argv[1:])
 ";
 
-/// Python that dies with its parent (`PR_SET_PDEATHSIG`, SIGKILL) before running `module`,
-/// so a router cannot outlive a comparison that is killed; Linux only, skipped elsewhere.
-const LAUNCH: &str = "\
-import ctypes, runpy, sys
-try:
-    ctypes.CDLL(None).prctl(1, 9)
-except Exception:
-    pass
-sys.argv = sys.argv[1:]
-runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)
-";
-
 fn start_python_router(
     python: &Path,
     module: &str,
@@ -337,8 +326,11 @@ fn start_python_router(
     let (port, prometheus) = (free_port()?, free_port()?);
     let log_file =
         std::fs::File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
+    // `python -m module ...`, exec'd by the launcher that ties it to this process.
     let mut cmd = Command::new(python);
-    cmd.args(["-c", LAUNCH, module, "--worker-urls"])
+    cmd.args(["-c", EXEC_WITH_PARENT])
+        .arg(python)
+        .args(["-m", module, "--worker-urls"])
         .args(pods.iter().map(|p| format!("http://{p}")))
         .args(["--policy", "cache_aware", "--host", "127.0.0.1"])
         .args(["--port", &port.to_string()])

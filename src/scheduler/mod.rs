@@ -11,10 +11,9 @@
 //! 3. Scores, weighted sum, highest wins, random among ties:
 //!    `kv·headroom + queue·limit/(limit + waiting) + inflight·(1 − inflight/max) +
 //!    lora·tier + prefix·matched/blocks + prefill·scale/(scale + queued)`, where
-//!    `matched` counts the prompt's leading blocks kvroute
-//!    sent to the pod before (the caller looks them up; see [`crate::state::PrefixIndex`])
-//!    and `queued` the prompt tokens kvroute sent there that have not streamed a first
-//!    token yet.
+//!    `matched` counts the prompt's leading blocks kvroute sent to the pod before (the
+//!    caller looks them up; see [`crate::state::PrefixIndex`]) and `queued` the prompt
+//!    tokens kvroute sent there that have not streamed a first token yet.
 
 mod config;
 mod lora;
