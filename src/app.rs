@@ -14,6 +14,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use kvroute_core::fleet::Snapshot;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -23,12 +24,14 @@ use tonic_health::server::HealthReporter;
 use tracing::{info, warn};
 
 use crate::admin::AdminService;
+use crate::admin::pb::ListEndpointsResponse;
 use crate::config::ServeConfig;
 use crate::discovery::Discovery;
 use crate::extproc::ExtProcService;
 use crate::picker::LivePicker;
 use crate::scrape::ScrapeManager;
-use crate::state::PodStore;
+use crate::shutdown;
+use crate::store::PodStore;
 use crate::telemetry;
 
 /// gRPC health service names, as the Gateway API Inference Extension's picker uses.
@@ -152,86 +155,34 @@ impl App {
             .set_service_status(LIVENESS_SERVICE, ServingStatus::Serving)
             .await;
         let readiness = tokio::spawn(track_readiness(Arc::clone(&store), reporter.clone()));
+        let (stop, abort) = (shutdown::phase(), shutdown::phase());
+        let (stopping, aborting) = (stop.1, abort.1);
+        let shutdown_driver = tokio::spawn(drive_shutdown(
+            shutdown,
+            reporter,
+            stop.0,
+            abort.0,
+            config.drain_timeout,
+        ));
 
-        // Shutdown has two steps: stop accepting (graceful), then, after the drain
-        // timeout, end the streams still open.
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let (abort_tx, abort_rx) = watch::channel(false);
-        let drain_timeout = config.drain_timeout;
-        let shutdown_driver = tokio::spawn({
-            let reporter = reporter.clone();
-            async move {
-                shutdown.await;
-                info!("shutting down: draining open requests");
-                for service in [READINESS_SERVICE, EXTPROC_SERVICE, ""] {
-                    reporter
-                        .set_service_status(service, ServingStatus::NotServing)
-                        .await;
-                }
-                let _ = stop_tx.send(true);
-                tokio::time::sleep(drain_timeout).await;
-                let _ = abort_tx.send(true);
-            }
-        });
-        let admin_service =
-            AdminService::new(Arc::clone(&picker), Arc::clone(&store), stop_rx.clone());
-        let stopped = move || {
-            let mut stop = stop_rx.clone();
-            async move {
-                let _ = stop.wait_for(|stop| *stop).await;
-            }
-        };
-
-        let extproc = ExtProcService::new(Arc::clone(&picker), config.max_body_bytes, abort_rx);
-        info!(addr = %grpc.local_addr()?, "ext_proc gRPC listening");
-        let grpc_server = tonic::transport::Server::builder()
-            .add_service(health_service.clone())
-            .add_service(extproc.into_server())
-            .serve_with_incoming_shutdown(incoming(grpc), stopped());
-
-        let health_server = async {
-            match health {
-                Some(listener) => {
-                    info!(addr = %listener.local_addr()?, "gRPC health listening");
-                    tonic::transport::Server::builder()
-                        .add_service(health_service)
-                        .serve_with_incoming_shutdown(incoming(listener), stopped())
-                        .await
-                        .context("health server failed")
-                }
-                None => Ok(()),
-            }
-        };
-
-        // Watch streams end on the stop signal, so this server drains at once.
-        let admin_grpc_server = async {
-            match admin {
-                Some(listener) => {
-                    info!(addr = %listener.local_addr()?, "gRPC admin API listening");
-                    tonic::transport::Server::builder()
-                        .add_service(admin_service.into_server())
-                        .serve_with_incoming_shutdown(incoming(listener), stopped())
-                        .await
-                        .context("admin API server failed")
-                }
-                None => Ok(()),
-            }
-        };
-
-        let admin = AdminState {
+        let extproc = ExtProcService::new(Arc::clone(&picker), config.max_body_bytes, aborting);
+        let admin_api =
+            AdminService::new(Arc::clone(&picker), Arc::clone(&store), stopping.clone());
+        let http = HttpState {
             prometheus,
             picker,
             store: Arc::clone(&store),
         };
-        info!(addr = %metrics.local_addr()?, "metrics and debug HTTP listening");
-        let admin_server =
-            axum::serve(metrics, admin_router(admin)).with_graceful_shutdown(stopped());
-
         let result = tokio::try_join!(
-            async { grpc_server.await.context("ext_proc server failed") },
-            health_server,
-            admin_grpc_server,
-            async { admin_server.await.context("metrics server failed") },
+            serve_grpc(grpc, "ext_proc", &stopping, |server| server
+                .add_service(health_service.clone())
+                .add_service(extproc.into_server())),
+            serve_optional_grpc(health, "health", &stopping, |server| server
+                .add_service(health_service.clone())),
+            // Watch streams end on the stop signal, so this server drains at once.
+            serve_optional_grpc(admin, "admin API", &stopping, |server| server
+                .add_service(admin_api.into_server())),
+            serve_http(metrics, http, &stopping),
         );
         publisher.abort();
         readiness.abort();
@@ -239,8 +190,70 @@ impl App {
         // Stops discovery (its channel closes) and the scrapers the task owns.
         reconciler.abort();
         let _ = reconciler.await;
+        info!("stopped");
         result.map(|_| ())
     }
+}
+
+/// Waits for `shutdown`, then: readiness off, stop accepting, and after `drain_timeout`
+/// end the streams still open.
+async fn drive_shutdown(
+    shutdown: impl Future<Output = ()>,
+    reporter: HealthReporter,
+    stop: shutdown::Trigger,
+    abort: shutdown::Trigger,
+    drain_timeout: Duration,
+) {
+    shutdown.await;
+    info!(?drain_timeout, "shutting down: draining open requests");
+    for service in [READINESS_SERVICE, EXTPROC_SERVICE, ""] {
+        reporter
+            .set_service_status(service, ServingStatus::NotServing)
+            .await;
+    }
+    stop.fire();
+    tokio::time::sleep(drain_timeout).await;
+    abort.fire();
+}
+
+/// Serves the gRPC services `add` puts on a server, until `stop` fires.
+async fn serve_grpc(
+    listener: TcpListener,
+    what: &str,
+    stop: &shutdown::Phase,
+    add: impl FnOnce(&mut tonic::transport::Server) -> tonic::transport::server::Router,
+) -> anyhow::Result<()> {
+    info!(addr = %listener.local_addr()?, "{what} gRPC listening");
+    add(&mut tonic::transport::Server::builder())
+        .serve_with_incoming_shutdown(incoming(listener), stop.clone().into_fired())
+        .await
+        .with_context(|| format!("{what} server failed"))
+}
+
+/// [`serve_grpc`] for a listener that may be switched off.
+async fn serve_optional_grpc(
+    listener: Option<TcpListener>,
+    what: &str,
+    stop: &shutdown::Phase,
+    add: impl FnOnce(&mut tonic::transport::Server) -> tonic::transport::server::Router,
+) -> anyhow::Result<()> {
+    match listener {
+        Some(listener) => serve_grpc(listener, what, stop, add).await,
+        None => Ok(()),
+    }
+}
+
+/// Serves `/metrics` and the debug pages until `stop` fires.
+async fn serve_http(
+    listener: TcpListener,
+    state: HttpState,
+    stop: &shutdown::Phase,
+) -> anyhow::Result<()> {
+    info!(addr = %listener.local_addr()?, "metrics and debug HTTP listening");
+    axum::serve(listener, http_router(state))
+        .with_graceful_shutdown(stop.clone().into_fired())
+        .await
+        .context("metrics server failed")
 }
 
 /// Applies every endpoint set that discovery sends: the store drops removed endpoints
@@ -274,18 +287,19 @@ fn incoming(listener: TcpListener) -> TcpIncoming {
 /// Serves readiness (and the ext_proc service's status) only while some pod has
 /// been scraped: before that every request would fail.
 async fn track_readiness(store: Arc<PodStore>, reporter: HealthReporter) {
-    let mut snapshots = store.subscribe();
+    let mut fleets = store.subscribe();
     let mut ready = None;
     loop {
-        let snapshot = Arc::clone(&snapshots.borrow_and_update());
-        let healthy = snapshot.pods.iter().filter(|p| p.healthy).count();
+        let fleet = Arc::clone(&fleets.borrow_and_update());
+        let snapshot = fleet.snapshot();
+        let healthy = snapshot.pods().iter().filter(|p| p.healthy).count();
         let oldest = snapshot
-            .pods
+            .pods()
             .iter()
             .filter(|p| p.healthy)
             .filter_map(|p| p.metrics_age)
             .max();
-        telemetry::record_fleet(healthy, snapshot.pods.len() - healthy, oldest);
+        telemetry::record_fleet(healthy, snapshot.pods().len() - healthy, oldest);
         let now_ready = snapshot.has_metrics();
         if ready != Some(now_ready) {
             let status = if now_ready {
@@ -303,20 +317,21 @@ async fn track_readiness(store: Arc<PodStore>, reporter: HealthReporter) {
             }
             ready = Some(now_ready);
         }
-        if snapshots.changed().await.is_err() {
+        if fleets.changed().await.is_err() {
             return;
         }
     }
 }
 
+/// What the metrics and debug HTTP server reads.
 #[derive(Clone)]
-struct AdminState {
+struct HttpState {
     prometheus: PrometheusHandle,
     picker: Arc<LivePicker>,
     store: Arc<PodStore>,
 }
 
-fn admin_router(state: AdminState) -> axum::Router {
+fn http_router(state: HttpState) -> axum::Router {
     axum::Router::new()
         .route("/metrics", get(render_metrics))
         .route("/debug/decisions", get(recent_decisions))
@@ -324,14 +339,14 @@ fn admin_router(state: AdminState) -> axum::Router {
         .with_state(state)
 }
 
-async fn render_metrics(State(state): State<AdminState>) -> impl IntoResponse {
+async fn render_metrics(State(state): State<HttpState>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.prometheus.render(),
     )
 }
 
-async fn recent_decisions(State(state): State<AdminState>) -> axum::response::Response {
+async fn recent_decisions(State(state): State<HttpState>) -> axum::response::Response {
     let log = state.picker.decisions();
     if !log.enabled() {
         let message = serde_json::json!({"error": {
@@ -342,37 +357,9 @@ async fn recent_decisions(State(state): State<AdminState>) -> axum::response::Re
     axum::Json(log.recent()).into_response()
 }
 
-async fn current_endpoints(State(state): State<AdminState>) -> axum::Json<serde_json::Value> {
-    let snapshot = state.store.snapshot();
-    let pods: Vec<serde_json::Value> = snapshot
-        .pods
-        .iter()
-        .map(|pod| {
-            let metrics = pod.metrics().map(|m| {
-                serde_json::json!({
-                    "waiting": m.waiting,
-                    "running": m.running,
-                    "kv_usage": m.kv_usage,
-                    "kv_capacity_tokens": m.kv_capacity_tokens,
-                    "lora": m.lora.as_ref().map(|l| serde_json::json!({
-                        "max_lora": l.max_lora, "running": l.running, "waiting": l.waiting,
-                    })),
-                })
-            });
-            serde_json::json!({
-                "endpoint": pod.endpoint.to_string(),
-                "healthy": pod.healthy,
-                "metrics_age_seconds": pod.metrics_age.map(|age| age.as_secs_f64()),
-                "metrics": metrics,
-                "models": pod.models.as_ref().map(|m| serde_json::json!({
-                    "base": m.base, "adapters": m.adapters,
-                })),
-                "inflight": pod.load.inflight(),
-                "unscraped_tokens": pod.load.unscraped_tokens(),
-            })
-        })
-        .collect();
-    axum::Json(serde_json::json!({ "generation": snapshot.generation, "pods": pods }))
+/// The same projection of the fleet as the admin API's `ListEndpoints`.
+async fn current_endpoints(State(state): State<HttpState>) -> axum::Json<ListEndpointsResponse> {
+    axum::Json(crate::admin::endpoints(&state.store.fleet()))
 }
 
 /// Resolves on Ctrl-C or SIGTERM (what Kubernetes sends to stop a pod).
@@ -402,11 +389,11 @@ pub async fn shutdown_signal() {
 pub async fn wait_for_snapshot(
     store: &PodStore,
     timeout: Duration,
-    ready: impl Fn(&crate::state::Snapshot) -> bool,
+    ready: impl Fn(&Snapshot) -> bool,
 ) -> bool {
-    let mut snapshots = store.subscribe();
+    let mut fleets = store.subscribe();
     let deadline = Instant::now() + timeout;
-    tokio::time::timeout_at(deadline.into(), snapshots.wait_for(|s| ready(s)))
+    tokio::time::timeout_at(deadline.into(), fleets.wait_for(|f| ready(f.snapshot())))
         .await
         .is_ok_and(|r| r.is_ok())
 }

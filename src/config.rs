@@ -14,8 +14,10 @@ use crate::discovery::inference_pool::MAX_TARGET_PORTS;
 use crate::discovery::{
     DiscoverySource, KubeTarget, KubernetesDiscovery, LabelSelector, PodTarget,
 };
-use crate::scheduler::{Saturation, SchedulerConfig, Weights};
-use crate::state::HealthPolicy;
+use kvroute_core::fleet::HealthPolicy;
+use kvroute_core::scheduler::{Saturation, SchedulerConfig, Weights};
+
+use crate::scrape::ScrapeConfig;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -43,6 +45,8 @@ pub enum ConfigError {
     BadEndpoint(String),
     #[error("{0}")]
     Invalid(String),
+    #[error(transparent)]
+    Scheduler(#[from] kvroute_core::scheduler::InvalidConfig),
 }
 
 /// Log output format.
@@ -270,29 +274,6 @@ impl FileConfig {
     }
 }
 
-/// How pods are polled.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ScrapeConfig {
-    pub interval: Duration,
-    pub timeout: Duration,
-    pub models_interval: Duration,
-    pub concurrency: usize,
-    /// Largest /metrics or /v1/models body read; a pod sending more is failing.
-    pub max_response_bytes: usize,
-}
-
-impl Default for ScrapeConfig {
-    fn default() -> Self {
-        ScrapeConfig {
-            interval: Duration::from_millis(50),
-            timeout: Duration::from_secs(1),
-            models_interval: Duration::from_secs(5),
-            concurrency: 64,
-            max_response_bytes: 8 << 20,
-        }
-    }
-}
-
 /// Validated configuration of `kvroute serve`.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
@@ -463,239 +444,9 @@ impl ServeConfig {
         if self.health.failures_to_mark_down == 0 || self.health.successes_to_mark_up == 0 {
             return invalid("--unhealthy-after and --healthy-after must be at least 1");
         }
-        self.scheduler.validate().map_err(ConfigError::Invalid)
+        Ok(self.scheduler.validate()?)
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        serve: ServeArgs,
-    }
-
-    fn parse(args: &[&str]) -> Result<ServeConfig, String> {
-        let cli = Cli::try_parse_from(std::iter::once("kvroute").chain(args.iter().copied()))
-            .map_err(|e| e.to_string())?;
-        ServeConfig::from_args(&cli.serve).map_err(|e| e.to_string())
-    }
-
-    #[test]
-    fn defaults_match_the_documented_ports_and_intervals() {
-        let config = parse(&["--endpoints", "10.0.0.1:8000,10.0.0.2:8000"]).expect("valid");
-        assert_eq!(config.grpc_addr, "0.0.0.0:9002".parse().expect("addr"));
-        assert_eq!(
-            config.health_addr,
-            Some("0.0.0.0:9003".parse().expect("addr"))
-        );
-        assert_eq!(config.metrics_addr, "0.0.0.0:9090".parse().expect("addr"));
-        assert_eq!(config.scrape.interval, Duration::from_millis(50));
-        assert_eq!(config.max_body_bytes, 16 << 20);
-        assert_eq!(config.endpoints.len(), 2);
-    }
-
-    #[test]
-    fn a_typo_in_an_endpoint_is_rejected_with_its_text() {
-        let error = parse(&["--endpoints", "10.0.0.1:8000,10.0.0.2"]).expect_err("invalid");
-        assert!(error.contains("10.0.0.2"), "{error}");
-    }
-
-    #[test]
-    fn serving_without_endpoints_is_an_error() {
-        let error = parse(&[]).expect_err("invalid");
-        assert!(error.contains("no endpoints"), "{error}");
-    }
-
-    #[test]
-    fn the_health_address_can_be_switched_off() {
-        let config =
-            parse(&["--endpoints", "10.0.0.1:8000", "--health-addr", "off"]).expect("valid");
-        assert_eq!(config.health_addr, None);
-    }
-
-    #[test]
-    fn the_admin_api_listens_on_loopback_by_default_and_can_be_switched_off() {
-        let config = parse(&["--endpoints", "10.0.0.1:8000"]).expect("valid");
-        assert_eq!(
-            config.admin_addr,
-            Some("127.0.0.1:9004".parse().expect("addr"))
-        );
-        let config =
-            parse(&["--endpoints", "10.0.0.1:8000", "--admin-addr", "off"]).expect("valid");
-        assert_eq!(config.admin_addr, None);
-    }
-
-    #[test]
-    fn byte_sizes_accept_binary_and_decimal_units() {
-        assert_eq!(parse_byte_size("1024"), Ok(1024));
-        assert_eq!(parse_byte_size("2KiB"), Ok(2048));
-        assert_eq!(parse_byte_size("16MiB"), Ok(16 << 20));
-        assert_eq!(parse_byte_size("1MB"), Ok(1_000_000));
-        assert!(parse_byte_size("12 parsecs").is_err());
-        assert!(parse_byte_size("MiB").is_err());
-    }
-
-    #[test]
-    fn the_file_supplies_endpoints_weights_and_adapters_and_flags_win() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("kvroute.yaml");
-        std::fs::write(
-            &path,
-            "endpoints: ['10.0.0.1:8000', '10.0.0.2:8000']\n\
-             scheduler:\n  weights: {kv_headroom: 1, queue: 3, inflight: 0.5, lora_affinity: 4}\n\
-             \x20 saturation: {queue_depth: 8, kv_usage: 0.9}\n  fallbacks: 1\n  max_metrics_age: 250ms\n\
-             adapters: {sql-lora: llama}\n",
-        )
-        .expect("write");
-        let path = path.to_str().expect("utf-8 path");
-        let config = parse(&["--config", path, "--fallbacks", "3"]).expect("valid");
-        assert_eq!(config.endpoints.len(), 2);
-        assert_eq!(config.scheduler.weights.queue, 3.0);
-        assert_eq!(config.scheduler.saturation.queue_depth, 8);
-        assert_eq!(config.scheduler.max_metrics_age, Duration::from_millis(250));
-        assert_eq!(config.scheduler.fallbacks, 3, "the flag beats the file");
-        assert_eq!(
-            config
-                .scheduler
-                .adapters
-                .get("sql-lora")
-                .map(String::as_str),
-            Some("llama")
-        );
-    }
-
-    #[test]
-    fn a_pool_name_selects_kubernetes_discovery_of_that_pool() {
-        let config =
-            parse(&["--pool-name", "vllm-llama3", "--pool-namespace", "llm"]).expect("valid");
-        let kubernetes = config.kubernetes.expect("kubernetes discovery");
-        assert_eq!(kubernetes.namespace.as_deref(), Some("llm"));
-        assert_eq!(
-            kubernetes.target,
-            KubeTarget::Pool {
-                name: "vllm-llama3".into()
-            }
-        );
-        assert!(config.endpoints.is_empty());
-    }
-
-    #[test]
-    fn a_selector_with_ports_selects_kubernetes_discovery_of_pods() {
-        let config = parse(&[
-            "--endpoint-selector",
-            "app=vllm,tier=gpu",
-            "--endpoint-target-ports",
-            "8001,8000",
-        ])
-        .expect("valid");
-        let kubernetes = config.kubernetes.expect("kubernetes discovery");
-        assert_eq!(kubernetes.namespace, None, "the client's namespace");
-        let KubeTarget::Pods(target) = kubernetes.target else {
-            panic!("expected a pod selector");
-        };
-        assert_eq!(target.selector().to_string(), "app=vllm,tier=gpu");
-        assert_eq!(target.ports(), &[8000, 8001]);
-    }
-
-    #[test]
-    fn static_endpoints_and_kubernetes_discovery_together_are_one_clear_error() {
-        let error =
-            parse(&["--endpoints", "10.0.0.1:8000", "--pool-name", "p"]).expect_err("invalid");
-        assert!(error.contains("exclude each other"), "{error}");
-        assert!(!error.contains('\n'), "one line: {error}");
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("kvroute.yaml");
-        std::fs::write(&path, "endpoints: ['10.0.0.1:8000']\n").expect("write");
-        let path = path.to_str().expect("utf-8 path");
-        let error = parse(&[
-            "--config",
-            path,
-            "--endpoint-selector",
-            "app=x",
-            "--endpoint-target-ports",
-            "80",
-        ])
-        .expect_err("invalid");
-        assert!(error.contains("exclude each other"), "{error}");
-    }
-
-    #[test]
-    fn a_config_file_without_endpoints_goes_with_kubernetes_discovery() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("kvroute.yaml");
-        std::fs::write(&path, "scheduler: {fallbacks: 1}\n").expect("write");
-        let path = path.to_str().expect("utf-8 path");
-        let config = parse(&["--config", path, "--pool-name", "p"]).expect("valid");
-        assert!(config.kubernetes.is_some());
-        assert_eq!(config.scheduler.fallbacks, 1);
-    }
-
-    #[test]
-    fn incomplete_kubernetes_flags_are_rejected() {
-        for (args, expected) in [
-            (
-                &["--endpoint-selector", "app=x"][..],
-                "--endpoint-target-ports",
-            ),
-            (
-                &["--endpoint-target-ports", "8000"][..],
-                "--endpoint-selector",
-            ),
-            (&["--pool-namespace", "llm"][..], "--pool-name"),
-            (
-                &["--pool-name", "p", "--endpoint-selector", "a=b"][..],
-                "exclude",
-            ),
-            (
-                &["--pool-name", "p", "--endpoint-target-ports", "80"][..],
-                "targetPorts",
-            ),
-            (
-                &["--endpoint-selector", "", "--endpoint-target-ports", "80"][..],
-                "empty selector",
-            ),
-            (
-                &[
-                    "--endpoint-selector",
-                    "app",
-                    "--endpoint-target-ports",
-                    "80",
-                ][..],
-                "key=value",
-            ),
-            (
-                &["--endpoint-selector", "a=b", "--endpoint-target-ports", "0"][..],
-                "above 0",
-            ),
-        ] {
-            let error = parse(args).expect_err("invalid");
-            assert!(error.contains(expected), "{args:?}: {error}");
-        }
-    }
-
-    #[test]
-    fn unknown_keys_in_the_file_are_rejected() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("kvroute.yaml");
-        std::fs::write(&path, "endpoints: ['10.0.0.1:8000']\nschedular: {}\n").expect("write");
-        let error = parse(&["--config", path.to_str().expect("utf-8")]).expect_err("invalid");
-        assert!(error.contains("schedular"), "{error}");
-    }
-
-    #[test]
-    fn negative_weights_are_rejected() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("kvroute.yaml");
-        std::fs::write(
-            &path,
-            "endpoints: ['10.0.0.1:8000']\nscheduler: {weights: {queue: -1}}\n",
-        )
-        .expect("write");
-        let error = parse(&["--config", path.to_str().expect("utf-8")]).expect_err("invalid");
-        assert!(error.contains("queue"), "{error}");
-    }
-}
+mod tests;

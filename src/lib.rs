@@ -1,27 +1,21 @@
-//! kvroute: an Envoy ext_proc endpoint picker that routes each LLM request to the
-//! vLLM pod with room for it (KV-cache headroom, queue, LoRA adapter affinity).
+//! kvroute, the gateway: an Envoy ext_proc endpoint picker that routes each LLM request
+//! to the vLLM pod with room for it (KV-cache headroom, queue, LoRA adapter affinity).
 //!
-//! Data flow: `extproc` (Envoy protocol) → `request` (parse the OpenAI body) →
-//! `picker` → `scheduler` (pure pick over a `state` snapshot) → `extproc` answers.
-//! Beside it: `discovery` feeds `state` with endpoints, `scrape` polls each
-//! endpoint's `/metrics` into `state`, `telemetry` owns kvroute's own metrics, `app`
-//! wires it all, `sim` is the vLLM fleet simulator, `gateway` runs Envoy locally and
-//! `demo` puts them together.
-#![forbid(unsafe_code)]
+//! Data flow: `extproc` (Envoy protocol; parses the body with `kvroute_core::request`) →
+//! `picker` (takes the current fleet, runs `kvroute_core::scheduler::pick`, reserves the
+//! winner) → `extproc` answers. Beside it: `discovery` feeds the `store` with endpoints,
+//! `scrape` polls each endpoint's `/metrics` and `/v1/models` into the `store`, which
+//! publishes fleet snapshots; `telemetry` owns kvroute's own metrics; `admin` serves the
+//! decision tap and endpoint list; `config` validates flags before `app` binds and runs.
+//! The simulator and the benchmarks live in the `kvroute-sim` and `kvroute-lab` crates.
 
 pub mod admin;
 pub mod app;
-pub mod compare;
 pub mod config;
-pub mod demo;
 pub mod discovery;
 pub mod extproc;
-pub mod gateway;
-pub mod loadgen;
 pub mod picker;
-pub mod request;
-pub mod scheduler;
 pub mod scrape;
-pub mod sim;
-pub mod state;
+pub mod shutdown;
+pub mod store;
 pub mod telemetry;

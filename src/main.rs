@@ -1,4 +1,5 @@
-//! The `kvroute` command: parse, build, run.
+//! The `kvroute` command, the gateway: parse, build, run. The simulator is
+//! `kvroute-sim`; benchmarks, comparisons and the demo are `kvroute-lab`.
 
 use std::io::IsTerminal;
 
@@ -7,11 +8,7 @@ use tracing_subscriber::EnvFilter;
 
 use kvroute::admin::tap::{EndpointsArgs, TapArgs};
 use kvroute::app::{App, shutdown_signal};
-use kvroute::compare::CompareArgs;
 use kvroute::config::{LogFormat, ServeArgs, ServeConfig};
-use kvroute::demo::DemoArgs;
-use kvroute::loadgen::BenchArgs;
-use kvroute::sim::SimArgs;
 
 #[derive(Parser)]
 #[command(
@@ -27,16 +24,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the Envoy ext_proc endpoint picker.
-    Serve(ServeArgs),
-    /// Run a fleet of simulated vLLM pods (no GPU needed).
-    Sim(SimArgs),
-    /// Try kvroute locally: simulated fleet + kvroute + Envoy, against Envoy round robin.
-    Demo(DemoArgs),
-    /// Drive an OpenAI-compatible endpoint with a workload file; report latencies as JSON.
-    Bench(BenchArgs),
-    /// Compare kvroute with Envoy round robin / least request, sglang-router and vllm-router
-    /// on identical simulated fleets; writes a Markdown report, plots and raw JSON.
-    Compare(CompareArgs),
+    Serve(Box<ServeArgs>),
     /// Print kvroute's routing decisions live, with the top candidates' scores.
     Tap(TapArgs),
     /// Print the endpoints kvroute routes to, with their scraped metrics.
@@ -51,7 +39,9 @@ fn init_logging(format: LogFormat, default_filter: &str) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // A closed stderr (a supervisor gone) must not turn a log line into a panic.
+        .log_internal_errors(false);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -68,25 +58,6 @@ async fn main() -> std::process::ExitCode {
                 Ok(config) => serve(config).await,
                 Err(error) => Err(error.into()),
             }
-        }
-        Command::Sim(args) => {
-            init_logging(LogFormat::Text, "info");
-            kvroute::sim::run(args).await
-        }
-        Command::Demo(args) => {
-            // The demo prints its own progress; kvroute's logs would drown it.
-            init_logging(LogFormat::Text, "warn");
-            kvroute::demo::run(args).await
-        }
-        Command::Bench(args) => {
-            // The progress bar and the report go to the terminal; keep logs to warnings.
-            init_logging(LogFormat::Text, "warn");
-            kvroute::loadgen::run(args).await
-        }
-        Command::Compare(args) => {
-            // Progress and the report go to the terminal; keep logs to warnings.
-            init_logging(LogFormat::Text, "warn");
-            kvroute::compare::run(args).await
         }
         Command::Tap(args) => {
             init_logging(LogFormat::Text, "warn");

@@ -6,14 +6,18 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use kvroute_core::fleet::{
+    Fleet, ModelClass, PrefixIndex, Reservation, Snapshot, adapter_key, block_hashes,
+};
+use kvroute_core::request::RouteRequest;
+use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
 use serde::Serialize;
 use tokio::sync::broadcast;
 use tracing::debug;
 
-use crate::extproc::{RouteError, RouteRequest, Routed, Router};
-use crate::scheduler::{self, Decision, PickRequest, SchedulerConfig};
-use crate::state::{PodStore, PrefixIndex, Snapshot, block_hashes};
-use crate::telemetry::{self, ModelLabels};
+use crate::extproc::{InFlight, ResponseSummary, Routed, Router, Unrouted, UnroutedKind};
+use crate::store::PodStore;
+use crate::telemetry::{self, ModelLabels, Outcome};
 
 /// The router kvroute serves with.
 pub struct LivePicker {
@@ -34,6 +38,17 @@ struct Placement {
     prefix: PrefixIndex,
     /// The snapshot's endpoint set `prefix` was last pruned to.
     endpoints_version: u64,
+}
+
+impl Placement {
+    /// Forgets the prefixes of pods that left the fleet.
+    fn follow(&mut self, snapshot: &Snapshot) {
+        if self.endpoints_version != snapshot.endpoints_version {
+            let endpoints: Vec<_> = snapshot.pods().iter().map(|pod| pod.endpoint).collect();
+            self.prefix.retain_pods(&endpoints);
+            self.endpoints_version = snapshot.endpoints_version;
+        }
+    }
 }
 
 /// Decisions a watcher may fall behind by before it starts missing some.
@@ -59,7 +74,7 @@ impl LivePicker {
 
     /// Records a decision for the debug log and the watchers; costs one uncontended
     /// lock (`receiver_count`) when neither wants it: nothing is built or cloned.
-    fn record(&self, request: &PickRequest<'_>, outcome: Result<Decision, String>) {
+    fn record(&self, request: &RouteRequest<'_>, outcome: Result<&Decision, &PickError>) {
         let watched = self.tap.receiver_count() > 0;
         if !watched && !self.decisions.enabled() {
             return;
@@ -76,62 +91,56 @@ impl LivePicker {
     pub fn decisions(&self) -> &DecisionLog {
         &self.decisions
     }
+
+    /// Picks under the placement lock and reserves the winner's capacity, so the next
+    /// pick sees this request. `blocks` are the prompt's prefix-block hashes.
+    fn place(
+        &self,
+        request: &RouteRequest<'_>,
+        blocks: &[u64],
+        fleet: &Fleet,
+    ) -> Result<(Decision, Option<Reservation>), PickError> {
+        let mut placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        placement.follow(fleet.snapshot());
+        let matches = placement.prefix.matches(blocks);
+        let decision = scheduler::pick(
+            request,
+            Some(&matches),
+            fleet,
+            &self.config,
+            &mut rand::rng(),
+        )?;
+        let reservation = fleet.pod(decision.endpoint).map(|(pod, load)| {
+            let capacity = pod.signals().map_or(0, |s| s.kv_capacity_tokens);
+            placement.prefix.record(pod.endpoint, blocks, capacity);
+            // An adapter request (it has a LoRA tier): the pod now holds the adapter.
+            let tier = decision.ranked.first().and_then(|c| c.lora_tier);
+            if let (Some(model), Some(_)) = (request.model(), tier) {
+                load.note_adapter(adapter_key(model));
+            }
+            load.reserve(decision.tokens_needed, u64::from(request.prompt_tokens()))
+        });
+        Ok((decision, reservation))
+    }
 }
 
 impl Router for LivePicker {
-    fn route(&self, request: &RouteRequest<'_>) -> Result<Routed, RouteError> {
-        let snapshot = self.store.snapshot();
-        let inference = request.inference;
-        let pick_request = PickRequest {
-            model: inference.map(|r| r.model.as_str()),
-            prompt_tokens: inference.map_or(0, |r| r.prompt_tokens),
-            max_output_tokens: inference.and_then(|r| r.max_output_tokens),
-            subset: request.subset,
-            prefix: None,
-        };
+    type Ticket = InFlightRequest;
+
+    fn route(&self, request: &RouteRequest<'_>) -> Result<Routed<InFlightRequest>, Unrouted> {
+        let fleet = self.store.fleet();
+        let labels = model_labels(request.model(), fleet.snapshot(), &self.config);
         // Hashing is the costly part of prefix matching, so it happens before the lock.
-        let blocks = inference.map_or_else(Vec::new, |r| block_hashes(&r.model, &r.prompt_prefix));
-        let labels = model_labels(pick_request.model, &snapshot, &self.config);
+        let blocks = request
+            .inference
+            .map_or_else(Vec::new, |r| block_hashes(&r.model, &r.prompt_prefix));
         let started = Instant::now();
-        let placed = {
-            let mut placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
-            if placement.endpoints_version != snapshot.endpoints_version {
-                let endpoints: Vec<_> = snapshot.pods.iter().map(|pod| pod.endpoint).collect();
-                placement.prefix.retain_pods(&endpoints);
-                placement.endpoints_version = snapshot.endpoints_version;
-            }
-            let matches = placement.prefix.matches(&blocks);
-            let pick_request = PickRequest {
-                prefix: Some(&matches),
-                ..pick_request.clone()
-            };
-            scheduler::pick(&pick_request, &snapshot, &self.config, &mut rand::rng()).map(
-                |decision| {
-                    let pod = snapshot.pod(decision.endpoint);
-                    let reservation = pod.map(|pod| {
-                        let prompt = u64::from(pick_request.prompt_tokens);
-                        pod.load.reserve(decision.tokens_needed, prompt)
-                    });
-                    if let Some(pod) = pod {
-                        let capacity = pod.signals().map_or(0, |s| s.kv_capacity_tokens);
-                        placement.prefix.record(pod.endpoint, &blocks, capacity);
-                    }
-                    // An adapter request (it has a LoRA tier): the pod now holds the adapter.
-                    if let (Some(pod), Some(model), Some(_)) = (
-                        pod,
-                        pick_request.model,
-                        decision.ranked.first().and_then(|c| c.lora_tier),
-                    ) {
-                        pod.load.note_adapter(crate::state::adapter_key(model));
-                    }
-                    (decision, reservation)
-                },
-            )
-        };
+        let placed = self.place(request, &blocks, &fleet);
         let elapsed = started.elapsed();
         match placed {
             Ok((decision, reservation)) => {
                 telemetry::record_pick(elapsed, decision.reason.as_str());
+                telemetry::record_request(&labels, Outcome::Routed);
                 debug!(
                     endpoint = %decision.endpoint,
                     reason = decision.reason.as_str(),
@@ -139,22 +148,66 @@ impl Router for LivePicker {
                     tokens = decision.tokens_needed,
                     "routed"
                 );
+                self.record(request, Ok(&decision));
                 let endpoints = std::iter::once(decision.endpoint)
-                    .chain(decision.fallbacks.iter().copied())
+                    .chain(decision.fallbacks)
                     .collect();
-                self.record(&pick_request, Ok(decision));
                 Ok(Routed {
                     endpoints,
-                    labels,
-                    reservation,
+                    ticket: InFlightRequest {
+                        reservation,
+                        labels,
+                        routed_at: Instant::now(),
+                    },
                 })
             }
             Err(error) => {
                 debug!(%error, "not routed");
-                self.record(&pick_request, Err(error.to_string()));
-                Err(RouteError { error, labels })
+                self.record(request, Err(&error));
+                let (kind, outcome) = match error {
+                    PickError::UnknownModel(_) => {
+                        (UnroutedKind::UnknownModel, Outcome::UnknownModel)
+                    }
+                    PickError::NoEndpoints
+                    | PickError::NoneInSubset
+                    | PickError::NoReadyEndpoint => {
+                        (UnroutedKind::Unavailable, Outcome::NoCapacity)
+                    }
+                };
+                telemetry::record_request(&labels, outcome);
+                Err(Unrouted {
+                    kind,
+                    message: error.to_string(),
+                })
             }
         }
+    }
+}
+
+/// A request the picker routed, until its response ends: holds the pod's in-flight
+/// reservation and records the request's outcome when it finishes.
+#[derive(Debug)]
+pub struct InFlightRequest {
+    reservation: Option<Reservation>,
+    labels: ModelLabels,
+    routed_at: Instant,
+}
+
+impl InFlight for InFlightRequest {
+    fn first_token(&mut self) {
+        if let Some(reservation) = self.reservation.as_mut() {
+            reservation.first_token();
+        }
+    }
+
+    fn finish(self, response: ResponseSummary) {
+        telemetry::record_request_done(
+            &self.labels,
+            response.status,
+            self.routed_at.elapsed(),
+            response.completion_tokens,
+        );
+        // Dropping `self.reservation` releases the pod's in-flight accounting.
     }
 }
 
@@ -166,30 +219,21 @@ fn model_labels(model: Option<&str>, snapshot: &Snapshot, config: &SchedulerConf
             adapter: String::new(),
         };
     };
+    let adapter_of = |base: &str| ModelLabels {
+        model: base.to_owned(),
+        adapter: model.to_owned(),
+    };
     if let Some(base) = config.adapters.get(model) {
-        return ModelLabels {
-            model: base.clone(),
-            adapter: model.to_owned(),
-        };
+        return adapter_of(base);
     }
-    for pod in &snapshot.pods {
-        let Some(models) = pod.models.as_ref() else {
-            continue;
-        };
-        if let Some(base) = models.adapters.get(model) {
-            return ModelLabels {
-                model: base.clone(),
-                adapter: model.to_owned(),
-            };
-        }
-        if models.base.iter().any(|b| b == model) {
-            return ModelLabels {
-                model: model.to_owned(),
-                adapter: String::new(),
-            };
-        }
+    match snapshot.models.class(model) {
+        Some(ModelClass::Base) => ModelLabels {
+            model: model.to_owned(),
+            adapter: String::new(),
+        },
+        Some(ModelClass::Adapter { base }) => adapter_of(base),
+        Some(ModelClass::UnlistedAdapter) | None => ModelLabels::other(),
     }
-    ModelLabels::other()
 }
 
 /// One entry of the decision log.
@@ -206,18 +250,18 @@ pub struct DecisionRecord {
 }
 
 impl DecisionRecord {
-    fn new(request: &PickRequest<'_>, outcome: Result<Decision, String>) -> Self {
+    fn new(request: &RouteRequest<'_>, outcome: Result<&Decision, &PickError>) -> Self {
         let (decision, error) = match outcome {
-            Ok(decision) => (Some(decision), None),
-            Err(error) => (None, Some(error)),
+            Ok(decision) => (Some(decision.clone()), None),
+            Err(error) => (None, Some(error.to_string())),
         };
         DecisionRecord {
             unix_ms: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis()),
-            model: request.model.map(str::to_owned),
-            prompt_tokens: request.prompt_tokens,
-            max_output_tokens: request.max_output_tokens,
+            model: request.model().map(str::to_owned),
+            prompt_tokens: request.prompt_tokens(),
+            max_output_tokens: request.max_output_tokens(),
             decision,
             error,
         }
@@ -262,44 +306,4 @@ impl DecisionLog {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::state::HealthPolicy;
-
-    fn picker(keep_decisions: usize) -> LivePicker {
-        let store = Arc::new(PodStore::new(HealthPolicy::default()));
-        LivePicker::new(store, SchedulerConfig::default(), keep_decisions)
-    }
-
-    fn route_unplaceable(picker: &LivePicker) {
-        let request = RouteRequest {
-            inference: None,
-            subset: None,
-        };
-        assert!(picker.route(&request).is_err(), "no pods: not routed");
-    }
-
-    #[test]
-    fn a_watcher_sees_each_decision_even_with_the_debug_log_off() {
-        let picker = picker(0);
-        route_unplaceable(&picker);
-        let mut watcher = picker.watch();
-        route_unplaceable(&picker);
-        let record = watcher.try_recv().expect("the decision after subscribing");
-        assert_eq!(record.error.as_deref(), Some("no endpoints are known"));
-        assert!(
-            watcher.try_recv().is_err(),
-            "nothing from before subscribing"
-        );
-        assert!(picker.decisions().recent().is_empty());
-    }
-
-    #[test]
-    fn the_debug_log_keeps_the_last_decisions_without_watchers() {
-        let picker = picker(2);
-        for _ in 0..3 {
-            route_unplaceable(&picker);
-        }
-        assert_eq!(picker.decisions().recent().len(), 2);
-    }
-}
+mod tests;

@@ -14,7 +14,7 @@ use metrics::{
 };
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::scrape::vllm::PodMetrics;
+use kvroute_core::fleet::PodMetrics;
 
 pub const REQUESTS: &str = "kvroute_requests_total";
 pub const PICK_DURATION: &str = "kvroute_pick_duration_seconds";

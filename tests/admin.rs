@@ -2,6 +2,9 @@
 //! ext_proc service (a tonic client plays Envoy's part), the endpoint list mirrors the
 //! fake pods' metrics, and the `tap` / `endpoints` commands print them.
 
+// A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::io::BufRead;

@@ -1,6 +1,9 @@
 //! The `kvroute` binary itself: configuration errors, serving, and a clean stop on
 //! SIGTERM.
 
+// A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::io::{BufRead, BufReader};

@@ -1,6 +1,9 @@
 //! End to end through a real Envoy: client → Envoy (ext_proc) → kvroute → Envoy →
 //! fake vLLM pod. Each test builds its own fleet, kvroute and Envoy on loopback.
 
+// A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::collections::HashMap;

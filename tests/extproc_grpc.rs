@@ -1,6 +1,9 @@
 //! The ext_proc service over real gRPC, driven by a tonic client playing Envoy's part,
 //! in both body modes; plus the gRPC health services.
 
+// A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::time::Duration;
@@ -411,7 +414,7 @@ async fn prometheus_metrics_count_requests_and_show_each_pods_scraped_state() {
         .text()
         .await
         .expect("text");
-    let samples = kvroute::scrape::exposition::parse(&text).expect("valid exposition");
+    let samples = kvroute_core::exposition::parse(&text).expect("valid exposition");
     let value = |name: &str, label: (&str, &str)| {
         samples
             .iter()

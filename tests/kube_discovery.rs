@@ -6,6 +6,9 @@
 //! Pod IPs are loopback addresses (127.0.0.x): scrapes of them fail fast, and the
 //! endpoint set is what is under test. One test puts real fake vLLM pods behind a pool.
 
+// A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 #[path = "support/fake_kube.rs"]
@@ -16,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use kvroute::config::ServeConfig;
 use kvroute::discovery::{KubeTarget, KubernetesDiscovery, PodTarget};
-use kvroute::state::Snapshot;
+use kvroute_core::fleet::Snapshot;
 
 use fake_kube::{FakeKube, Resource, pod, pool};
 use support::{FakePod, Kvroute};
@@ -30,7 +33,7 @@ fn ep(ip: &str, port: u16) -> SocketAddr {
 }
 
 fn endpoints(snapshot: &Snapshot) -> Vec<SocketAddr> {
-    snapshot.pods.iter().map(|p| p.endpoint).collect()
+    snapshot.pods().iter().map(|p| p.endpoint).collect()
 }
 
 fn selector(labels: &str, ports: &[u16]) -> KubeTarget {
@@ -71,7 +74,7 @@ async fn wait_endpoints(kvroute: &Kvroute, what: &str, mut expected: Vec<SocketA
     assert!(
         ok,
         "timed out waiting for: {what}; wanted {shown:?}, snapshot has {:?}",
-        endpoints(&kvroute.store.snapshot())
+        endpoints(kvroute.store.fleet().snapshot())
     );
 }
 

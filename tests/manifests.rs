@@ -4,6 +4,9 @@
 //! every query of the Grafana dashboard returns data from a real Prometheus scraping a
 //! kvroute that routes traffic through Envoy.
 
+// A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -1273,7 +1276,7 @@ impl Prometheus {
             ),
         )
         .expect("write config");
-        let port = kvroute::gateway::free_port().expect("free port");
+        let port = kvroute_lab::envoy::free_port().expect("free port");
         let log = dir.path().join("prometheus.log");
         let log_file = std::fs::File::create(&log).expect("log file");
         let child = Command::new(&binary)
@@ -1443,7 +1446,7 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus_scraping_kvro
     });
     let down: SocketAddr = format!(
         "127.0.0.1:{}",
-        kvroute::gateway::free_port().expect("free port")
+        kvroute_lab::envoy::free_port().expect("free port")
     )
     .parse()
     .expect("addr");

@@ -12,14 +12,17 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::Stream;
+use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
-use tokio::sync::{broadcast, watch};
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
+use kvroute_core::fleet::{Fleet, PodLoad, PodView};
+use kvroute_core::scheduler::{CandidateScore, Decision, LoraTier};
+
 use crate::picker::{DecisionRecord, LivePicker};
-use crate::scheduler::{CandidateScore, Decision, LoraTier};
-use crate::state::{PodStore, PodView, Snapshot};
+use crate::shutdown::Phase;
+use crate::store::PodStore;
 
 /// The generated messages, client and server of `kvroute.admin.v1`.
 #[allow(clippy::all, missing_docs)]
@@ -33,12 +36,12 @@ use pb::admin_server::{Admin, AdminServer};
 pub struct AdminService {
     picker: Arc<LivePicker>,
     store: Arc<PodStore>,
-    /// Turns true on shutdown: open watch streams end.
-    stop: watch::Receiver<bool>,
+    /// Fires on shutdown: open watch streams end.
+    stop: Phase,
 }
 
 impl AdminService {
-    pub fn new(picker: Arc<LivePicker>, store: Arc<PodStore>, stop: watch::Receiver<bool>) -> Self {
+    pub fn new(picker: Arc<LivePicker>, store: Arc<PodStore>, stop: Phase) -> Self {
         AdminService {
             picker,
             store,
@@ -68,7 +71,7 @@ impl Filter {
 
 struct Watcher {
     decisions: broadcast::Receiver<Arc<DecisionRecord>>,
-    stop: watch::Receiver<bool>,
+    stop: Phase,
     filter: Filter,
 }
 
@@ -78,7 +81,7 @@ impl Watcher {
         loop {
             let received = tokio::select! {
                 received = self.decisions.recv() => received,
-                () = stopped(self.stop.clone()) => return None,
+                () = self.stop.fired() => return None,
             };
             match received {
                 Ok(record) if self.filter.admits(&record) => return Some(event(&record)),
@@ -91,11 +94,6 @@ impl Watcher {
             }
         }
     }
-}
-
-async fn stopped(mut stop: watch::Receiver<bool>) {
-    // A dropped sender means the server is gone too.
-    let _ = stop.wait_for(|stop| *stop).await;
 }
 
 #[tonic::async_trait]
@@ -125,7 +123,7 @@ impl Admin for AdminService {
         &self,
         _request: Request<pb::ListEndpointsRequest>,
     ) -> Result<Response<pb::ListEndpointsResponse>, Status> {
-        Ok(Response::new(endpoints(&self.store.snapshot())))
+        Ok(Response::new(endpoints(&self.store.fleet())))
     }
 }
 
@@ -201,15 +199,19 @@ fn tier_name(tier: LoraTier) -> &'static str {
     }
 }
 
-/// The wire form of a snapshot.
-pub fn endpoints(snapshot: &Snapshot) -> pb::ListEndpointsResponse {
+/// The wire form of the fleet: served by `ListEndpoints` and, as JSON, by
+/// `/debug/endpoints`.
+pub fn endpoints(fleet: &Fleet) -> pb::ListEndpointsResponse {
     pb::ListEndpointsResponse {
-        generation: snapshot.generation,
-        endpoints: snapshot.pods.iter().map(endpoint).collect(),
+        generation: fleet.snapshot().generation,
+        endpoints: fleet
+            .pods()
+            .map(|(pod, load)| endpoint(pod, load))
+            .collect(),
     }
 }
 
-fn endpoint(pod: &PodView) -> pb::Endpoint {
+fn endpoint(pod: &PodView, load: &PodLoad) -> pb::Endpoint {
     let metrics = pod.metrics().map(|m| pb::PodMetrics {
         waiting: m.waiting,
         running: m.running,
@@ -239,116 +241,10 @@ fn endpoint(pod: &PodView) -> pb::Endpoint {
         metrics,
         models,
         adapters,
-        inflight: pod.load.inflight(),
-        unscraped_tokens: pod.load.unscraped_tokens(),
+        inflight: load.inflight(),
+        unscraped_tokens: load.unscraped_tokens(),
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::scheduler::{Reason, Relaxed};
-
-    fn record(model: Option<&str>) -> DecisionRecord {
-        let endpoint = "10.0.0.1:8000".parse().expect("addr");
-        DecisionRecord {
-            unix_ms: 1_700_000_000_000,
-            model: model.map(str::to_owned),
-            prompt_tokens: 100,
-            max_output_tokens: Some(50),
-            decision: Some(Decision {
-                endpoint,
-                fallbacks: vec!["10.0.0.2:8000".parse().expect("addr")],
-                reason: Reason::Lora(LoraTier::Active),
-                relaxed: Relaxed {
-                    kv_headroom: true,
-                    ..Relaxed::default()
-                },
-                tokens_needed: 150,
-                candidates: 2,
-                ranked: vec![CandidateScore {
-                    endpoint,
-                    total: 3.5,
-                    kv_headroom: 0.9,
-                    queue: 1.0,
-                    inflight: 0.6,
-                    lora: 1.0,
-                    lora_tier: Some(LoraTier::Active),
-                    prefix: 0.25,
-                    prefill_queue: 0.5,
-                    free_kv_tokens: Some(14_000),
-                }],
-            }),
-            error: None,
-        }
-    }
-
-    #[test]
-    fn a_decision_keeps_its_endpoint_reason_and_scores_on_the_wire() {
-        let event = event(&record(Some("sql-lora")));
-        assert_eq!(event.model.as_deref(), Some("sql-lora"));
-        assert_eq!(event.max_output_tokens, Some(50));
-        let Some(pb::decision_event::Outcome::Routed(routed)) = event.outcome else {
-            panic!("not routed: {event:?}");
-        };
-        assert_eq!(routed.endpoint, "10.0.0.1:8000");
-        assert_eq!(routed.fallbacks, ["10.0.0.2:8000"]);
-        assert_eq!(routed.reason, "lora_active");
-        assert!(
-            routed
-                .relaxed
-                .is_some_and(|r| r.kv_headroom && !r.saturation)
-        );
-        assert_eq!(routed.ranked[0].lora_tier, "active");
-        assert_eq!(routed.ranked[0].free_kv_tokens, Some(14_000));
-        assert_eq!(routed.ranked[0].total, 3.5);
-    }
-
-    #[test]
-    fn the_model_filter_admits_only_that_model() {
-        let filter = Filter {
-            model: Some("sql-lora".into()),
-        };
-        assert!(filter.admits(&record(Some("sql-lora"))));
-        assert!(!filter.admits(&record(Some("base"))));
-        assert!(!filter.admits(&record(None)));
-        assert!(Filter { model: None }.admits(&record(None)));
-    }
-
-    #[tokio::test]
-    async fn a_watcher_that_falls_behind_is_told_how_many_it_missed() {
-        let (tx, decisions) = broadcast::channel(2);
-        let (_stop_tx, stop) = watch::channel(false);
-        let mut watcher = Watcher {
-            decisions,
-            stop,
-            filter: Filter { model: None },
-        };
-        for _ in 0..5 {
-            tx.send(Arc::new(record(Some("base")))).expect("send");
-        }
-        let first = watcher.next().await.expect("event");
-        assert_eq!(
-            first.outcome,
-            Some(pb::decision_event::Outcome::Missed(pb::Missed { count: 3 }))
-        );
-        let next = watcher.next().await.expect("event");
-        assert!(matches!(
-            next.outcome,
-            Some(pb::decision_event::Outcome::Routed(_))
-        ));
-    }
-
-    #[tokio::test]
-    async fn watch_streams_end_on_shutdown() {
-        let (_tx, decisions) = broadcast::channel::<Arc<DecisionRecord>>(2);
-        let (stop_tx, stop) = watch::channel(false);
-        let mut watcher = Watcher {
-            decisions,
-            stop,
-            filter: Filter { model: None },
-        };
-        stop_tx.send(true).expect("stop");
-        assert_eq!(watcher.next().await, None);
-    }
-}
+mod tests;

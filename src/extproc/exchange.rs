@@ -14,7 +14,6 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -27,9 +26,9 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use super::messages::{
     self, ErrorReply, MAX_STREAMED_CHUNK, SUBSET_HINT_KEY, SUBSET_HINT_NAMESPACE,
 };
-use super::{RouteError, RouteRequest, Routed, Router};
-use crate::request::{ApiKind, InferenceRequest, RequestError, parse_request};
-use crate::scheduler::PickError;
+use kvroute_core::request::{ApiKind, InferenceRequest, RequestError, parse_request};
+
+use super::{InFlight, ResponseSummary, RouteRequest, Router, Unrouted, UnroutedKind};
 use crate::telemetry::{self, ModelLabels, Outcome};
 
 /// How Envoy sends a body, from `protocol_config`.
@@ -75,9 +74,10 @@ pub struct Exchange<R: Router> {
     subset: Option<Vec<SocketAddr>>,
     body: Vec<u8>,
     phase: Phase,
-    routed: Option<(Routed, Instant)>,
-    response_status: Option<u16>,
-    completion_tokens: Option<u64>,
+    /// What the routed request holds until its response ends.
+    ticket: Option<R::Ticket>,
+    response: ResponseSummary,
+    first_token_seen: bool,
 }
 
 impl<R: Router> Exchange<R> {
@@ -92,9 +92,9 @@ impl<R: Router> Exchange<R> {
             subset: None,
             body: Vec::new(),
             phase: Phase::Start,
-            routed: None,
-            response_status: None,
-            completion_tokens: None,
+            ticket: None,
+            response: ResponseSummary::default(),
+            first_token_seen: false,
         }
     }
 
@@ -133,7 +133,7 @@ impl<R: Router> Exchange<R> {
             Phase::Rejected | Phase::Forwarded => Vec::new(),
             Phase::Start | Phase::ReadingBody => {
                 self.body = Vec::new();
-                vec![self.reject(too_large(self.max_body_bytes), ModelLabels::other())]
+                vec![self.refuse(too_large(self.max_body_bytes), Outcome::TooLarge)]
             }
         }
     }
@@ -174,7 +174,7 @@ impl<R: Router> Exchange<R> {
         }
         if self.body.len().saturating_add(body.body.len()) > self.max_body_bytes {
             self.body = Vec::new();
-            return vec![self.reject(too_large(self.max_body_bytes), ModelLabels::other())];
+            return vec![self.refuse(too_large(self.max_body_bytes), Outcome::TooLarge)];
         }
         self.body.extend_from_slice(&body.body);
         let ended = body.end_of_stream || body.end_of_stream_without_message;
@@ -207,7 +207,7 @@ impl<R: Router> Exchange<R> {
     }
 
     fn on_response_headers(&mut self, headers: &HttpHeaders) -> Vec<ProcessingResponse> {
-        self.response_status = headers
+        self.response.status = headers
             .headers
             .as_ref()
             .and_then(|map| header_value(map, ":status"))
@@ -221,16 +221,16 @@ impl<R: Router> Exchange<R> {
     fn on_response_body(&mut self, body: HttpBody) -> Vec<ProcessingResponse> {
         // vLLM streams nothing before the first token (the chat role chunk goes out with
         // it), so the first body bytes mean the pod has finished this prompt's prefill.
+        // Only the first non-empty chunk counts: the ticket is told once.
         if !body.body.is_empty()
-            && let Some(reservation) = self
-                .routed
-                .as_mut()
-                .and_then(|(routed, _)| routed.reservation.as_mut())
+            && !self.first_token_seen
+            && let Some(ticket) = self.ticket.as_mut()
         {
-            reservation.first_token();
+            ticket.first_token();
+            self.first_token_seen = true;
         }
         if let Some(tokens) = find_completion_tokens(&body.body) {
-            self.completion_tokens = Some(tokens);
+            self.response.completion_tokens = Some(tokens);
         }
         let ended = body.end_of_stream || body.end_of_stream_without_message;
         let answer = match self.response_mode {
@@ -287,7 +287,7 @@ impl<R: Router> Exchange<R> {
     ) -> ProcessingResponse {
         match parsed {
             Ok(request) => self.route(request.as_ref(), placement),
-            Err(error) => self.reject(bad_request(&error), ModelLabels::other()),
+            Err(error) => self.refuse(bad_request(&error), Outcome::BadRequest),
         }
     }
 
@@ -300,42 +300,37 @@ impl<R: Router> Exchange<R> {
             inference: request,
             subset: self.subset.as_deref(),
         };
+        // The router records routed and unrouted requests itself: it knows their models.
         match self.router.route(&route_request) {
             Ok(routed) => {
                 let destination = routed.destination();
-                telemetry::record_request(&routed.labels, Outcome::Routed);
-                self.routed = Some((routed, Instant::now()));
+                self.ticket = Some(routed.ticket);
                 self.phase = Phase::Forwarded;
                 match placement {
                     Placement::InHeaders => messages::route_in_headers(&destination),
                     Placement::InBody => messages::route_in_body(&destination),
                 }
             }
-            Err(RouteError { error, labels }) => self.reject(no_route(&error), labels),
+            Err(unrouted) => self.reject(no_route(unrouted)),
         }
     }
 
-    fn reject(&mut self, reply: ErrorReply, labels: ModelLabels) -> ProcessingResponse {
-        let outcome = match reply.status {
-            404 => Outcome::UnknownModel,
-            413 => Outcome::TooLarge,
-            400..=499 => Outcome::BadRequest,
-            _ => Outcome::NoCapacity,
-        };
-        telemetry::record_request(&labels, outcome);
+    /// Refuses a request the protocol layer itself finds wrong (before any routing), and
+    /// records it.
+    fn refuse(&mut self, reply: ErrorReply, outcome: Outcome) -> ProcessingResponse {
+        telemetry::record_request(&ModelLabels::other(), outcome);
+        self.reject(reply)
+    }
+
+    fn reject(&mut self, reply: ErrorReply) -> ProcessingResponse {
         self.phase = Phase::Rejected;
         reply.into_response()
     }
 
+    /// Ends the routed request's ticket, once: its in-flight accounting is released.
     fn complete(&mut self) {
-        if let Some((routed, at)) = self.routed.take() {
-            telemetry::record_request_done(
-                &routed.labels,
-                self.response_status,
-                at.elapsed(),
-                self.completion_tokens,
-            );
-            // Dropping `routed` releases its in-flight reservation.
+        if let Some(ticket) = self.ticket.take() {
+            ticket.finish(self.response);
         }
     }
 }
@@ -417,24 +412,22 @@ fn too_large(limit: usize) -> ErrorReply {
     }
 }
 
-fn no_route(error: &PickError) -> ErrorReply {
-    match error {
-        PickError::UnknownModel(_) => ErrorReply {
+fn no_route(unrouted: Unrouted) -> ErrorReply {
+    match unrouted.kind {
+        UnroutedKind::UnknownModel => ErrorReply {
             status: 404,
             error_type: "invalid_request_error",
             code: "model_not_found",
-            message: error.to_string(),
+            message: unrouted.message,
             retry_after: None,
         },
-        PickError::NoEndpoints | PickError::NoneInSubset | PickError::NoReadyEndpoint => {
-            ErrorReply {
-                status: 503,
-                error_type: "service_unavailable",
-                code: "no_ready_endpoint",
-                message: error.to_string(),
-                retry_after: Some(1),
-            }
-        }
+        UnroutedKind::Unavailable => ErrorReply {
+            status: 503,
+            error_type: "service_unavailable",
+            code: "no_ready_endpoint",
+            message: unrouted.message,
+            retry_after: Some(1),
+        },
     }
 }
 

@@ -12,39 +12,26 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
+use crate::shutdown::Phase;
+
 pub use exchange::Exchange;
+pub use kvroute_core::request::RouteRequest;
 
-use crate::request::InferenceRequest;
-use crate::scheduler::PickError;
-use crate::state::Reservation;
-use crate::telemetry::ModelLabels;
-
-/// What the protocol layer asks the router.
-#[derive(Debug, Clone, Copy)]
-pub struct RouteRequest<'a> {
-    /// The parsed body; `None` for requests without one (any ready pod will do).
-    pub inference: Option<&'a InferenceRequest>,
-    /// The gateway's subset hint.
-    pub subset: Option<&'a [SocketAddr]>,
-}
-
-/// A routed request: where it goes and what it holds until it finishes.
+/// A routed request: where it goes, and what it holds until its response ends.
 #[derive(Debug)]
-pub struct Routed {
+pub struct Routed<T> {
     /// The chosen endpoint first, then ordered fallbacks.
     pub endpoints: Vec<SocketAddr>,
-    /// Telemetry labels of the request.
-    pub labels: ModelLabels,
-    /// In-flight accounting, released when dropped.
-    pub reservation: Option<Reservation>,
+    /// Released through [`InFlight::finish`] when the response (or the stream) ends.
+    pub ticket: T,
 }
 
-impl Routed {
+impl<T> Routed<T> {
     /// The value of the destination header and metadata: `IP:PORT[,IP:PORT...]`.
     pub fn destination(&self) -> String {
         let mut value = String::new();
@@ -58,16 +45,46 @@ impl Routed {
     }
 }
 
-/// Why a request could not be routed, with its telemetry labels.
-#[derive(Debug, Clone)]
-pub struct RouteError {
-    pub error: PickError,
-    pub labels: ModelLabels,
+/// Why a request was not routed, in the terms the protocol answers with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unrouted {
+    pub kind: UnroutedKind,
+    /// For the client, in the OpenAI error's `message`.
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnroutedKind {
+    /// No pod serves the requested model: 404.
+    UnknownModel,
+    /// Pods may serve it, but none is ready now: 503 with `retry-after`.
+    Unavailable,
+}
+
+/// How a routed request's response went, as far as the processor saw it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ResponseSummary {
+    /// The response's HTTP status, if its headers passed the processor.
+    pub status: Option<u16>,
+    /// `completion_tokens` of the usage object, if the body passed the processor.
+    pub completion_tokens: Option<u64>,
+}
+
+/// What a routed request holds while its response streams: in-flight accounting and
+/// whatever the router wants to record when it ends.
+pub trait InFlight: Send + 'static {
+    /// The first response body bytes passed: the pod has finished the prompt's prefill.
+    /// Called at most once.
+    fn first_token(&mut self);
+    /// The response ended, or the stream did (the client went away).
+    fn finish(self, response: ResponseSummary);
 }
 
 /// Chooses the destination of a request.
 pub trait Router: Send + Sync + 'static {
-    fn route(&self, request: &RouteRequest<'_>) -> Result<Routed, RouteError>;
+    type Ticket: InFlight;
+
+    fn route(&self, request: &RouteRequest<'_>) -> Result<Routed<Self::Ticket>, Unrouted>;
 }
 
 fn is_message_too_large(status: &Status) -> bool {
@@ -81,16 +98,12 @@ fn is_message_too_large(status: &Status) -> bool {
 pub struct ExtProcService<R: Router> {
     router: Arc<R>,
     max_body_bytes: usize,
-    /// Flips to true when open streams must end (the drain deadline passed).
-    abort_streams: watch::Receiver<bool>,
+    /// Fires when open streams must end (the drain deadline passed).
+    abort_streams: Phase,
 }
 
 impl<R: Router> ExtProcService<R> {
-    pub fn new(
-        router: Arc<R>,
-        max_body_bytes: usize,
-        abort_streams: watch::Receiver<bool>,
-    ) -> Self {
+    pub fn new(router: Arc<R>, max_body_bytes: usize, abort_streams: Phase) -> Self {
         ExtProcService {
             router,
             max_body_bytes,
@@ -119,12 +132,12 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
         let mut inbound = request.into_inner();
         let (answers, stream) = mpsc::channel(32);
         let mut exchange = Exchange::new(Arc::clone(&self.router), self.max_body_bytes);
-        let mut abort = self.abort_streams.clone();
+        let abort = self.abort_streams.clone();
         tokio::spawn(async move {
             'stream: loop {
                 let message = tokio::select! {
                     message = inbound.message() => message,
-                    _ = abort.wait_for(|abort| *abort) => break,
+                    () = abort.fired() => break,
                 };
                 match message {
                     Ok(Some(message)) => {

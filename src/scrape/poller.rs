@@ -12,10 +12,10 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 use tracing::debug;
 
-use super::models::{ModelsError, parse_models};
-use super::vllm::{VllmMetricsError, parse_vllm_metrics};
-use crate::config::ScrapeConfig;
-use crate::state::PodStore;
+use kvroute_core::vllm::{ModelsError, VllmMetricsError, parse_models, parse_vllm_metrics};
+
+use super::ScrapeConfig;
+use crate::store::PodStore;
 use crate::telemetry;
 
 #[derive(Debug, thiserror::Error)]
@@ -151,7 +151,7 @@ impl PodPoller {
             let error_kind = outcome.as_ref().err().map(ScrapeError::kind);
             let Some(healthy) =
                 self.store
-                    .record_scrape(self.endpoint, outcome, ticket, started.into_std())
+                    .record_scrape(self.endpoint, outcome.ok(), ticket, started.into_std())
             else {
                 return;
             };

@@ -17,8 +17,9 @@ use tokio::sync::{oneshot, watch};
 
 use kvroute::app::{App, BoundAddrs};
 use kvroute::config::ServeConfig;
-use kvroute::gateway::EnvoyProcess;
-use kvroute::state::{PodStore, Snapshot};
+use kvroute::store::PodStore;
+use kvroute_core::fleet::Snapshot;
+use kvroute_lab::envoy::EnvoyProcess;
 
 /// What a fake pod reports at `/metrics`, rendered in vLLM's exposition format.
 #[derive(Debug, Clone)]
@@ -329,8 +330,8 @@ impl Kvroute {
     /// Waits until every pod is healthy with metrics and models.
     pub async fn wait_until_scraped(&self, pods: usize) {
         self.wait_for("all pods scraped", |s| {
-            s.pods.len() == pods
-                && s.pods
+            s.pods().len() == pods
+                && s.pods()
                     .iter()
                     .all(|p| p.healthy && p.metrics().is_some() && p.models.is_some())
         })
@@ -422,8 +423,8 @@ impl Envoy {
     /// Envoy exits when the thread that started it does.
     pub async fn start(gateway: Gateway, kvroute: SocketAddr, pods: &[SocketAddr]) -> Envoy {
         let gateway = match gateway {
-            Gateway::OriginalDst => kvroute::gateway::Gateway::OriginalDst { kvroute },
-            Gateway::OverrideHost => kvroute::gateway::Gateway::OverrideHost { kvroute },
+            Gateway::OriginalDst => kvroute_lab::envoy::Gateway::OriginalDst { kvroute },
+            Gateway::OverrideHost => kvroute_lab::envoy::Gateway::OverrideHost { kvroute },
         };
         let level = std::env::var("ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into());
         let process = EnvoyProcess::start(gateway, pods, &envoy_binary(), &level)

@@ -7,8 +7,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
 
 use super::*;
+use crate::extproc::Routed;
 use crate::extproc::messages::DESTINATION_HEADER;
-use crate::state::PodLoad;
 
 const POD_A: &str = "10.0.0.1:8000";
 const POD_B: &str = "10.0.0.2:8000";
@@ -16,30 +16,60 @@ const POD_B: &str = "10.0.0.2:8000";
 /// What the stub router was asked: the model and the subset hint.
 type Asked = (Option<String>, Option<Vec<SocketAddr>>);
 
+/// What happened to the tickets the stub router handed out.
+#[derive(Debug, Default)]
+struct TicketLog {
+    open: usize,
+    first_tokens: usize,
+    finished: Vec<ResponseSummary>,
+}
+
 /// Routes everything to POD_A (fallback POD_B) and remembers what it was asked.
 #[derive(Default)]
 struct StubRouter {
     seen: Mutex<Vec<Asked>>,
-    fail_with: Option<PickError>,
-    load: Arc<PodLoad>,
+    fail_with: Option<UnroutedKind>,
+    tickets: Arc<Mutex<TicketLog>>,
+}
+
+impl StubRouter {
+    fn tickets(&self) -> std::sync::MutexGuard<'_, TicketLog> {
+        self.tickets.lock().expect("lock")
+    }
+}
+
+struct StubTicket(Arc<Mutex<TicketLog>>);
+
+impl InFlight for StubTicket {
+    fn first_token(&mut self) {
+        self.0.lock().expect("lock").first_tokens += 1;
+    }
+
+    fn finish(self, response: ResponseSummary) {
+        let mut log = self.0.lock().expect("lock");
+        log.open -= 1;
+        log.finished.push(response);
+    }
 }
 
 impl Router for StubRouter {
-    fn route(&self, request: &RouteRequest<'_>) -> Result<Routed, RouteError> {
+    type Ticket = StubTicket;
+
+    fn route(&self, request: &RouteRequest<'_>) -> Result<Routed<StubTicket>, Unrouted> {
         self.seen.lock().expect("lock").push((
             request.inference.map(|r| r.model.clone()),
             request.subset.map(<[SocketAddr]>::to_vec),
         ));
-        if let Some(error) = &self.fail_with {
-            return Err(RouteError {
-                error: error.clone(),
-                labels: ModelLabels::other(),
+        if let Some(kind) = self.fail_with {
+            return Err(Unrouted {
+                kind,
+                message: "stubbed".into(),
             });
         }
+        self.tickets().open += 1;
         Ok(Routed {
             endpoints: vec![POD_A.parse().expect("addr"), POD_B.parse().expect("addr")],
-            labels: ModelLabels::other(),
-            reservation: Some(self.load.reserve(10, 6)),
+            ticket: StubTicket(Arc::clone(&self.tickets)),
         })
     }
 }
@@ -294,12 +324,12 @@ fn malformed_json_is_answered_400_with_an_openai_error() {
 
 #[test]
 fn an_unknown_model_is_answered_404_and_no_capacity_503_with_retry_after() {
-    for (error, status) in [
-        (PickError::UnknownModel("nope".into()), 404),
-        (PickError::NoReadyEndpoint, 503),
+    for (kind, status) in [
+        (UnroutedKind::UnknownModel, 404),
+        (UnroutedKind::Unavailable, 503),
     ] {
         let router = Arc::new(StubRouter {
-            fail_with: Some(error),
+            fail_with: Some(kind),
             ..StubRouter::default()
         });
         let mut ex = exchange(&router, BodySendMode::Buffered);
@@ -349,24 +379,28 @@ fn response_chunks_are_echoed_at_once_in_full_duplex_and_the_end_releases_the_re
     let mut ex = exchange(&router, BodySendMode::FullDuplexStreamed);
     ex.handle(post("/v1/completions"));
     ex.handle(body(COMPLETION, true));
-    assert_eq!(router.load.inflight(), 1);
+    assert_eq!(router.tickets().open, 1);
     ex.handle(headers(&[(":status", "200")], false));
-    assert_eq!(router.load.prefill_tokens(), 6, "no token yet");
+    assert_eq!(router.tickets().first_tokens, 0, "no token yet");
     let sse = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
     let answers = ex.handle(response_body(sse, false));
     assert_eq!(streamed_chunk(&answers[0]), Some((sse.to_vec(), false)));
-    assert_eq!(router.load.inflight(), 1, "still streaming");
+    assert_eq!(router.tickets().open, 1, "still streaming");
     assert_eq!(
-        router.load.prefill_tokens(),
-        0,
+        router.tickets().first_tokens,
+        1,
         "the first token ends the prefill"
     );
+    ex.handle(response_body(sse, false));
+    assert_eq!(router.tickets().first_tokens, 1, "told once");
     let last =
         b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":17}}\n\ndata: [DONE]\n\n";
     let answers = ex.handle(response_body(last, true));
     assert_eq!(streamed_chunk(&answers[0]), Some((last.to_vec(), true)));
-    assert_eq!(router.load.inflight(), 0);
-    assert_eq!(ex.completion_tokens, Some(17));
+    let log = router.tickets();
+    assert_eq!(log.open, 0);
+    assert_eq!(log.finished.len(), 1);
+    assert_eq!(log.finished[0].completion_tokens, Some(17));
 }
 
 #[test]
@@ -375,9 +409,11 @@ fn when_response_phases_are_not_sent_the_end_of_the_stream_releases_the_request(
     let mut ex = exchange(&router, BodySendMode::Buffered);
     ex.handle(post("/v1/completions"));
     ex.handle(body(COMPLETION, true));
-    assert_eq!(router.load.inflight(), 1);
+    assert_eq!(router.tickets().open, 1);
     ex.finish();
-    assert_eq!(router.load.inflight(), 0);
+    assert_eq!(router.tickets().open, 0);
+    ex.finish();
+    assert_eq!(router.tickets().finished.len(), 1, "finished once");
 }
 
 #[test]

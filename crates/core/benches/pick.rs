@@ -1,0 +1,111 @@
+//! Cost of one scheduling decision, `scheduler::pick`, by fleet size.
+//! Run: `cargo bench --bench pick`. Targets: ≤ 2 µs at 8 pods, ≤ 50 µs at 4,096.
+
+// A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use kvroute_core::fleet::{Fleet, LoraStatus, PodLoad, PodMetrics, PodView, ServedModels};
+use kvroute_core::request::{InferenceRequest, RouteRequest};
+use kvroute_core::scheduler::{SchedulerConfig, pick};
+
+const ADAPTERS: usize = 16;
+
+/// A fleet with varied load: KV use 0–95 %, queues 0–7, two of 16 adapters running
+/// per pod, some in-flight accounting.
+fn fleet(pods: usize, rng: &mut SmallRng) -> Fleet {
+    let adapter_names: Vec<String> = (0..ADAPTERS).map(|a| format!("adapter-{a}")).collect();
+    let served = Arc::new(ServedModels {
+        base: vec!["llama".into()],
+        adapters: adapter_names
+            .iter()
+            .map(|a| (a.clone(), "llama".to_owned()))
+            .collect::<HashMap<_, _>>(),
+    });
+    let pods = (0..pods)
+        .map(|i| {
+            let endpoint = SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8000));
+            let running = vec![
+                adapter_names[rng.random_range(0..ADAPTERS)].clone(),
+                adapter_names[rng.random_range(0..ADAPTERS)].clone(),
+            ];
+            let view = PodView::new(
+                endpoint,
+                true,
+                Some(Arc::new(PodMetrics {
+                    waiting: rng.random_range(0..8),
+                    running: rng.random_range(0..64),
+                    kv_usage: rng.random_range(0.0..0.95),
+                    kv_capacity_tokens: Some(400_000),
+                    num_gpu_blocks: Some(25_000),
+                    block_size: Some(16),
+                    engines: 1,
+                    lora: Some(LoraStatus {
+                        max_lora: 4,
+                        running,
+                        waiting: Vec::new(),
+                    }),
+                    ..PodMetrics::default()
+                })),
+                Some(Duration::from_millis(20)),
+                Some(Arc::clone(&served)),
+            );
+            let load = PodLoad::with_values(rng.random_range(0..16), rng.random_range(0..20_000));
+            (view, Arc::new(load))
+        })
+        .collect::<Vec<_>>();
+    Fleet::new(pods, 1, 1)
+}
+
+fn bench_pick(c: &mut Criterion) {
+    let mut group = c.benchmark_group("pick");
+    group.measurement_time(Duration::from_secs(3));
+    group.warm_up_time(Duration::from_secs(1));
+    let config = SchedulerConfig::default();
+    for size in [8usize, 64, 512, 4096] {
+        let mut rng = SmallRng::seed_from_u64(42);
+        let snapshot = fleet(size, &mut rng);
+        let base_body = InferenceRequest {
+            model: "llama".into(),
+            prompt_tokens: 1_500,
+            max_output_tokens: Some(256),
+            stream: false,
+            prompt_prefix: Vec::new(),
+        };
+        let adapter_body = InferenceRequest {
+            model: "adapter-3".into(),
+            ..base_body.clone()
+        };
+        let base = RouteRequest {
+            inference: Some(&base_body),
+            subset: None,
+        };
+        let adapter = RouteRequest {
+            inference: Some(&adapter_body),
+            subset: None,
+        };
+        group.bench_with_input(
+            BenchmarkId::new("base_model", size),
+            &snapshot,
+            |b, snapshot| b.iter(|| pick(black_box(&base), None, snapshot, &config, &mut rng)),
+        );
+        group.bench_with_input(
+            BenchmarkId::new("lora_adapter", size),
+            &snapshot,
+            |b, snapshot| b.iter(|| pick(black_box(&adapter), None, snapshot, &config, &mut rng)),
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_pick);
+criterion_main!(benches);

@@ -1,0 +1,279 @@
+//! The fleet as the scheduler sees it.
+//!
+//! Two kinds of data, kept apart on purpose:
+//! - [`Snapshot`]: plain data, immutable once built. What each pod last reported
+//!   ([`PodMetrics`] from `/metrics`, [`ServedModels`] from `/v1/models`), its health, and a
+//!   [`ModelIndex`] that classifies every model name the fleet knows, built once per
+//!   snapshot rather than once per request.
+//! - [`PodLoad`]: kvroute's own live counters per pod (requests in flight, tokens sent
+//!   since the last scrape, prefill queued, adapters sent), updated by every routed request
+//!   between two snapshots.
+//!
+//! [`Fleet`] pairs a snapshot with the live counters of its pods: that pair is what a pick
+//! reads. Prefix memory ([`PrefixIndex`]) and health hysteresis ([`HealthTracker`]) are the
+//! other bookkeeping the gateway keeps per pod.
+
+mod health;
+mod load;
+mod models;
+mod prefix;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use health::{HealthPolicy, HealthTracker};
+pub use load::{PodLoad, RECENT_ADAPTERS, Reservation, ScrapeTicket, adapter_key};
+pub use models::{ModelClass, ModelIndex};
+pub use prefix::{BLOCK_BYTES, BLOCK_TOKENS, PrefixIndex, PrefixMatches, block_hashes};
+
+/// What one pod reported, aggregated over its engines and models.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PodMetrics {
+    /// Requests queued, summed over engines and models.
+    pub waiting: u32,
+    /// Requests in the running batch, summed over engines and models.
+    pub running: u32,
+    /// Fraction of KV-cache blocks in use, in `0..=1`. With several engines,
+    /// their mean weighted by capacity (unweighted if a capacity is unknown).
+    pub kv_usage: f64,
+    /// KV-cache capacity in tokens, over all engines; `None` if any engine's
+    /// is unknown.
+    pub kv_capacity_tokens: Option<u64>,
+    /// GPU KV-cache blocks, summed over engines; `None` if any is unknown.
+    pub num_gpu_blocks: Option<u64>,
+    /// Tokens per KV-cache block (the same on every engine).
+    pub block_size: Option<u32>,
+    /// Distinct `engine` label values seen; 1 when the pod does not label engines.
+    pub engines: u32,
+    /// The newest `vllm:lora_requests_info` series, if the pod serves LoRA adapters.
+    pub lora: Option<LoraStatus>,
+    pub preemptions_total: Option<f64>,
+    /// Prompt tokens served from the prefix cache (a counter).
+    pub prefix_cache_hits_total: Option<f64>,
+    /// Prompt tokens looked up in the prefix cache (a counter).
+    pub prefix_cache_queries_total: Option<f64>,
+}
+
+/// Adapter state from `vllm:lora_requests_info`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LoraStatus {
+    /// Adapter slots on the GPU; 0 when the pod does not say.
+    pub max_lora: u32,
+    /// Adapters with requests in the running batch.
+    pub running: Vec<String>,
+    /// Adapters with requests waiting.
+    pub waiting: Vec<String>,
+}
+
+/// The models one pod can serve, from its `/v1/models`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ServedModels {
+    /// Base models (entries without a `parent`).
+    pub base: Vec<String>,
+    /// LoRA adapters by name, with their base model.
+    pub adapters: HashMap<String, String>,
+}
+
+impl ServedModels {
+    /// Whether `model` names one of this pod's base models or adapters.
+    pub fn serves(&self, model: &str) -> bool {
+        self.base.iter().any(|b| b == model) || self.adapters.contains_key(model)
+    }
+
+    /// Whether `model` is one of this pod's LoRA adapters.
+    pub fn is_adapter(&self, model: &str) -> bool {
+        self.adapters.contains_key(model)
+    }
+}
+
+/// The few numbers the scheduler reads for every pod, copied out of the scrape when
+/// the snapshot is built, so a pick over thousands of pods finds them in place rather
+/// than behind a pointer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadSignals {
+    pub waiting: u32,
+    /// KV-cache use, 0..=1.
+    pub kv_usage: f32,
+    /// KV capacity in tokens; 0 when the pod does not report it.
+    pub kv_capacity_tokens: u64,
+}
+
+impl LoadSignals {
+    pub fn of(metrics: &PodMetrics) -> Self {
+        LoadSignals {
+            waiting: metrics.waiting,
+            kv_usage: metrics.kv_usage.clamp(0.0, 1.0) as f32,
+            kv_capacity_tokens: metrics.kv_capacity_tokens.unwrap_or(0),
+        }
+    }
+}
+
+/// One pod as the scheduler sees it: plain data, as of the snapshot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodView {
+    pub endpoint: SocketAddr,
+    /// Up or down, after hysteresis over scrape results.
+    pub healthy: bool,
+    /// The last successful scrape, if any; set with [`PodView::new`] or
+    /// [`PodView::set_metrics`] so that `signals` follows.
+    metrics: Option<Arc<PodMetrics>>,
+    signals: Option<LoadSignals>,
+    /// How old `metrics` was when this snapshot was built.
+    pub metrics_age: Option<Duration>,
+    /// What the pod's `/v1/models` said, if it answered yet.
+    pub models: Option<Arc<ServedModels>>,
+}
+
+impl PodView {
+    pub fn new(
+        endpoint: SocketAddr,
+        healthy: bool,
+        metrics: Option<Arc<PodMetrics>>,
+        metrics_age: Option<Duration>,
+        models: Option<Arc<ServedModels>>,
+    ) -> Self {
+        PodView {
+            endpoint,
+            healthy,
+            signals: metrics.as_deref().map(LoadSignals::of),
+            metrics,
+            metrics_age,
+            models,
+        }
+    }
+
+    /// The last successful scrape, if any.
+    pub fn metrics(&self) -> Option<&PodMetrics> {
+        self.metrics.as_deref()
+    }
+
+    /// The scheduler's numbers from the last scrape, if any.
+    pub fn signals(&self) -> Option<&LoadSignals> {
+        self.signals.as_ref()
+    }
+
+    pub fn set_metrics(&mut self, metrics: Option<Arc<PodMetrics>>) {
+        self.signals = metrics.as_deref().map(LoadSignals::of);
+        self.metrics = metrics;
+    }
+
+    /// Whether the pod runs or queues requests for `adapter`, by its LoRA metrics.
+    pub fn runs_adapter(&self, adapter: &str) -> bool {
+        self.metrics()
+            .and_then(|m| m.lora.as_ref())
+            .is_some_and(|lora| {
+                lora.running
+                    .iter()
+                    .chain(lora.waiting.iter())
+                    .any(|a| a == adapter)
+            })
+    }
+}
+
+/// An immutable view of the fleet: plain data, safe to share and compare.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    /// Pods sorted by endpoint, so iteration order never depends on hashing.
+    pods: Vec<PodView>,
+    /// Incremented with every rebuild.
+    pub generation: u64,
+    /// Incremented whenever the endpoint set changes (not with every rebuild), so
+    /// per-endpoint memories elsewhere know when to forget departed pods.
+    pub endpoints_version: u64,
+    /// Every model name the pods list or run, classified once for this snapshot.
+    pub models: ModelIndex,
+}
+
+impl Snapshot {
+    /// A snapshot of `pods` (sorted here by endpoint), with its model index.
+    pub fn new(mut pods: Vec<PodView>, generation: u64, endpoints_version: u64) -> Self {
+        pods.sort_by_key(|pod| pod.endpoint);
+        let models = ModelIndex::build(&pods);
+        Snapshot {
+            pods,
+            generation,
+            endpoints_version,
+            models,
+        }
+    }
+
+    /// The pods, sorted by endpoint.
+    pub fn pods(&self) -> &[PodView] {
+        &self.pods
+    }
+
+    /// Whether any pod has been scraped successfully: the readiness condition.
+    pub fn has_metrics(&self) -> bool {
+        self.pods
+            .iter()
+            .any(|pod| pod.healthy && pod.metrics.is_some())
+    }
+
+    /// The position of the pod at `endpoint` in [`Snapshot::pods`], if known.
+    pub fn position(&self, endpoint: SocketAddr) -> Option<usize> {
+        self.pods
+            .binary_search_by(|pod| pod.endpoint.cmp(&endpoint))
+            .ok()
+    }
+
+    /// The pod at `endpoint`, if known.
+    pub fn pod(&self, endpoint: SocketAddr) -> Option<&PodView> {
+        self.position(endpoint).map(|index| &self.pods[index])
+    }
+}
+
+/// A snapshot and the live counters of its pods, index-aligned: what a pick reads.
+/// The counters change between snapshots (every routed request updates them); the
+/// snapshot does not.
+#[derive(Debug, Clone, Default)]
+pub struct Fleet {
+    snapshot: Snapshot,
+    loads: Vec<Arc<PodLoad>>,
+}
+
+impl Fleet {
+    /// Pairs each pod with its counters; sorted by endpoint like [`Snapshot::new`].
+    pub fn new(
+        mut pods: Vec<(PodView, Arc<PodLoad>)>,
+        generation: u64,
+        endpoints_version: u64,
+    ) -> Self {
+        pods.sort_by_key(|(pod, _)| pod.endpoint);
+        let (views, loads): (Vec<PodView>, Vec<Arc<PodLoad>>) = pods.into_iter().unzip();
+        Fleet {
+            snapshot: Snapshot::new(views, generation, endpoints_version),
+            loads,
+        }
+    }
+
+    /// A fleet whose pods have fresh, empty counters (benchmarks, offline simulation).
+    pub fn unloaded(pods: Vec<PodView>) -> Self {
+        let pods = pods
+            .into_iter()
+            .map(|pod| (pod, Arc::new(PodLoad::default())))
+            .collect();
+        Fleet::new(pods, 0, 0)
+    }
+
+    pub fn snapshot(&self) -> &Snapshot {
+        &self.snapshot
+    }
+
+    /// The live counters of the pod at `index` in [`Snapshot::pods`].
+    pub fn load(&self, index: usize) -> &Arc<PodLoad> {
+        &self.loads[index]
+    }
+
+    /// Each pod with its live counters, sorted by endpoint.
+    pub fn pods(&self) -> impl ExactSizeIterator<Item = (&PodView, &Arc<PodLoad>)> {
+        self.snapshot.pods.iter().zip(&self.loads)
+    }
+
+    /// The pod at `endpoint` with its live counters, if known.
+    pub fn pod(&self, endpoint: SocketAddr) -> Option<(&PodView, &Arc<PodLoad>)> {
+        let index = self.snapshot.position(endpoint)?;
+        Some((&self.snapshot.pods[index], &self.loads[index]))
+    }
+}

@@ -1,0 +1,18 @@
+//! kvroute's routing core: everything that decides where a request goes, and nothing that
+//! moves bytes. No async runtime, no network, no clock reads, no metrics recorder: the
+//! crate's dependencies make that a compiler guarantee, so the live gateway, the
+//! benchmarks and offline simulations run the same code.
+//!
+//! - [`request`]: the OpenAI request body → [`request::InferenceRequest`], and
+//!   [`request::RouteRequest`], the one shape a request has from the protocol to the pick.
+//! - [`exposition`] and [`vllm`]: Prometheus text, and vLLM's `/metrics` and `/v1/models`
+//!   → [`fleet::PodMetrics`], [`fleet::ServedModels`].
+//! - [`fleet`]: the snapshot types, and the per-pod bookkeeping kvroute keeps (in-flight
+//!   load, prefix memory, health hysteresis).
+//! - [`scheduler`]: `pick`, a pure function of request, fleet and configuration.
+
+pub mod exposition;
+pub mod fleet;
+pub mod request;
+pub mod scheduler;
+pub mod vllm;

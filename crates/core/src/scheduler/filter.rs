@@ -1,0 +1,196 @@
+//! Stage 1: which pods may take the request. Hard filters fail the request when they
+//! empty the set; soft filters apply only when someone passes them.
+//!
+//! Each surviving pod is read once into a compact [`Candidate`], so the later passes over
+//! thousands of pods stay in cache. Soft-filter outcomes are bits of `flags`; the filters
+//! are applied to the flag combinations present (at most 16) rather than to each pod.
+
+use super::lora::ServesModel;
+use super::{PickError, Relaxed, SchedulerConfig, free_kv_tokens};
+use crate::fleet::{Fleet, PodLoad, PodView};
+use crate::request::RouteRequest;
+
+/// Soft-filter outcomes of one pod, as bits: a pod passes a filter when its bit is set.
+pub(super) const FRESH: u8 = 1;
+pub(super) const NOT_SATURATED: u8 = 2;
+pub(super) const FITS: u8 = 4;
+/// Not a filter: the pod has metrics at all.
+pub(super) const HAS_METRICS: u8 = 8;
+/// Sentinel for "capacity not reported" in [`Candidate::free_kv`].
+const UNKNOWN: u64 = u64::MAX;
+
+/// What the filters and scores need of one pod.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Candidate {
+    /// Position in the snapshot.
+    pub(super) index: u32,
+    pub(super) flags: u8,
+    pub(super) waiting: u32,
+    pub(super) inflight: u32,
+    /// Prompt tokens sent to the pod and not yet past prefill.
+    pub(super) prefill: u64,
+    pub(super) kv_usage: f32,
+    pub(super) capacity: u64,
+    /// Estimated free KV tokens, or [`UNKNOWN`].
+    free_kv: u64,
+}
+
+impl Candidate {
+    fn read(
+        index: usize,
+        pod: &PodView,
+        load: &PodLoad,
+        tokens_needed: u64,
+        config: &SchedulerConfig,
+    ) -> Self {
+        let signals = pod.signals();
+        let free_kv = free_kv_tokens(pod, load);
+        let mut flags = 0;
+        if is_fresh(pod, config) {
+            flags |= FRESH;
+        }
+        if !is_saturated(pod, config) {
+            flags |= NOT_SATURATED;
+        }
+        if free_kv.is_none_or(|free| free >= tokens_needed) {
+            flags |= FITS;
+        }
+        if signals.is_some() {
+            flags |= HAS_METRICS;
+        }
+        Candidate {
+            index: index as u32,
+            flags,
+            waiting: signals.map_or(0, |s| s.waiting),
+            inflight: load.inflight(),
+            prefill: load.prefill_tokens(),
+            kv_usage: signals.map_or(0.0, |s| s.kv_usage),
+            capacity: signals.map_or(0, |s| s.kv_capacity_tokens),
+            free_kv: free_kv.unwrap_or(UNKNOWN),
+        }
+    }
+
+    pub(super) fn free_kv(&self) -> Option<u64> {
+        (self.free_kv != UNKNOWN).then_some(self.free_kv)
+    }
+
+    pub(super) fn has_metrics(&self) -> bool {
+        self.flags & HAS_METRICS != 0
+    }
+}
+
+/// The pods that passed the hard filters, and which of them the soft filters accept.
+#[derive(Debug)]
+pub(super) struct Filtered {
+    /// Healthy pods that may serve the request, in snapshot order.
+    pub(super) candidates: Vec<Candidate>,
+    /// Accepted flag combinations, as a bitmap over flag values.
+    accepted: u16,
+    pub(super) relaxed: Relaxed,
+}
+
+impl Filtered {
+    /// Whether the soft filters accept `candidate`.
+    pub(super) fn accepts(&self, candidate: &Candidate) -> bool {
+        self.accepted & (1 << candidate.flags) != 0
+    }
+
+    /// The accepted candidates with their positions in `candidates`.
+    pub(super) fn accepted(&self) -> impl Iterator<Item = (u32, &Candidate)> {
+        self.candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| self.accepts(c))
+            .map(|(position, c)| (position as u32, c))
+    }
+}
+
+/// Runs the hard filters (the error names the first one that emptied the set), then the
+/// soft filters.
+pub(super) fn filter(
+    request: &RouteRequest<'_>,
+    fleet: &Fleet,
+    tokens_needed: u64,
+    config: &SchedulerConfig,
+) -> Result<Filtered, PickError> {
+    if fleet.snapshot().pods().is_empty() {
+        return Err(PickError::NoEndpoints);
+    }
+    let mut serves = request.model().map(|model| ServesModel::new(model, config));
+    let (mut in_subset, mut serving) = (0usize, 0usize);
+    let mut present = [false; 16];
+    let mut candidates = Vec::with_capacity(fleet.snapshot().pods().len());
+    for (index, (pod, load)) in fleet.pods().enumerate() {
+        if request
+            .subset
+            .is_some_and(|subset| !subset.contains(&pod.endpoint))
+        {
+            continue;
+        }
+        in_subset += 1;
+        if serves.as_mut().is_some_and(|serves| !serves.check(pod)) {
+            continue;
+        }
+        serving += 1;
+        if pod.healthy {
+            let candidate = Candidate::read(index, pod, load, tokens_needed, config);
+            present[usize::from(candidate.flags)] = true;
+            candidates.push(candidate);
+        }
+    }
+    if in_subset == 0 {
+        return Err(PickError::NoneInSubset);
+    }
+    if serving == 0 {
+        let model = request.model().unwrap_or_default();
+        return Err(PickError::UnknownModel(model.to_owned()));
+    }
+    if candidates.is_empty() {
+        return Err(PickError::NoReadyEndpoint);
+    }
+    let (accepted, relaxed) = soft_filters(&present);
+    Ok(Filtered {
+        candidates,
+        accepted,
+        relaxed,
+    })
+}
+
+/// Applies the soft filters in order to the flag combinations present (`present[f]`:
+/// some candidate has flags `f`). Returns the set of accepted combinations as a bitmap
+/// over flag values, and which filters had to be relaxed because nothing passed them.
+fn soft_filters(present: &[bool; 16]) -> (u16, Relaxed) {
+    let mut accepted: u16 = 0xFFFF;
+    let mut relaxed = [false; 3];
+    for (position, bit) in [FRESH, NOT_SATURATED, FITS].into_iter().enumerate() {
+        let passing: u16 = (0..16u16)
+            .filter(|flags| (*flags as u8) & bit != 0)
+            .fold(0, |set, flags| set | 1 << flags);
+        let narrowed = accepted & passing;
+        if (0..16).any(|flags| narrowed & (1 << flags) != 0 && present[flags]) {
+            accepted = narrowed;
+        } else {
+            relaxed[position] = true;
+        }
+    }
+    let relaxed = Relaxed {
+        stale_metrics: relaxed[0],
+        saturation: relaxed[1],
+        kv_headroom: relaxed[2],
+    };
+    (accepted, relaxed)
+}
+
+fn is_fresh(pod: &PodView, config: &SchedulerConfig) -> bool {
+    pod.signals().is_some()
+        && pod
+            .metrics_age
+            .is_some_and(|age| age <= config.max_metrics_age)
+}
+
+fn is_saturated(pod: &PodView, config: &SchedulerConfig) -> bool {
+    pod.signals().is_some_and(|s| {
+        s.waiting >= config.saturation.queue_depth
+            || f64::from(s.kv_usage) >= config.saturation.kv_usage
+    })
+}

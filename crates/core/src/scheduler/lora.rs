@@ -1,0 +1,144 @@
+//! LoRA adapter affinity: which pods can serve an adapter and how cheaply.
+//!
+//! vLLM reports, in `vllm:lora_requests_info`, the adapters of its running and waiting
+//! requests and `max_lora`, the number of adapters a batch may hold. A pod already
+//! running the adapter serves it with no load; a pod with a free slot pays one load; a
+//! pod where the adapter is queued will load it soon; a pod with all slots busy must
+//! first finish or evict another adapter's requests.
+
+use std::sync::Arc;
+
+use crate::fleet::{PodLoad, PodView, ServedModels, Snapshot};
+
+use super::SchedulerConfig;
+
+/// How cheaply a pod can serve a given adapter, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoraTier {
+    /// The adapter is in the pod's running batch.
+    Active,
+    /// kvroute sent the adapter here recently enough that it likely still holds a slot.
+    Warm,
+    /// The pod has a free adapter slot.
+    FreeSlot,
+    /// The pod reports no LoRA state (fresh pod or LoRA metrics missing).
+    Unknown,
+    /// Requests for the adapter already wait on the pod.
+    Waiting,
+    /// Every slot holds another adapter.
+    MustEvict,
+}
+
+impl LoraTier {
+    /// `key` is [`crate::fleet::adapter_key`] of `adapter`; `load` holds the adapters
+    /// kvroute sent to `pod` lately.
+    pub fn of(pod: &PodView, load: &PodLoad, adapter: &str, key: u64) -> LoraTier {
+        let Some(lora) = pod.metrics().and_then(|m| m.lora.as_ref()) else {
+            return LoraTier::Unknown;
+        };
+        if lora.running.iter().any(|a| a == adapter) {
+            return LoraTier::Active;
+        }
+        if lora.waiting.iter().any(|a| a == adapter) {
+            return LoraTier::Waiting;
+        }
+        // Among the last `max_lora` distinct adapters sent here: vLLM evicts idle
+        // adapters least recently used first, so it is most likely still loaded.
+        if load
+            .adapter_recency(key)
+            .is_some_and(|rank| (rank as u64) < u64::from(lora.max_lora))
+        {
+            return LoraTier::Warm;
+        }
+        // Distinct adapters holding a slot; the lists are a handful long, so a nested
+        // scan beats allocating a set.
+        let all = || lora.running.iter().chain(lora.waiting.iter());
+        let in_use = all()
+            .enumerate()
+            .filter(|(index, adapter)| !all().take(*index).any(|earlier| earlier == *adapter))
+            .count();
+        if (in_use as u64) < u64::from(lora.max_lora) {
+            LoraTier::FreeSlot
+        } else {
+            LoraTier::MustEvict
+        }
+    }
+
+    /// The affinity score in 0..=1.
+    pub fn score(self) -> f64 {
+        match self {
+            LoraTier::Active => 1.0,
+            LoraTier::Warm => 0.9,
+            LoraTier::FreeSlot => 0.6,
+            LoraTier::Unknown => 0.5,
+            LoraTier::Waiting => 0.4,
+            LoraTier::MustEvict => 0.0,
+        }
+    }
+
+    /// A bounded label value.
+    pub fn reason(self) -> &'static str {
+        match self {
+            LoraTier::Active => "lora_active",
+            LoraTier::Warm => "lora_warm",
+            LoraTier::FreeSlot => "lora_free_slot",
+            LoraTier::Unknown => "lora_unknown",
+            LoraTier::Waiting => "lora_waiting",
+            LoraTier::MustEvict => "lora_evict",
+        }
+    }
+}
+
+/// Whether `model` names a LoRA adapter: the configuration says so, or the snapshot's
+/// model index does (see [`crate::fleet::ModelIndex::build`] for how pods that disagree
+/// are settled).
+pub fn is_adapter(model: &str, snapshot: &Snapshot, config: &SchedulerConfig) -> bool {
+    config.adapters.contains_key(model)
+        || snapshot
+            .models
+            .class(model)
+            .is_some_and(|class| class.is_adapter())
+}
+
+/// Whether a pod may serve the model. A healthy pod whose `/v1/models` has not answered
+/// yet may: refusing it would turn a slow start into 404s. Pods usually share one model
+/// list (the store interns equal lists), so the answer is remembered per list.
+pub struct ServesModel<'a> {
+    model: &'a str,
+    config: &'a SchedulerConfig,
+    last: Option<(*const ServedModels, bool)>,
+}
+
+impl<'a> ServesModel<'a> {
+    pub fn new(model: &'a str, config: &'a SchedulerConfig) -> Self {
+        ServesModel {
+            model,
+            config,
+            last: None,
+        }
+    }
+
+    pub fn check(&mut self, pod: &PodView) -> bool {
+        // An unlisted pod may serve anything only while it is up: a dead pod that never
+        // answered /v1/models must not turn every unknown model's 404 into a 503.
+        let Some(models) = pod.models.as_ref() else {
+            return pod.healthy;
+        };
+        let key = Arc::as_ptr(models);
+        let listed = match self.last {
+            Some((last, answer)) if last == key => answer,
+            _ => {
+                let answer = models.serves(self.model)
+                    || self
+                        .config
+                        .adapters
+                        .get(self.model)
+                        .is_some_and(|base| models.base.iter().any(|b| b == base));
+                self.last = Some((key, answer));
+                answer
+            }
+        };
+        listed || pod.runs_adapter(self.model)
+    }
+}

@@ -1,0 +1,210 @@
+//! Picking the pod for one request: a pure function of the request, the fleet and the
+//! configuration (no I/O, no clock, no logging, no metrics), so the live service, the
+//! benchmarks and offline simulations share it. Three stages, one file each:
+//!
+//! 1. [`filter`]. Hard filters, which fail the request when nothing passes: inside the
+//!    gateway's subset hint, able to serve the model (else 404), healthy (else 503). Then
+//!    soft filters, each applied only when it leaves at least one pod (the decision records
+//!    every one it had to relax): fresh metrics; not saturated (queue or KV); enough free KV
+//!    for this request's prompt plus expected output, counting what kvroute sent since the
+//!    last scrape.
+//! 2. [`score`]. A weighted sum, highest wins:
+//!    `kv·headroom + queue·limit/(limit + waiting) + inflight·(1 − inflight/max) +
+//!    lora·tier + prefix·matched/blocks + prefill·scale/(scale + queued)`, where
+//!    `matched` counts the prompt's leading blocks kvroute sent to the pod before (the
+//!    caller looks them up in its [`crate::fleet::PrefixIndex`]) and `queued` the prompt
+//!    tokens kvroute sent there that have not streamed a first token yet.
+//! 3. [`rank`]. The winner (random among ties), the next best as fallbacks, and the few
+//!    best with their score breakdowns for the decision trace.
+
+mod config;
+mod filter;
+mod lora;
+mod rank;
+mod score;
+
+use std::net::SocketAddr;
+
+use rand::Rng;
+
+pub use config::{InvalidConfig, Saturation, SchedulerConfig, Weights};
+pub use lora::LoraTier;
+
+use crate::fleet::{Fleet, PodLoad, PodView, PrefixMatches};
+use crate::request::RouteRequest;
+
+/// Why a request could not be placed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PickError {
+    #[error("no endpoints are known")]
+    NoEndpoints,
+    #[error("none of the gateway's subset endpoints is known to kvroute")]
+    NoneInSubset,
+    #[error("model `{0}` is not served by any endpoint")]
+    UnknownModel(String),
+    #[error("no ready endpoint can serve the request")]
+    NoReadyEndpoint,
+}
+
+/// Soft filters that found no pod and were therefore skipped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Relaxed {
+    pub stale_metrics: bool,
+    pub saturation: bool,
+    pub kv_headroom: bool,
+}
+
+impl Relaxed {
+    pub fn any(&self) -> bool {
+        self.stale_metrics || self.saturation || self.kv_headroom
+    }
+}
+
+/// The main reason the winner won, for operators and dashboards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// Request without a model: any healthy pod, least loaded.
+    AnyReady,
+    /// Base-model request placed by load and KV headroom.
+    LeastLoaded,
+    /// Adapter request, winner's affinity tier.
+    Lora(LoraTier),
+    /// Base-model request placed where part of its prompt is likely cached.
+    PrefixCache,
+    /// Every pod failed a soft filter; the least bad one was taken.
+    Fallback,
+}
+
+impl Reason {
+    /// A bounded label value.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Reason::AnyReady => "any_ready",
+            Reason::LeastLoaded => "least_loaded",
+            Reason::Lora(tier) => tier.reason(),
+            Reason::PrefixCache => "prefix_cache",
+            Reason::Fallback => "fallback",
+        }
+    }
+}
+
+/// One candidate's scores, kept for the decision trace.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct CandidateScore {
+    pub endpoint: SocketAddr,
+    pub total: f64,
+    pub kv_headroom: f64,
+    pub queue: f64,
+    pub inflight: f64,
+    pub lora: f64,
+    pub lora_tier: Option<LoraTier>,
+    /// Share of the prompt's blocks the pod likely holds, 0..=1.
+    pub prefix: f64,
+    /// `scale / (scale + queued prefill tokens)`, 0..=1.
+    pub prefill_queue: f64,
+    /// Free KV tokens the scheduler estimated for the pod, if its capacity is known.
+    pub free_kv_tokens: Option<u64>,
+}
+
+/// Where a request goes, and why.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Decision {
+    pub endpoint: SocketAddr,
+    /// Ordered alternatives for the gateway's retry, best first.
+    pub fallbacks: Vec<SocketAddr>,
+    pub reason: Reason,
+    pub relaxed: Relaxed,
+    /// Tokens this request is expected to occupy (prompt + expected output).
+    pub tokens_needed: u64,
+    /// Pods left after filtering.
+    pub candidates: usize,
+    /// The best few candidates with their scores, winner first.
+    pub ranked: Vec<CandidateScore>,
+}
+
+/// Picks the pod for `request` (see the module docs for the rules). `prefix` holds how
+/// much of the prompt each pod likely caches, as the caller's prefix memory says.
+pub fn pick<R: Rng + ?Sized>(
+    request: &RouteRequest<'_>,
+    prefix: Option<&PrefixMatches>,
+    fleet: &Fleet,
+    config: &SchedulerConfig,
+    rng: &mut R,
+) -> Result<Decision, PickError> {
+    let tokens_needed = tokens_needed(request, config);
+    let filtered = filter::filter(request, fleet, tokens_needed, config)?;
+    let adapter = request
+        .model()
+        .filter(|model| lora::is_adapter(model, fleet.snapshot(), config));
+    let scorer = score::Scorer::new(&filtered, fleet, prefix, adapter, tokens_needed, config);
+    let ranking = rank::rank(&filtered, &scorer, config, rng);
+    Ok(decide(request, &filtered, ranking, tokens_needed, config))
+}
+
+/// The decision from a ranking: its reason, fallbacks and trace.
+fn decide(
+    request: &RouteRequest<'_>,
+    filtered: &filter::Filtered,
+    ranking: rank::Ranking,
+    tokens_needed: u64,
+    config: &SchedulerConfig,
+) -> Decision {
+    let rank::Ranking {
+        winner,
+        mut ranked,
+        accepted,
+    } = ranking;
+    let relaxed = filtered.relaxed;
+    let reason = if relaxed.any() {
+        Reason::Fallback
+    } else if let Some(tier) = winner.lora_tier {
+        Reason::Lora(tier)
+    } else if winner.prefix > 0.0 {
+        Reason::PrefixCache
+    } else if request.model().is_none() {
+        Reason::AnyReady
+    } else {
+        Reason::LeastLoaded
+    };
+    let fallbacks = ranked
+        .iter()
+        .take(config.fallbacks)
+        .map(|c| c.endpoint)
+        .collect();
+    ranked.truncate(config.trace_candidates.saturating_sub(1));
+    let endpoint = winner.endpoint;
+    ranked.insert(0, winner);
+    Decision {
+        endpoint,
+        fallbacks,
+        reason,
+        relaxed,
+        tokens_needed,
+        candidates: accepted,
+        ranked,
+    }
+}
+
+/// Prompt plus expected output: `max_tokens` when set, else the configured default.
+pub fn tokens_needed(request: &RouteRequest<'_>, config: &SchedulerConfig) -> u64 {
+    if request.model().is_none() {
+        return 0;
+    }
+    let output = request
+        .max_output_tokens()
+        .unwrap_or(config.default_output_tokens);
+    u64::from(request.prompt_tokens()) + u64::from(output)
+}
+
+/// Free KV tokens: `capacity × (1 − usage)` minus tokens kvroute sent since the last
+/// scrape. `None` when the pod did not report its capacity.
+pub fn free_kv_tokens(pod: &PodView, load: &PodLoad) -> Option<u64> {
+    let signals = pod.signals()?;
+    let capacity = Some(signals.kv_capacity_tokens).filter(|c| *c > 0)?;
+    let free = (capacity as f64 * (1.0 - f64::from(signals.kv_usage))) as u64;
+    Some(free.saturating_sub(load.unscraped_tokens()))
+}
+
+#[cfg(test)]
+mod tests;

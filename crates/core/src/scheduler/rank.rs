@@ -1,0 +1,101 @@
+//! Stage 3: the winner and the runners-up. The best total wins; candidates within
+//! [`TIE_EPSILON`] of it tie, and the tie is broken at random (the n-th tied candidate in
+//! snapshot order, which is deterministic, so the choice depends only on the RNG).
+
+use rand::Rng;
+
+use super::filter::Filtered;
+use super::score::Scorer;
+use super::{CandidateScore, SchedulerConfig};
+
+/// Scores within this distance count as a tie, broken at random.
+const TIE_EPSILON: f64 = 1e-9;
+
+/// The outcome of ranking.
+pub(super) struct Ranking {
+    pub(super) winner: CandidateScore,
+    /// The next best, best first: enough for the fallbacks and the decision trace.
+    pub(super) ranked: Vec<CandidateScore>,
+    /// How many candidates the soft filters accepted.
+    pub(super) accepted: usize,
+}
+
+/// Ranks the accepted candidates in one pass: every total (kept for the tie-break), the
+/// best total, how many share it, and the best few in order. The full breakdown is
+/// computed only for the few that are kept.
+pub(super) fn rank<R: Rng + ?Sized>(
+    filtered: &Filtered,
+    scorer: &Scorer<'_>,
+    config: &SchedulerConfig,
+    rng: &mut R,
+) -> Ranking {
+    let runners_up = config
+        .fallbacks
+        .max(config.trace_candidates.saturating_sub(1));
+    let mut totals: Vec<(f64, u32)> = Vec::with_capacity(filtered.candidates.len());
+    let mut best = f64::NEG_INFINITY;
+    let mut tied = 0usize;
+    // One more than the runners-up, in case the winner drawn from a tie is among them.
+    let mut top = TopK::new(runners_up + 2);
+    for (position, candidate) in filtered.accepted() {
+        let total = scorer.total(candidate);
+        if total > best + TIE_EPSILON {
+            best = total;
+            tied = 1;
+        } else if total >= best - TIE_EPSILON {
+            tied += 1;
+        }
+        totals.push((total, position));
+        top.offer(total, position);
+    }
+    let nth = rng.random_range(0..tied.max(1));
+    // The soft filters never empty the set, so some candidate is always accepted.
+    let winner = totals
+        .iter()
+        .filter(|(total, _)| *total >= best - TIE_EPSILON)
+        .nth(nth)
+        .map_or(0, |&(_, position)| position);
+    let breakdown = |position: u32| scorer.breakdown(&filtered.candidates[position as usize]);
+    Ranking {
+        winner: breakdown(winner),
+        ranked: top
+            .into_sorted()
+            .into_iter()
+            .filter(|&position| position != winner)
+            .take(runners_up)
+            .map(breakdown)
+            .collect(),
+        accepted: totals.len(),
+    }
+}
+
+/// The `k` highest totals seen, best first; ties keep the earlier one.
+struct TopK {
+    k: usize,
+    entries: Vec<(f64, u32)>,
+}
+
+impl TopK {
+    fn new(k: usize) -> Self {
+        TopK {
+            k,
+            entries: Vec::with_capacity(k + 1),
+        }
+    }
+
+    fn offer(&mut self, total: f64, position: u32) {
+        if self.entries.len() == self.k && self.entries.last().is_some_and(|last| total <= last.0) {
+            return;
+        }
+        let at = self.entries.partition_point(|entry| entry.0 >= total);
+        self.entries.insert(at, (total, position));
+        self.entries.truncate(self.k);
+    }
+
+    fn into_sorted(self) -> Vec<u32> {
+        self.entries
+            .into_iter()
+            .map(|(_, position)| position)
+            .collect()
+    }
+}

@@ -1,0 +1,136 @@
+//! Stage 2: the score of each accepted pod, a weighted sum of terms that each lie in
+//! 0..=1 (the formula is in the module docs of [`super`]).
+
+use super::filter::{Candidate, Filtered};
+use super::lora::LoraTier;
+use super::{CandidateScore, SchedulerConfig};
+use crate::fleet::{Fleet, PodView, PrefixMatches, adapter_key};
+
+/// The scores of one request against the candidates.
+pub(super) struct Scorer<'a> {
+    fleet: &'a Fleet,
+    prefix: Option<&'a PrefixMatches>,
+    adapter: Option<&'a str>,
+    /// [`adapter_key`] of `adapter`.
+    adapter_key: u64,
+    tokens_needed: u64,
+    /// The most requests in flight on any accepted candidate.
+    max_inflight: u32,
+    config: &'a SchedulerConfig,
+}
+
+impl<'a> Scorer<'a> {
+    pub(super) fn new(
+        filtered: &Filtered,
+        fleet: &'a Fleet,
+        prefix: Option<&'a PrefixMatches>,
+        adapter: Option<&'a str>,
+        tokens_needed: u64,
+        config: &'a SchedulerConfig,
+    ) -> Self {
+        let max_inflight = filtered
+            .accepted()
+            .map(|(_, c)| c.inflight)
+            .max()
+            .unwrap_or(0);
+        Scorer {
+            fleet,
+            prefix: prefix.filter(|p| p.any() && p.request_blocks > 0),
+            adapter,
+            adapter_key: adapter.map_or(0, adapter_key),
+            tokens_needed,
+            max_inflight,
+            config,
+        }
+    }
+
+    fn pod(&self, c: &Candidate) -> &PodView {
+        &self.fleet.snapshot().pods()[c.index as usize]
+    }
+
+    fn kv_headroom(&self, c: &Candidate) -> f64 {
+        match (c.has_metrics(), c.free_kv()) {
+            (true, Some(free)) => kv_headroom_score(free, self.tokens_needed, c.capacity),
+            (true, None) => 1.0 - f64::from(c.kv_usage),
+            (false, _) => 0.0,
+        }
+    }
+
+    /// `limit / (limit + waiting)`: 1 for an empty queue, ½ at the saturation depth, and
+    /// still decreasing beyond it, so saturated pods remain comparable.
+    fn queue(&self, c: &Candidate) -> f64 {
+        if !c.has_metrics() {
+            return 0.0;
+        }
+        let limit = f64::from(self.config.saturation.queue_depth);
+        limit / (limit + f64::from(c.waiting))
+    }
+
+    fn inflight(&self, c: &Candidate) -> f64 {
+        if self.max_inflight == 0 {
+            1.0
+        } else {
+            1.0 - f64::from(c.inflight) / f64::from(self.max_inflight)
+        }
+    }
+
+    fn prefill_queue(&self, c: &Candidate) -> f64 {
+        let scale = f64::from(self.config.prefill_queue_tokens);
+        scale / (scale + c.prefill as f64)
+    }
+
+    fn lora_tier(&self, c: &Candidate) -> Option<LoraTier> {
+        let index = c.index as usize;
+        self.adapter.map(|adapter| {
+            let pod = &self.fleet.snapshot().pods()[index];
+            LoraTier::of(pod, self.fleet.load(index), adapter, self.adapter_key)
+        })
+    }
+
+    /// Share of the prompt's leading blocks the pod holds.
+    fn prefix(&self, c: &Candidate) -> f64 {
+        self.prefix.map_or(0.0, |p| {
+            f64::from(p.blocks_at(self.pod(c).endpoint)) / f64::from(p.request_blocks)
+        })
+    }
+
+    pub(super) fn total(&self, c: &Candidate) -> f64 {
+        let weights = &self.config.weights;
+        weights.kv_headroom * self.kv_headroom(c)
+            + weights.queue * self.queue(c)
+            + weights.inflight * self.inflight(c)
+            + weights.lora_affinity * self.lora_tier(c).map_or(1.0, LoraTier::score)
+            + weights.prefix_affinity * self.prefix(c)
+            + weights.prefill_queue * self.prefill_queue(c)
+    }
+
+    pub(super) fn breakdown(&self, c: &Candidate) -> CandidateScore {
+        let lora_tier = self.lora_tier(c);
+        CandidateScore {
+            endpoint: self.pod(c).endpoint,
+            total: self.total(c),
+            kv_headroom: self.kv_headroom(c),
+            queue: self.queue(c),
+            inflight: self.inflight(c),
+            lora: lora_tier.map_or(1.0, LoraTier::score),
+            lora_tier,
+            prefix: self.prefix(c),
+            prefill_queue: self.prefill_queue(c),
+            free_kv_tokens: c.free_kv(),
+        }
+    }
+}
+
+/// Pods where the request fits score ½ to 1 by the share of capacity left after
+/// placing it; pods where it does not fit score 0 to ½ by how much of it fits, so that
+/// when nothing fits the pod with the most room still wins.
+fn kv_headroom_score(free: u64, needed: u64, capacity: u64) -> f64 {
+    if capacity == 0 {
+        return 0.0;
+    }
+    if free >= needed {
+        0.5 + 0.5 * ((free - needed) as f64 / capacity as f64).min(1.0)
+    } else {
+        0.5 * free as f64 / needed as f64
+    }
+}

@@ -1,0 +1,533 @@
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+
+use super::*;
+use crate::fleet::{LoraStatus, PodLoad, PodMetrics, PodView, ServedModels, adapter_key};
+use crate::request::InferenceRequest;
+
+const CAPACITY: u64 = 100_000;
+
+fn endpoint(n: u16) -> SocketAddr {
+    SocketAddr::from(([10, 0, 0, n as u8], 8000))
+}
+
+/// A healthy, freshly scraped, idle pod serving `base` with adapters `a1`..`a4`.
+fn pod(n: u16) -> PodView {
+    let mut adapters = HashMap::new();
+    for a in ["a1", "a2", "a3", "a4"] {
+        adapters.insert(a.to_owned(), "base".to_owned());
+    }
+    PodView::new(
+        endpoint(n),
+        true,
+        Some(Arc::new(PodMetrics {
+            kv_capacity_tokens: Some(CAPACITY),
+            lora: Some(LoraStatus {
+                max_lora: 2,
+                running: vec![],
+                waiting: vec![],
+            }),
+            ..PodMetrics::default()
+        })),
+        Some(Duration::from_millis(10)),
+        Some(Arc::new(ServedModels {
+            base: vec!["base".to_owned()],
+            adapters,
+        })),
+    )
+}
+
+fn with_metrics(mut pod: PodView, edit: impl FnOnce(&mut PodMetrics)) -> PodView {
+    let mut metrics = pod.metrics().cloned().unwrap_or_default();
+    edit(&mut metrics);
+    pod.set_metrics(Some(Arc::new(metrics)));
+    pod
+}
+
+fn fleet(pods: Vec<PodView>) -> Fleet {
+    Fleet::unloaded(pods)
+}
+
+/// What a test asks of the scheduler, in the fields tests vary; [`pick`] turns it into the
+/// [`RouteRequest`] the gateway would build.
+#[derive(Debug, Clone, Default)]
+struct Ask<'a> {
+    model: Option<&'a str>,
+    prompt_tokens: u32,
+    max_output_tokens: Option<u32>,
+    subset: Option<&'a [SocketAddr]>,
+    prefix: Option<&'a PrefixMatches>,
+}
+
+impl Ask<'_> {
+    fn inference(&self) -> Option<InferenceRequest> {
+        self.model.map(|model| InferenceRequest {
+            model: model.to_owned(),
+            prompt_tokens: self.prompt_tokens,
+            max_output_tokens: self.max_output_tokens,
+            stream: false,
+            prompt_prefix: Vec::new(),
+        })
+    }
+}
+
+fn request(model: &str, prompt_tokens: u32) -> Ask<'_> {
+    Ask {
+        model: Some(model),
+        prompt_tokens,
+        max_output_tokens: Some(100),
+        subset: None,
+        prefix: None,
+    }
+}
+
+fn pick(
+    ask: &Ask<'_>,
+    fleet: &Fleet,
+    config: &SchedulerConfig,
+    rng: &mut SmallRng,
+) -> Result<Decision, PickError> {
+    let inference = ask.inference();
+    let request = RouteRequest {
+        inference: inference.as_ref(),
+        subset: ask.subset,
+    };
+    super::pick(&request, ask.prefix, fleet, config, rng)
+}
+
+fn tokens_needed(ask: &Ask<'_>, config: &SchedulerConfig) -> u64 {
+    let inference = ask.inference();
+    let request = RouteRequest {
+        inference: inference.as_ref(),
+        subset: ask.subset,
+    };
+    super::tokens_needed(&request, config)
+}
+
+fn pick_seeded(request: &Ask<'_>, fleet: &Fleet) -> Result<Decision, PickError> {
+    pick(
+        request,
+        fleet,
+        &SchedulerConfig::default(),
+        &mut SmallRng::seed_from_u64(7),
+    )
+}
+
+#[test]
+fn an_empty_fleet_is_an_error() {
+    let result = pick_seeded(&request("base", 10), &fleet(vec![]));
+    assert_eq!(result, Err(PickError::NoEndpoints));
+}
+
+#[test]
+fn a_subset_hint_restricts_the_choice_to_its_endpoints() {
+    let snapshot = fleet(vec![pod(1), pod(2), pod(3)]);
+    let subset = [endpoint(2)];
+    for seed in 0..20 {
+        let req = Ask {
+            subset: Some(&subset),
+            ..request("base", 10)
+        };
+        let decision = pick(
+            &req,
+            &snapshot,
+            &SchedulerConfig::default(),
+            &mut SmallRng::seed_from_u64(seed),
+        );
+        assert_eq!(decision.map(|d| d.endpoint), Ok(endpoint(2)));
+    }
+}
+
+#[test]
+fn a_subset_naming_no_known_endpoint_fails() {
+    let snapshot = fleet(vec![pod(1)]);
+    let subset = [endpoint(9)];
+    let req = Ask {
+        subset: Some(&subset),
+        ..request("base", 10)
+    };
+    assert_eq!(pick_seeded(&req, &snapshot), Err(PickError::NoneInSubset));
+}
+
+#[test]
+fn a_model_no_pod_serves_is_unknown() {
+    let snapshot = fleet(vec![pod(1), pod(2)]);
+    assert_eq!(
+        pick_seeded(&request("gpt-9", 10), &snapshot),
+        Err(PickError::UnknownModel("gpt-9".into()))
+    );
+}
+
+#[test]
+fn a_pod_that_has_not_listed_its_models_yet_may_serve_any_model() {
+    let mut quiet = pod(2);
+    quiet.models = None;
+    let snapshot = fleet(vec![pod(1), quiet]);
+    let decision = pick_seeded(&request("gpt-9", 10), &snapshot);
+    assert_eq!(decision.map(|d| d.endpoint), Ok(endpoint(2)));
+}
+
+#[test]
+fn a_down_pod_that_never_listed_its_models_does_not_hide_an_unknown_model() {
+    let mut silent_and_down = pod(2);
+    silent_and_down.models = None;
+    silent_and_down.healthy = false;
+    let snapshot = fleet(vec![pod(1), silent_and_down]);
+    assert_eq!(
+        pick_seeded(&request("gpt-9", 10), &snapshot),
+        Err(PickError::UnknownModel("gpt-9".into()))
+    );
+}
+
+#[test]
+fn the_adapter_map_lets_pods_of_the_base_model_serve_an_unlisted_adapter() {
+    let snapshot = fleet(vec![pod(1)]);
+    let mut config = SchedulerConfig::default();
+    config.adapters.insert("sql-lora".into(), "base".into());
+    let decision = pick(
+        &request("sql-lora", 10),
+        &snapshot,
+        &config,
+        &mut SmallRng::seed_from_u64(1),
+    );
+    assert_eq!(decision.map(|d| d.endpoint), Ok(endpoint(1)));
+}
+
+#[test]
+fn unhealthy_pods_are_never_picked() {
+    let mut down = pod(1);
+    down.healthy = false;
+    let snapshot = fleet(vec![down, pod(2)]);
+    for seed in 0..20 {
+        let decision = pick(
+            &request("base", 10),
+            &snapshot,
+            &SchedulerConfig::default(),
+            &mut SmallRng::seed_from_u64(seed),
+        );
+        assert_eq!(decision.map(|d| d.endpoint), Ok(endpoint(2)));
+    }
+}
+
+#[test]
+fn a_model_served_only_by_unhealthy_pods_has_no_ready_endpoint() {
+    let mut down = pod(1);
+    down.healthy = false;
+    assert_eq!(
+        pick_seeded(&request("base", 10), &fleet(vec![down])),
+        Err(PickError::NoReadyEndpoint)
+    );
+}
+
+#[test]
+fn a_near_full_pod_is_avoided() {
+    let full = with_metrics(pod(1), |m| m.kv_usage = 0.95);
+    let snapshot = fleet(vec![full, with_metrics(pod(2), |m| m.kv_usage = 0.5)]);
+    let decision = pick_seeded(&request("base", 10), &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert_eq!(decision.reason, Reason::LeastLoaded);
+}
+
+#[test]
+fn a_large_prompt_goes_where_it_fits_even_if_another_pod_has_a_shorter_queue() {
+    // Pod 1: empty queue but only 20k free tokens. Pod 2: a queue of 3 but 60k free.
+    let tight = with_metrics(pod(1), |m| m.kv_usage = 0.79);
+    let roomy = with_metrics(pod(2), |m| {
+        m.kv_usage = 0.4;
+        m.waiting = 3;
+    });
+    let snapshot = fleet(vec![tight, roomy]);
+    let decision = pick_seeded(&request("base", 30_000), &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert!(!decision.relaxed.kv_headroom);
+}
+
+#[test]
+fn tokens_sent_since_the_last_scrape_count_against_free_kv() {
+    let busy = (pod(1), Arc::new(PodLoad::with_values(0, 95_000)));
+    let other = with_metrics(pod(2), |m| m.kv_usage = 0.7);
+    let snapshot = Fleet::new(vec![busy, (other, Arc::default())], 1, 1);
+    let decision = pick_seeded(&request("base", 10_000), &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert_eq!(decision.ranked[0].free_kv_tokens, Some(30_000));
+}
+
+#[test]
+fn when_no_pod_has_room_the_one_with_most_room_is_picked_and_the_decision_says_so() {
+    let a = with_metrics(pod(1), |m| m.kv_usage = 0.7);
+    let b = with_metrics(pod(2), |m| m.kv_usage = 0.6);
+    let decision = pick_seeded(&request("base", 50_000), &fleet(vec![a, b])).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert!(decision.relaxed.kv_headroom);
+    assert_eq!(decision.reason, Reason::Fallback);
+}
+
+#[test]
+fn an_adapter_holding_pod_is_preferred() {
+    let holder = with_metrics(pod(2), |m| {
+        m.lora = Some(LoraStatus {
+            max_lora: 2,
+            running: vec!["a1".into()],
+            waiting: vec![],
+        });
+        m.running = 3;
+        m.kv_usage = 0.3;
+    });
+    let snapshot = fleet(vec![pod(1), holder, pod(3)]);
+    let decision = pick_seeded(&request("a1", 100), &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert_eq!(decision.reason, Reason::Lora(LoraTier::Active));
+}
+
+#[test]
+fn an_adapter_holding_pod_that_is_saturated_is_passed_over_for_a_free_pod() {
+    let saturated_holder = with_metrics(pod(1), |m| {
+        m.lora = Some(LoraStatus {
+            max_lora: 2,
+            running: vec!["a1".into()],
+            waiting: vec![],
+        });
+        m.waiting = 6;
+    });
+    let snapshot = fleet(vec![saturated_holder, pod(2)]);
+    let decision = pick_seeded(&request("a1", 100), &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert_eq!(decision.reason, Reason::Lora(LoraTier::FreeSlot));
+}
+
+#[test]
+fn a_pod_with_a_free_adapter_slot_beats_one_that_must_evict() {
+    let full_slots = with_metrics(pod(1), |m| {
+        m.lora = Some(LoraStatus {
+            max_lora: 2,
+            running: vec!["a2".into(), "a3".into()],
+            waiting: vec![],
+        });
+    });
+    let snapshot = fleet(vec![full_slots, pod(2)]);
+    let decision = pick_seeded(&request("a1", 100), &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert_eq!(decision.ranked[1].lora_tier, Some(LoraTier::MustEvict));
+}
+
+#[test]
+fn lora_affinity_never_empties_the_candidate_set() {
+    // Every pod must evict: the request is still placed.
+    let busy = |n| {
+        with_metrics(pod(n), |m| {
+            m.lora = Some(LoraStatus {
+                max_lora: 1,
+                running: vec!["a2".into()],
+                waiting: vec![],
+            })
+        })
+    };
+    let decision =
+        pick_seeded(&request("a1", 100), &fleet(vec![busy(1), busy(2)])).expect("placed");
+    assert_eq!(decision.reason, Reason::Lora(LoraTier::MustEvict));
+    assert_eq!(decision.candidates, 2);
+}
+
+#[test]
+fn pods_with_stale_metrics_are_avoided_while_fresh_ones_exist() {
+    let mut stale = pod(1);
+    stale.metrics_age = Some(Duration::from_secs(5));
+    let busier_but_fresh = with_metrics(pod(2), |m| m.kv_usage = 0.6);
+    let decision =
+        pick_seeded(&request("base", 10), &fleet(vec![stale, busier_but_fresh])).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert!(!decision.relaxed.stale_metrics);
+}
+
+#[test]
+fn when_every_pod_is_saturated_the_least_bad_is_picked() {
+    let a = with_metrics(pod(1), |m| m.waiting = 9);
+    let b = with_metrics(pod(2), |m| m.waiting = 6);
+    let decision = pick_seeded(&request("base", 10), &fleet(vec![a, b])).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert!(decision.relaxed.saturation);
+    assert_eq!(decision.reason, Reason::Fallback);
+}
+
+#[test]
+fn fallbacks_are_ordered_best_first_and_exclude_the_winner() {
+    let snapshot = fleet(vec![
+        with_metrics(pod(1), |m| m.kv_usage = 0.5),
+        with_metrics(pod(2), |m| m.kv_usage = 0.1),
+        with_metrics(pod(3), |m| m.kv_usage = 0.3),
+        with_metrics(pod(4), |m| m.kv_usage = 0.7),
+    ]);
+    let config = SchedulerConfig {
+        fallbacks: 2,
+        ..SchedulerConfig::default()
+    };
+    let decision = pick(
+        &request("base", 10),
+        &snapshot,
+        &config,
+        &mut SmallRng::seed_from_u64(7),
+    )
+    .expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert_eq!(decision.fallbacks, vec![endpoint(3), endpoint(1)]);
+    let totals: Vec<f64> = decision.ranked.iter().map(|c| c.total).collect();
+    assert!(totals.windows(2).all(|w| w[0] >= w[1]), "{totals:?}");
+}
+
+#[test]
+fn ties_are_broken_by_the_rng_and_the_same_seed_gives_the_same_choice() {
+    let snapshot = fleet(vec![pod(1), pod(2), pod(3)]);
+    let config = SchedulerConfig::default();
+    let choose = |seed| {
+        pick(
+            &request("base", 10),
+            &snapshot,
+            &config,
+            &mut SmallRng::seed_from_u64(seed),
+        )
+        .map(|d| d.endpoint)
+        .expect("placed")
+    };
+    let chosen: std::collections::BTreeSet<_> = (0..30).map(choose).collect();
+    assert_eq!(chosen.len(), 3, "every tied pod gets picked for some seed");
+    assert_eq!(choose(42), choose(42));
+}
+
+#[test]
+fn requests_without_a_model_go_to_any_healthy_pod() {
+    let mut down = pod(1);
+    down.healthy = false;
+    let req = Ask::default();
+    let decision = pick_seeded(&req, &fleet(vec![down, pod(2)])).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert_eq!(decision.reason, Reason::AnyReady);
+    assert_eq!(decision.tokens_needed, 0);
+}
+
+#[test]
+fn reserving_each_pick_spreads_a_burst_over_equal_pods() {
+    let snapshot = fleet(vec![pod(1), pod(2), pod(3), pod(4)]);
+    let config = SchedulerConfig::default();
+    let mut rng = SmallRng::seed_from_u64(3);
+    let mut reservations = Vec::new();
+    let mut per_pod: HashMap<SocketAddr, usize> = HashMap::new();
+    for _ in 0..8 {
+        let decision = pick(&request("base", 2_000), &snapshot, &config, &mut rng).expect("placed");
+        let (_, load) = snapshot.pod(decision.endpoint).expect("known");
+        reservations.push(load.reserve(decision.tokens_needed, 2_000));
+        *per_pod.entry(decision.endpoint).or_default() += 1;
+    }
+    assert_eq!(per_pod.len(), 4);
+    assert!(per_pod.values().all(|&n| n == 2), "{per_pod:?}");
+}
+
+#[test]
+fn expected_output_defaults_when_the_request_sets_no_max_tokens() {
+    let config = SchedulerConfig::default();
+    let req = Ask {
+        max_output_tokens: None,
+        ..request("base", 1_000)
+    };
+    assert_eq!(
+        tokens_needed(&req, &config),
+        1_000 + u64::from(config.default_output_tokens)
+    );
+}
+
+#[test]
+fn an_adapter_sent_to_a_pod_recently_keeps_its_affinity_after_its_requests_finish() {
+    // vLLM lists only adapters of running requests; pod 2 served a1 a moment ago.
+    let snapshot = fleet(vec![pod(1), pod(2), pod(3)]);
+    let (_, warm) = snapshot.pod(endpoint(2)).expect("known");
+    warm.note_adapter(adapter_key("a1"));
+    for seed in 0..10 {
+        let decision = pick(
+            &request("a1", 100),
+            &snapshot,
+            &SchedulerConfig::default(),
+            &mut SmallRng::seed_from_u64(seed),
+        )
+        .expect("placed");
+        assert_eq!(decision.endpoint, endpoint(2));
+        assert_eq!(decision.reason, Reason::Lora(LoraTier::Warm));
+    }
+}
+
+#[test]
+fn a_pod_that_was_sent_more_other_adapters_than_it_has_slots_is_no_longer_warm() {
+    let snapshot = fleet(vec![pod(1)]);
+    let load = snapshot.load(0);
+    load.note_adapter(adapter_key("a1"));
+    load.note_adapter(adapter_key("a2"));
+    load.note_adapter(adapter_key("a3"));
+    // max_lora is 2: a1 was pushed out by a2 and a3.
+    let decision = pick_seeded(&request("a1", 100), &snapshot).expect("placed");
+    assert_eq!(decision.reason, Reason::Lora(LoraTier::FreeSlot));
+}
+
+fn matches(request_blocks: u32, held: &[(u16, u32)]) -> PrefixMatches {
+    PrefixMatches::new(
+        request_blocks,
+        held.iter()
+            .map(|&(n, blocks)| (endpoint(n), blocks))
+            .collect(),
+    )
+}
+
+#[test]
+fn a_pod_holding_the_prompts_prefix_wins_among_equally_loaded_pods() {
+    let snapshot = fleet(vec![pod(1), pod(2), pod(3)]);
+    let held = matches(10, &[(2, 8), (3, 2)]);
+    for seed in 0..10 {
+        let req = Ask {
+            prefix: Some(&held),
+            ..request("base", 500)
+        };
+        let decision = pick(
+            &req,
+            &snapshot,
+            &SchedulerConfig::default(),
+            &mut SmallRng::seed_from_u64(seed),
+        )
+        .expect("placed");
+        assert_eq!(decision.endpoint, endpoint(2));
+        assert_eq!(decision.reason, Reason::PrefixCache);
+        assert!((decision.ranked[0].prefix - 0.8).abs() < 1e-9);
+    }
+}
+
+#[test]
+fn a_saturated_pod_holding_the_prefix_is_passed_over_for_a_free_pod() {
+    let busy = with_metrics(pod(1), |m| m.waiting = 9);
+    let snapshot = fleet(vec![busy, pod(2)]);
+    let held = matches(10, &[(1, 10)]);
+    let req = Ask {
+        prefix: Some(&held),
+        ..request("base", 500)
+    };
+    let decision = pick_seeded(&req, &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert_eq!(decision.reason, Reason::LeastLoaded);
+}
+
+#[test]
+fn a_prefix_match_does_not_outweigh_a_much_heavier_load() {
+    // Not saturated, but its queue and KV are far worse than the idle pod's.
+    let loaded = with_metrics(pod(1), |m| {
+        m.waiting = 4;
+        m.kv_usage = 0.75;
+    });
+    let snapshot = fleet(vec![loaded, pod(2)]);
+    let held = matches(10, &[(1, 3)]);
+    let req = Ask {
+        prefix: Some(&held),
+        ..request("base", 500)
+    };
+    let decision = pick_seeded(&req, &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+}

@@ -1,0 +1,425 @@
+//! `kvroute-lab compare`: every router in front of the same simulated fleet, side by side.
+//!
+//! For each workload file and each selected router (`routers`): start a fresh fleet from the
+//! workload's `fleet` section (same seed and settings for every router), start the router and
+//! wait until it answers, warm up briefly, run the workload's ladder with `loadgen::bench`
+//! while sampling the fleet's `/metrics` (`fleet_stats`), stop everything. Then write the raw
+//! JSON of every run, `report.md` and the plots (`report`).
+
+pub mod fleet_stats;
+pub mod report;
+pub mod routers;
+
+pub use routers::RouterKind;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use self::fleet_stats::{Sampler, window};
+use self::report::{RouterRun, WorkloadResult};
+use self::routers::Tools;
+use crate::envoy::envoy_binary;
+use crate::gateway_binary;
+use crate::loadgen::{BenchArgs, Plan, Workload, bench};
+use kvroute_sim::SimFleet;
+
+/// Flags of `kvroute-lab compare`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CompareArgs {
+    /// Workload files, comma-separated [default: every crates/lab/workloads/*.yaml].
+    #[arg(long, env = "KVROUTE_COMPARE_WORKLOADS", value_delimiter = ',')]
+    pub workloads: Vec<PathBuf>,
+    /// Routers to compare, comma-separated [default: all].
+    #[arg(
+        long,
+        env = "KVROUTE_COMPARE_ROUTERS",
+        value_delimiter = ',',
+        value_enum
+    )]
+    pub routers: Vec<RouterKind>,
+    /// Fewer and shorter steps: at most 3 rates of each ladder (the lowest, the highest and
+    /// one between), steps of at most 10 s; every workload and router within 3 minutes.
+    #[arg(long, env = "KVROUTE_COMPARE_QUICK")]
+    pub quick: bool,
+    /// Replace each workload's ladder (requests per simulated second, comma-separated).
+    #[arg(long, env = "KVROUTE_COMPARE_RATES", value_delimiter = ',')]
+    pub rates: Vec<f64>,
+    /// Replace each workload's step duration (simulated time).
+    #[arg(long, env = "KVROUTE_COMPARE_STEP_DURATION", value_parser = humantime::parse_duration)]
+    pub step_duration: Option<Duration>,
+    /// Where report.md, the plots and the raw JSON go.
+    #[arg(
+        long,
+        env = "KVROUTE_COMPARE_OUTPUT_DIR",
+        default_value = "bench-results"
+    )]
+    pub output_dir: PathBuf,
+    /// Envoy binary [default: $ENVOY_BIN, ./.venv/bin/envoy, envoy on PATH].
+    #[arg(long, env = "KVROUTE_COMPARE_ENVOY")]
+    pub envoy: Option<PathBuf>,
+    /// The gateway binary measured as `kvroute` [default: `kvroute` beside this program].
+    #[arg(long, env = "KVROUTE_BIN")]
+    pub kvroute: Option<PathBuf>,
+    /// kvroute's scrape period, wall time [default: 50 ms of simulated time, i.e. 50 ms / the
+    /// workload's speedup, but never below 20 ms of wall time]; for measuring what the
+    /// scraping costs on a small machine.
+    #[arg(long, env = "KVROUTE_COMPARE_KVROUTE_SCRAPE_INTERVAL", value_parser = humantime::parse_duration)]
+    pub kvroute_scrape_interval: Option<Duration>,
+    /// Python with sglang-router and vllm-router installed [default: ./.venv/bin/python].
+    #[arg(long, env = "KVROUTE_COMPARE_PYTHON")]
+    pub python: Option<PathBuf>,
+}
+
+/// Wall period of the fleet sampler.
+const SAMPLE_PERIOD: Duration = Duration::from_millis(250);
+/// Most rates a `--quick` ladder keeps.
+const QUICK_RATES: usize = 3;
+/// Longest step of a `--quick` ladder, simulated time.
+const QUICK_STEP: Duration = Duration::from_secs(10);
+
+/// Up to `n` rates of `rates`, spread evenly, first and last kept.
+pub fn spread_rates(rates: &[f64], n: usize) -> Vec<f64> {
+    if rates.len() <= n {
+        return rates.to_vec();
+    }
+    if n < 2 {
+        return rates.iter().copied().take(n).collect();
+    }
+    let last = rates.len() - 1;
+    let mut picked: Vec<usize> = (0..n)
+        .map(|i| (i as f64 * last as f64 / (n - 1) as f64).round() as usize)
+        .collect();
+    picked.dedup();
+    picked.into_iter().map(|i| rates[i]).collect()
+}
+
+/// The ladder and step length a workload runs with under these flags.
+fn ladder(args: &CompareArgs, w: &Workload) -> (Vec<f64>, Duration) {
+    let mut rates = if args.rates.is_empty() {
+        w.rates.clone()
+    } else {
+        args.rates.clone()
+    };
+    let mut step = args.step_duration.unwrap_or(w.step_duration);
+    if args.quick {
+        rates = spread_rates(&rates, QUICK_RATES);
+        step = step.min(QUICK_STEP);
+    }
+    (rates, step)
+}
+
+fn bench_args(target: &str, file: &Path, speedup: f64) -> BenchArgs {
+    BenchArgs {
+        target: target.to_string(),
+        workload: file.to_path_buf(),
+        rate: None,
+        rates: Vec::new(),
+        step_duration: None,
+        requests_per_step: None,
+        speedup,
+        output: None,
+        seed: None,
+        max_concurrency: 1024,
+        timeout: Duration::from_secs(300),
+        model: None,
+        raw: false,
+    }
+}
+
+/// The workload files: as given, else every `*.yaml` of the lab's workloads/.
+fn workload_files(args: &CompareArgs) -> anyhow::Result<Vec<PathBuf>> {
+    if !args.workloads.is_empty() {
+        return Ok(args.workloads.clone());
+    }
+    let dir = Path::new(crate::WORKLOADS_DIR);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot list {} (pass --workloads)", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml"))
+        .collect();
+    files.sort();
+    anyhow::ensure!(!files.is_empty(), "no workload files in {}", dir.display());
+    Ok(files)
+}
+
+/// One router on one workload, on its own fresh fleet; everything is stopped on return.
+async fn run_router(
+    kind: RouterKind,
+    workload: &Workload,
+    file: &Path,
+    rates: &[f64],
+    step: Duration,
+    quick: bool,
+    tools: &Tools,
+) -> anyhow::Result<RouterRun> {
+    let wall = Instant::now();
+    let fleet_config = workload
+        .fleet_config()
+        .with_context(|| format!("workload {}: fleet", workload.name))?;
+    let speedup = fleet_config.speedup;
+    let fleet = SimFleet::start(fleet_config).await?;
+    let pods = fleet.endpoints();
+    let outcome = async {
+        let router = routers::start(kind, &pods, speedup, &workload.model, tools).await?;
+        let measured = measure(&router.base_url, workload, file, rates, step, quick, &pods).await;
+        router.stop().await;
+        measured
+    }
+    .await;
+    fleet.shutdown().await;
+    let (bench, fleet_steps, fleet_total) = outcome?;
+    Ok(RouterRun {
+        router: kind,
+        bench,
+        fleet_steps,
+        fleet_total,
+        wall_s: wall.elapsed().as_secs_f64(),
+    })
+}
+
+type Measured = (
+    crate::loadgen::report::Report,
+    Vec<fleet_stats::WindowStats>,
+    fleet_stats::WindowStats,
+);
+
+/// Warms up, then runs the ladder while sampling the fleet.
+async fn measure(
+    base_url: &str,
+    workload: &Workload,
+    file: &Path,
+    rates: &[f64],
+    step: Duration,
+    quick: bool,
+    pods: &[std::net::SocketAddr],
+) -> anyhow::Result<Measured> {
+    let speedup = workload.fleet.speedup;
+    // Warm-up: a few requests at the lowest rate with another seed (so no prompt of the
+    // ladder is cached by it); the same for every router.
+    let mut warm = bench_args(base_url, file, speedup);
+    warm.rate = rates.iter().copied().reduce(f64::min);
+    warm.step_duration = Some(Duration::from_secs(if quick { 3 } else { 5 }));
+    warm.requests_per_step = Some(if quick { 8 } else { 16 });
+    warm.seed = Some(workload.seed ^ 0x77a1_6d00);
+    let mut warm_plan = Plan::new(&warm, workload.clone())?;
+    warm_plan.progress = false;
+    let warm_report = bench(&warm_plan).await;
+    let warm_ok: usize = warm_report.steps.iter().map(|s| s.requests.ok).sum();
+    anyhow::ensure!(
+        warm_ok > 0,
+        "no warm-up request succeeded through the router"
+    );
+
+    let mut args = bench_args(base_url, file, speedup);
+    args.rates = rates.to_vec();
+    args.step_duration = Some(step);
+    let plan = Plan::new(&args, workload.clone())?;
+    let epoch = Instant::now();
+    let sampler = Sampler::start(pods.to_vec(), SAMPLE_PERIOD, epoch);
+    let started = epoch.elapsed().as_secs_f64();
+    let report = bench(&plan).await;
+    let ended = epoch.elapsed().as_secs_f64();
+    let samples = sampler.finish().await;
+    // Steps run one after the other: cut the samples at the cumulated step lengths.
+    let mut at = started;
+    let steps = report
+        .steps
+        .iter()
+        .map(|s| {
+            let from = at;
+            at += s.elapsed_s / speedup;
+            window(&samples, from, at.min(ended))
+        })
+        .collect();
+    let total = window(&samples, started, ended);
+    Ok((report, steps, total))
+}
+
+fn machine() -> String {
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    format!("{cores} cores ({cpu}), {}", std::env::consts::OS)
+}
+
+/// `kvroute-lab compare`: runs every router on every workload, writes the report.
+pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
+    let files = workload_files(&args)?;
+    let mut kinds = if args.routers.is_empty() {
+        RouterKind::ALL.to_vec()
+    } else {
+        args.routers.clone()
+    };
+    kinds.sort();
+    kinds.dedup();
+    let workloads: Vec<(PathBuf, Workload)> = files
+        .iter()
+        .map(|f| Ok((f.clone(), Workload::from_file(f)?)))
+        .collect::<anyhow::Result<_>>()?;
+    for (_, w) in &workloads {
+        let (rates, step) = ladder(&args, w);
+        // Refuse bad overrides before anything starts.
+        let mut check = bench_args("http://127.0.0.1:1", Path::new(""), w.fleet.speedup);
+        check.rates = rates;
+        check.step_duration = Some(step);
+        Plan::new(&check, w.clone()).with_context(|| format!("workload {}", w.name))?;
+        w.fleet_config()
+            .with_context(|| format!("workload {}: fleet", w.name))?;
+    }
+    let out = &args.output_dir;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let tools = Tools {
+        envoy: args.envoy.clone().unwrap_or_else(envoy_binary),
+        kvroute: match &args.kvroute {
+            Some(path) => path.clone(),
+            None => gateway_binary()?,
+        },
+        python: args
+            .python
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(".venv/bin/python")),
+        log_dir: out.clone(),
+        kvroute_scrape_interval: args.kvroute_scrape_interval,
+    };
+    let wall = Instant::now();
+    let names: Vec<&str> = kinds.iter().map(|k| k.name()).collect();
+    eprintln!(
+        "kvroute-lab compare: {} workload(s) × routers {}{}; results in {}",
+        workloads.len(),
+        names.join(", "),
+        if args.quick { " (quick)" } else { "" },
+        out.display()
+    );
+    let mut results = Vec::new();
+    for (file, w) in &workloads {
+        let (rates, step) = ladder(&args, w);
+        let mut result = WorkloadResult {
+            workload: w.name.clone(),
+            file: file.clone(),
+            pods: w.fleet.pods,
+            speedup: w.fleet.speedup,
+            rates: rates.clone(),
+            step_duration_s: step.as_secs_f64(),
+            runs: Vec::new(),
+            failures: Vec::new(),
+        };
+        for &kind in &kinds {
+            eprintln!(
+                "  {} / {}: rates {:?} req/s, steps of {:?} simulated",
+                w.name,
+                kind.name(),
+                rates,
+                step
+            );
+            match run_router(kind, w, file, &rates, step, args.quick, &tools).await {
+                Ok(run) => {
+                    let path = out.join(format!("{}-{}.json", w.name, kind.name()));
+                    std::fs::write(&path, serde_json::to_string_pretty(&run)? + "\n")
+                        .with_context(|| format!("cannot write {}", path.display()))?;
+                    eprintln!("    done in {:.1} s wall", run.wall_s);
+                    result.runs.push(run);
+                }
+                Err(e) => {
+                    eprintln!("    {} failed: {e:#}", kind.name());
+                    result.failures.push((kind, format!("{e:#}")));
+                }
+            }
+        }
+        results.push(result);
+    }
+    let report = write_report(&args, &results, out, wall.elapsed())?;
+    println!("{report}");
+    eprintln!(
+        "kvroute-lab compare: {:.0} s; report {}",
+        wall.elapsed().as_secs_f64(),
+        out.join("report.md").display()
+    );
+    Ok(())
+}
+
+/// Writes report.md, the plots and results.json; returns the Markdown.
+fn write_report(
+    args: &CompareArgs,
+    results: &[WorkloadResult],
+    out: &Path,
+    took: Duration,
+) -> anyhow::Result<String> {
+    let mut md = String::from("# kvroute compare\n\n");
+    let command: Vec<String> = std::env::args().collect();
+    md.push_str(&format!(
+        "Command: `{}`{}. Machine: {}. Took {:.0} s of wall time.\n\n",
+        command.join(" "),
+        if args.quick { " (quick mode)" } else { "" },
+        machine(),
+        took.as_secs_f64()
+    ));
+    md.push_str("Routers:\n\n");
+    let mut kinds: Vec<RouterKind> = results
+        .iter()
+        .flat_map(|r| {
+            r.runs
+                .iter()
+                .map(|x| x.router)
+                .chain(r.failures.iter().map(|f| f.0))
+        })
+        .collect();
+    kinds.sort();
+    kinds.dedup();
+    for k in kinds {
+        md.push_str(&format!("- `{}`: {}\n", k.name(), k.description()));
+    }
+    md.push('\n');
+    md.push_str(report::LEGEND);
+    md.push('\n');
+    match report::plot_font() {
+        Some(font) => md.push_str(&format!("Plot labels use the font {}.\n\n", font.display())),
+        None => md.push_str(
+            "No TrueType font was found on this machine, so the plots are drawn without text: \
+             p90 TTFT (and preemptions, LoRA loads) rise upwards against the rate to the right; \
+             colours: kvroute red, round-robin blue, least-request green, sglang orange, vllm-router purple.\n\n",
+        ),
+    }
+    for r in results {
+        let plots = match report::plots(r, out) {
+            Ok(p) => p,
+            Err(e) => {
+                md.push_str(&format!("(plots for {} failed: {e})\n\n", r.workload));
+                Vec::new()
+            }
+        };
+        md.push_str(&report::workload_markdown(r, &plots));
+    }
+    let path = out.join("report.md");
+    std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
+    let path = out.join("results.json");
+    std::fs::write(&path, serde_json::to_string_pretty(results)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(md)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quick_ladders_keep_the_first_and_last_rates() {
+        assert_eq!(
+            spread_rates(&[2.0, 4.0, 8.0, 12.0, 16.0], 4),
+            vec![2.0, 4.0, 12.0, 16.0]
+        );
+        assert_eq!(spread_rates(&[1.0, 2.0], 4), vec![1.0, 2.0]);
+        assert_eq!(
+            spread_rates(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], 3),
+            vec![1.0, 4.0, 7.0]
+        );
+    }
+}

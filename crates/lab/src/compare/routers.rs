@@ -1,0 +1,421 @@
+//! Starting each router the comparison measures in front of a fleet, and stopping it.
+//!
+//! - `kvroute`: `kvroute serve` (the gateway binary, in its own process like every other
+//!   router) behind Envoy with the shipped fail-closed gateway (ORIGINAL_DST), scraping
+//!   every 50 ms of simulated time;
+//! - `round-robin`, `least-request`: Envoy's own load balancers, no picker;
+//! - `sglang`, `vllm-router`: `python -m sglang_router.launch_router` /
+//!   `python -m vllm_router.launch_router` with `--policy cache_aware`, bound to 127.0.0.1.
+//!
+//! Every router is held by a guard that stops it when dropped: nothing outlives a run.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::envoy::{EnvoyProcess, Gateway, free_port};
+
+/// A router the comparison can measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RouterKind {
+    /// kvroute behind Envoy (shipped fail-closed gateway).
+    Kvroute,
+    /// Envoy ROUND_ROBIN.
+    RoundRobin,
+    /// Envoy LEAST_REQUEST.
+    LeastRequest,
+    /// sglang-router, cache_aware.
+    Sglang,
+    /// vllm-router, cache_aware.
+    VllmRouter,
+}
+
+impl RouterKind {
+    /// Every router, in report order.
+    pub const ALL: [RouterKind; 5] = [
+        RouterKind::Kvroute,
+        RouterKind::RoundRobin,
+        RouterKind::LeastRequest,
+        RouterKind::Sglang,
+        RouterKind::VllmRouter,
+    ];
+
+    /// The name used in flags, tables and file names.
+    pub fn name(self) -> &'static str {
+        match self {
+            RouterKind::Kvroute => "kvroute",
+            RouterKind::RoundRobin => "round-robin",
+            RouterKind::LeastRequest => "least-request",
+            RouterKind::Sglang => "sglang",
+            RouterKind::VllmRouter => "vllm-router",
+        }
+    }
+
+    /// What it is, in words, for the report.
+    pub fn description(self) -> &'static str {
+        match self {
+            RouterKind::Kvroute => {
+                "kvroute behind Envoy, shipped fail-closed gateway (ORIGINAL_DST), scrape every 50 ms simulated but at most every 20 ms of wall time"
+            }
+            RouterKind::RoundRobin => "Envoy `ROUND_ROBIN`",
+            RouterKind::LeastRequest => "Envoy `LEAST_REQUEST`",
+            RouterKind::Sglang => "sglang-router `--policy cache_aware` (PyPI)",
+            RouterKind::VllmRouter => "vllm-router `--policy cache_aware` (PyPI)",
+        }
+    }
+
+    /// The Python module and its `--log-level` for warnings (the two spell it differently).
+    fn python_module(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            RouterKind::Sglang => Some(("sglang_router.launch_router", "warn")),
+            RouterKind::VllmRouter => Some(("vllm_router.launch_router", "warning")),
+            _ => None,
+        }
+    }
+}
+
+/// Where the external programs are, and where their logs go.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    /// Envoy binary.
+    pub envoy: PathBuf,
+    /// The gateway binary, `kvroute`.
+    pub kvroute: PathBuf,
+    /// Python with sglang-router and vllm-router installed.
+    pub python: PathBuf,
+    /// Directory for the routers' logs.
+    pub log_dir: PathBuf,
+    /// kvroute's scrape period (wall time) instead of 50 ms simulated.
+    pub kvroute_scrape_interval: Option<Duration>,
+}
+
+/// A running router; stopped by [`RunningRouter::stop`] or when dropped.
+pub struct RunningRouter {
+    /// Which router.
+    pub kind: RouterKind,
+    /// Base URL clients send to.
+    pub base_url: String,
+    guard: Guard,
+}
+
+enum Guard {
+    Kvroute {
+        // Declared first: dropped (killed) before kvroute stops.
+        envoy: EnvoyProcess,
+        kvroute: ChildGuard,
+    },
+    Envoy(EnvoyProcess),
+    Process(ChildGuard),
+}
+
+/// A child process killed (and reaped) when dropped.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl RunningRouter {
+    /// Stops the router and waits until it is gone.
+    pub async fn stop(self) {
+        match self.guard {
+            Guard::Kvroute { envoy, kvroute } => {
+                drop(envoy);
+                drop(kvroute);
+            }
+            Guard::Envoy(envoy) => drop(envoy),
+            Guard::Process(child) => drop(child),
+        }
+    }
+}
+
+/// Starts `kind` in front of `pods` (a fleet clocked `speedup` times faster) and waits until
+/// it answers a completion for `model`.
+pub async fn start(
+    kind: RouterKind,
+    pods: &[SocketAddr],
+    speedup: f64,
+    model: &str,
+    tools: &Tools,
+) -> anyhow::Result<RunningRouter> {
+    let (guard, base_url) = match kind {
+        RouterKind::Kvroute => {
+            let mut timing = KvrouteTiming::for_speedup(speedup);
+            if let Some(interval) = tools.kvroute_scrape_interval {
+                timing.scrape_interval = interval;
+                timing.max_metrics_age = timing.max_metrics_age.max(interval * 10);
+            }
+            start_kvroute(timing, pods, tools).await?
+        }
+        RouterKind::RoundRobin | RouterKind::LeastRequest => {
+            let gateway = if kind == RouterKind::RoundRobin {
+                Gateway::RoundRobin
+            } else {
+                Gateway::LeastRequest
+            };
+            let envoy = EnvoyProcess::start(gateway, pods, &tools.envoy, "error").await?;
+            let url = envoy.url("");
+            (Guard::Envoy(envoy), url)
+        }
+        RouterKind::Sglang | RouterKind::VllmRouter => {
+            let (module, level) = kind.python_module().unwrap_or_default();
+            let log = tools.log_dir.join(format!("{}.log", kind.name()));
+            let (child, url) = start_python_router(&tools.python, module, level, pods, &log)?;
+            (Guard::Process(child), url)
+        }
+    };
+    let mut router = RunningRouter {
+        kind,
+        base_url,
+        guard,
+    };
+    let base = router.base_url.clone();
+    let guard = &mut router.guard;
+    let alive = move || match guard {
+        Guard::Process(ChildGuard(child)) => match child.try_wait() {
+            Ok(Some(status)) => Err(format!("it exited ({status}); see its log")),
+            _ => Ok(()),
+        },
+        _ => Ok(()),
+    };
+    wait_answering(&base, model, Duration::from_secs(90), alive)
+        .await
+        .with_context(|| format!("{} did not become ready", kind.name()))?;
+    Ok(router)
+}
+
+/// kvroute scrapes every 50 ms of simulated time (at least every 2 ms of wall time) and
+/// counts metrics older than 1 simulated second as stale, as it would in front of real pods.
+/// Never scrape faster than this in wall time: the simulated fleet shares this machine's
+/// two cores with kvroute, and at 5 ms (50 ms of simulated time at speedup 10) the
+/// scraping alone starved the simulator, whose late token delivery then showed up as
+/// kvroute's latency (multi-lora, 2 req/s: p90 TTFT 1.64x round robin at 5 ms, 0.98x at
+/// 20 ms). The cost of the floor falls on kvroute: at speedup 10 its metrics are up to
+/// 200 ms of simulated time old, four times staler than the 50 ms real deployments use.
+pub const MIN_WALL_SCRAPE_INTERVAL: Duration = Duration::from_millis(20);
+
+/// The two settings of `kvroute serve` that follow the simulation's speedup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvrouteTiming {
+    /// `--refresh-metrics-interval`, wall time.
+    pub scrape_interval: Duration,
+    /// `--max-metrics-age`, wall time.
+    pub max_metrics_age: Duration,
+}
+
+impl KvrouteTiming {
+    pub fn for_speedup(speedup: f64) -> Self {
+        let scrape_interval = Duration::from_secs_f64(0.05 / speedup).max(MIN_WALL_SCRAPE_INTERVAL);
+        KvrouteTiming {
+            scrape_interval,
+            max_metrics_age: Duration::from_secs_f64(1.0 / speedup).max(scrape_interval * 10),
+        }
+    }
+}
+
+/// Runs `kvroute serve` with `timing` in its own process, as every other router runs: in
+/// the comparison's process it would share a runtime with the simulated fleet and the load
+/// generator and queue behind their tasks.
+async fn start_kvroute(
+    timing: KvrouteTiming,
+    pods: &[SocketAddr],
+    tools: &Tools,
+) -> anyhow::Result<(Guard, String)> {
+    let exe = &tools.kvroute;
+    let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let http = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let endpoints: Vec<String> = pods.iter().map(ToString::to_string).collect();
+    let log = tools.log_dir.join("kvroute.log");
+    let log_file =
+        std::fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
+    let millis = |d: Duration| format!("{}ms", d.as_millis().max(1));
+    // Through Python only for its `prctl`, when there is one (scripts/setup provides it).
+    let mut cmd = if tools.python.exists() {
+        let mut cmd = Command::new(&tools.python);
+        cmd.args(["-c", EXEC_WITH_PARENT]).arg(exe);
+        cmd
+    } else {
+        Command::new(exe)
+    };
+    cmd.args(["serve", "--endpoints", &endpoints.join(",")])
+        .args(["--grpc-addr", &grpc.to_string()])
+        .args(["--metrics-addr", &http.to_string()])
+        .args(["--health-addr", "off", "--admin-addr", "off"])
+        .args([
+            "--refresh-metrics-interval",
+            &millis(timing.scrape_interval),
+        ])
+        .args(["--max-metrics-age", &millis(timing.max_metrics_age)])
+        .args(["--drain-timeout", "1s"])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log_file);
+    let child = ChildGuard(
+        cmd.spawn()
+            .with_context(|| format!("cannot run {} serve", exe.display()))?,
+    );
+    wait_scraped(http, pods.len(), Duration::from_secs(20))
+        .await
+        .with_context(|| format!("kvroute did not scrape every pod; see {}", log.display()))?;
+    let envoy = EnvoyProcess::start(
+        Gateway::OriginalDst { kvroute: grpc },
+        pods,
+        &tools.envoy,
+        "error",
+    )
+    .await?;
+    let url = envoy.url("");
+    Ok((
+        Guard::Kvroute {
+            envoy,
+            kvroute: child,
+        },
+        url,
+    ))
+}
+
+/// Waits until kvroute's `/debug/endpoints` shows `pods` healthy pods that listed their
+/// models.
+async fn wait_scraped(http: SocketAddr, pods: usize, limit: Duration) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let url = format!("http://{http}/debug/endpoints");
+    let deadline = Instant::now() + limit;
+    let mut last = String::from("no answer");
+    while Instant::now() < deadline {
+        match client.get(&url).send().await {
+            Ok(response) => {
+                let body: serde_json::Value = response.json().await.unwrap_or_default();
+                let ready = body["endpoints"].as_array().map_or(0, |all| {
+                    let listed = |p: &serde_json::Value| {
+                        p["models"].as_array().is_some_and(|m| !m.is_empty())
+                    };
+                    all.iter()
+                        .filter(|p| p["healthy"] == true && listed(p))
+                        .count()
+                });
+                if ready == pods {
+                    return Ok(());
+                }
+                last = format!("{ready} of {pods} pods ready");
+            }
+            Err(e) => last = e.to_string(),
+        }
+        // Polling a child process: there is no event to await across the process boundary.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("after {limit:?}: {last}")
+}
+
+/// Python that makes the kernel kill it when its parent dies (`PR_SET_PDEATHSIG`, SIGKILL;
+/// kept across `exec`), then becomes the given program: a router started by a comparison
+/// that is killed cannot outlive it. Linux only; elsewhere it just runs the program.
+const EXEC_WITH_PARENT: &str = "\
+import ctypes, os, sys
+try:
+    ctypes.CDLL(None).prctl(1, 9)
+except Exception:
+    pass
+os.execv(sys.argv[1], sys.argv[1:])
+";
+
+fn start_python_router(
+    python: &Path,
+    module: &str,
+    log_level: &str,
+    pods: &[SocketAddr],
+    log: &Path,
+) -> anyhow::Result<(ChildGuard, String)> {
+    let (port, prometheus) = (free_port()?, free_port()?);
+    let log_file =
+        std::fs::File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
+    // `python -m module ...`, exec'd by the launcher that ties it to this process.
+    let mut cmd = Command::new(python);
+    cmd.args(["-c", EXEC_WITH_PARENT])
+        .arg(python)
+        .args(["-m", module, "--worker-urls"])
+        .args(pods.iter().map(|p| format!("http://{p}")))
+        .args(["--policy", "cache_aware", "--host", "127.0.0.1"])
+        .args(["--port", &port.to_string()])
+        .args(["--prometheus-port", &prometheus.to_string()])
+        .args(["--log-level", log_level])
+        .stdin(Stdio::null())
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file);
+    let child = cmd.spawn().with_context(|| {
+        format!(
+            "cannot run {} -m {module}; run scripts/setup or pass --python",
+            python.display()
+        )
+    })?;
+    Ok((ChildGuard(child), format!("http://127.0.0.1:{port}")))
+}
+
+/// Polls with a one-token completion until the router answers 200; gives up when `alive`
+/// says the router is gone.
+async fn wait_answering(
+    base: &str,
+    model: &str,
+    timeout: Duration,
+    mut alive: impl FnMut() -> Result<(), String>,
+) -> anyhow::Result<()> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(5))
+        .build()?;
+    let body = serde_json::json!({"model": model, "prompt": "ready", "max_tokens": 1});
+    let deadline = Instant::now() + timeout;
+    loop {
+        let last = match client
+            .post(format!("{base}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+        {
+            Ok(r) if r.status().is_success() => return Ok(()),
+            Ok(r) => format!("status {}", r.status()),
+            Err(e) => e.to_string(),
+        };
+        alive().map_err(anyhow::Error::msg)?;
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "no successful completion within {timeout:?} (last: {last})"
+        );
+        // Another process: no event to await, so poll.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kvroute_scrapes_every_fifty_simulated_milliseconds_but_not_faster_than_the_floor() {
+        let real_time = KvrouteTiming::for_speedup(1.0);
+        assert_eq!(real_time.scrape_interval, Duration::from_millis(50));
+        assert_eq!(real_time.max_metrics_age, Duration::from_secs(1));
+        let sped_up = KvrouteTiming::for_speedup(10.0);
+        assert_eq!(sped_up.scrape_interval, MIN_WALL_SCRAPE_INTERVAL);
+        assert_eq!(sped_up.max_metrics_age, MIN_WALL_SCRAPE_INTERVAL * 10);
+    }
+
+    #[test]
+    fn router_names_are_the_flag_values() {
+        use clap::ValueEnum;
+        for kind in RouterKind::ALL {
+            assert_eq!(
+                RouterKind::from_str(kind.name(), false).expect("parses"),
+                kind
+            );
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! Running a real Envoy in front of a fleet, for the demo, the benchmarks and the
+//! end-to-end tests: the shipped configurations (embedded from `envoy/`) rewritten for
+//! local ports, plus a plain round-robin gateway to compare against.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The fail-closed gateway (ORIGINAL_DST + header), as shipped.
+pub const ORIGINAL_DST_CONFIG: &str = include_str!("../../../envoy/gateway-original-dst.yaml");
+/// The fail-open gateway (override_host with round-robin fallback), as shipped.
+pub const OVERRIDE_HOST_CONFIG: &str = include_str!("../../../envoy/gateway-override-host.yaml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("cannot start Envoy ({binary}): {source}; run scripts/setup or set ENVOY_BIN")]
+    Spawn {
+        binary: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot write the Envoy config: {0}")]
+    Write(#[from] std::io::Error),
+    #[error("Envoy did not become ready within {0:?}:\n{1}")]
+    NotReady(Duration, String),
+}
+
+/// Which gateway to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gateway {
+    /// kvroute picks; ORIGINAL_DST routes to its header; fails closed.
+    OriginalDst { kvroute: SocketAddr },
+    /// kvroute picks; override_host honours it, round robin without it; fails open.
+    OverrideHost { kvroute: SocketAddr },
+    /// No picker: Envoy's own ROUND_ROBIN over the pods.
+    RoundRobin,
+    /// No picker: Envoy's own LEAST_REQUEST over the pods.
+    LeastRequest,
+}
+
+/// Rewrites a shipped config for local use: listener, admin and kvroute ports, and the
+/// pod list between the `# BEGIN pods` / `# END pods` markers.
+pub fn rewrite_shipped(
+    template: &str,
+    listener: u16,
+    admin: u16,
+    kvroute: SocketAddr,
+    pods: &[SocketAddr],
+) -> String {
+    let mut out = String::with_capacity(template.len() + pods.len() * 100);
+    let mut in_pods = false;
+    for line in template.lines() {
+        match line.trim() {
+            "# BEGIN pods" => {
+                in_pods = true;
+                out.push_str(line);
+                out.push('\n');
+                for pod in pods {
+                    out.push_str(&format!(
+                        "              - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
+                        pod.ip(),
+                        pod.port()
+                    ));
+                }
+                continue;
+            }
+            "# END pods" => in_pods = false,
+            _ if in_pods => continue,
+            _ => {}
+        }
+        let line = line
+            .replace(
+                "address: 0.0.0.0, port_value: 8080",
+                &format!("address: 127.0.0.1, port_value: {listener}"),
+            )
+            .replace("port_value: 9901", &format!("port_value: {admin}"))
+            .replace(
+                "address: 127.0.0.1, port_value: 9002",
+                &format!("address: {}, port_value: {}", kvroute.ip(), kvroute.port()),
+            );
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+/// A gateway without a picker, balancing over `pods` with Envoy's `lb_policy`.
+fn plain_config(listener: u16, admin: u16, lb_policy: &str, pods: &[SocketAddr]) -> String {
+    let endpoints: String = pods
+        .iter()
+        .map(|pod| {
+            format!(
+                "          - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
+                pod.ip(),
+                pod.port()
+            )
+        })
+        .collect();
+    format!(
+        r#"admin:
+  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}
+static_resources:
+  listeners:
+  - name: inference_gateway
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {listener} }} }}
+    per_connection_buffer_limit_bytes: 33554432
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: inference_gateway
+          stream_idle_timeout: 300s
+          route_config:
+            virtual_hosts:
+            - name: inference
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                route: {{ cluster: inference_pods, timeout: 0s }}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: inference_pods
+    type: STATIC
+    connect_timeout: 2s
+    lb_policy: {lb_policy}
+    load_assignment:
+      cluster_name: inference_pods
+      endpoints:
+      - lb_endpoints:
+{endpoints}"#
+    )
+}
+
+/// The Envoy binary: `$ENVOY_BIN`, else `.venv/bin/envoy` under the current directory,
+/// else `envoy` on PATH.
+pub fn envoy_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("ENVOY_BIN") {
+        return PathBuf::from(path);
+    }
+    let venv = Path::new(".venv/bin/envoy");
+    if venv.exists() {
+        return venv.to_path_buf();
+    }
+    PathBuf::from("envoy")
+}
+
+/// A free loopback port (bound and released; Envoy binds it right after).
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// An Envoy child process, killed when dropped. Envoy 1.40 exits when the thread that
+/// started it ends, so start it from a thread that outlives it (e.g. `main`).
+#[derive(Debug)]
+pub struct EnvoyProcess {
+    child: Child,
+    pub port: u16,
+    pub admin_port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl EnvoyProcess {
+    pub async fn start(
+        gateway: Gateway,
+        pods: &[SocketAddr],
+        binary: &Path,
+        log_level: &str,
+    ) -> Result<Self, GatewayError> {
+        let dir = tempfile::tempdir()?;
+        let (port, admin_port) = (free_port()?, free_port()?);
+        let config = match gateway {
+            Gateway::OriginalDst { kvroute } => {
+                rewrite_shipped(ORIGINAL_DST_CONFIG, port, admin_port, kvroute, pods)
+            }
+            Gateway::OverrideHost { kvroute } => {
+                rewrite_shipped(OVERRIDE_HOST_CONFIG, port, admin_port, kvroute, pods)
+            }
+            Gateway::RoundRobin => plain_config(port, admin_port, "ROUND_ROBIN", pods),
+            Gateway::LeastRequest => plain_config(port, admin_port, "LEAST_REQUEST", pods),
+        };
+        let path = dir.path().join("envoy.yaml");
+        std::fs::write(&path, config)?;
+        let log = std::fs::File::create(dir.path().join("envoy.log"))?;
+        let child = Command::new(binary)
+            .arg("-c")
+            .arg(&path)
+            .args([
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "-l",
+                log_level,
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|source| GatewayError::Spawn {
+                binary: binary.to_path_buf(),
+                source,
+            })?;
+        let envoy = EnvoyProcess {
+            child,
+            port,
+            admin_port,
+            dir,
+        };
+        envoy.wait_ready(Duration::from_secs(20)).await?;
+        Ok(envoy)
+    }
+
+    async fn wait_ready(&self, timeout: Duration) -> Result<(), GatewayError> {
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .map_err(|e| GatewayError::NotReady(timeout, e.to_string()))?;
+        let url = format!("http://127.0.0.1:{}/ready", self.admin_port);
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(response) = client.get(&url).send().await
+                && response.status().is_success()
+            {
+                return Ok(());
+            }
+            // Envoy is another process: no event to await, so poll its admin API.
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        Err(GatewayError::NotReady(timeout, self.log()))
+    }
+
+    /// A URL on the gateway's listener.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.port, path)
+    }
+
+    /// What Envoy logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for EnvoyProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rewriting_swaps_ports_and_lists_the_pods() {
+        let pods = [
+            "127.0.0.1:18000".parse().expect("addr"),
+            "127.0.0.1:18001".parse().expect("addr"),
+        ];
+        let kvroute = "127.0.0.1:19002".parse().expect("addr");
+        let text = rewrite_shipped(OVERRIDE_HOST_CONFIG, 18080, 19901, kvroute, &pods);
+        assert!(text.contains("port_value: 18080") && text.contains("port_value: 19901"));
+        assert!(text.contains("port_value: 19002") && !text.contains("port_value: 9002"));
+        assert!(text.contains("port_value: 18000") && text.contains("port_value: 18001"));
+        assert!(
+            !text.contains("port_value: 8000 "),
+            "the example pods are replaced"
+        );
+        assert!(
+            !text.contains("0.0.0.0"),
+            "local gateways listen on loopback only"
+        );
+    }
+}

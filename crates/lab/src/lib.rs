@@ -1,0 +1,45 @@
+//! kvroute's laboratory: everything that proves the gateway, none of what ships.
+//!
+//! - [`loadgen`]: workload files and `bench`, a load generator for any OpenAI-compatible
+//!   endpoint, reporting latencies as JSON;
+//! - [`compare`]: the fleet comparison, kvroute against Envoy round robin / least request,
+//!   sglang-router and vllm-router on identical simulated fleets (`kvroute-sim`);
+//! - [`demo`]: the quick comparison the README's first command runs;
+//! - [`envoy`]: runs Envoy locally with the shipped gateway configs.
+//!
+//! The gateway is measured as a separate process, `kvroute serve`, found beside this
+//! program or named with `--kvroute` ([`gateway_binary`]); the lab never links it.
+
+pub mod compare;
+pub mod demo;
+pub mod envoy;
+pub mod loadgen;
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+
+/// The workload files `compare` runs when given none.
+pub const WORKLOADS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/workloads");
+
+/// The gateway binary: `kvroute` beside this program (cargo builds every binary of the
+/// workspace into one directory; tests and benchmarks run from its `deps/`).
+pub fn gateway_binary() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("cannot locate this program")?;
+    let dir = exe
+        .parent()
+        .context("this program's path has no directory")?;
+    let candidates = [Some(dir), dir.parent()];
+    candidates
+        .into_iter()
+        .flatten()
+        .map(|dir| dir.join("kvroute"))
+        .find(|path| path.is_file())
+        .with_context(|| {
+            format!(
+                "no `kvroute` binary beside {}: build it with `cargo build --release -p kvroute`, \
+                 or pass --kvroute PATH",
+                exe.display()
+            )
+        })
+}

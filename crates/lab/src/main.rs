@@ -1,0 +1,56 @@
+//! The `kvroute-lab` command: the load generator, the fleet comparison and the demo.
+//! The gateway (`kvroute`) is measured as a separate process.
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+use kvroute_lab::compare::CompareArgs;
+use kvroute_lab::demo::DemoArgs;
+use kvroute_lab::loadgen::BenchArgs;
+
+#[derive(Parser)]
+#[command(
+    name = "kvroute-lab",
+    version,
+    about = "Benchmarks and comparisons of kvroute on simulated vLLM fleets"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Try kvroute locally: simulated fleet + kvroute + Envoy, against Envoy round robin.
+    Demo(DemoArgs),
+    /// Drive an OpenAI-compatible endpoint with a workload file; report latencies as JSON.
+    Bench(BenchArgs),
+    /// Compare kvroute with Envoy round robin / least request, sglang-router and vllm-router
+    /// on identical simulated fleets; writes a Markdown report, plots and raw JSON.
+    Compare(CompareArgs),
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // Progress and reports go to the terminal; logs are kept to warnings.
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        // A closed stderr (a supervisor gone) must not turn a log line into a panic.
+        .log_internal_errors(false)
+        .init();
+    let result = match cli.command {
+        Command::Demo(args) => kvroute_lab::demo::run(args).await,
+        Command::Bench(args) => kvroute_lab::loadgen::run(args).await,
+        Command::Compare(args) => kvroute_lab::compare::run(args).await,
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("kvroute-lab: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,212 @@
+//! The pod store: what kvroute knows about every endpoint, published as immutable
+//! snapshots for the picker.
+//!
+//! Writers (discovery, scrapers) update the store; each change marks it dirty and a
+//! publisher task rebuilds the [`Fleet`] (cheap: per-pod data sits behind `Arc`s, and the
+//! snapshot's model index is built once here rather than per request). Readers take the
+//! current fleet without locking the writers out.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvroute_core::fleet::{
+    Fleet, HealthPolicy, HealthTracker, PodLoad, PodMetrics, PodView, ScrapeTicket, ServedModels,
+};
+use tokio::sync::{Notify, watch};
+
+#[derive(Debug)]
+struct PodRecord {
+    metrics: Option<Arc<PodMetrics>>,
+    scraped_at: Option<Instant>,
+    models: Option<Arc<ServedModels>>,
+    health: HealthTracker,
+    load: Arc<PodLoad>,
+    /// The ticket of a successful scrape whose metrics are not yet published: the
+    /// in-flight ledger absorbs it when they are, so a pick never sees the new
+    /// accounting with the old metrics.
+    unpublished: Option<ScrapeTicket>,
+}
+
+/// What kvroute knows about each endpoint.
+#[derive(Debug)]
+pub struct PodStore {
+    pods: Mutex<BTreeMap<SocketAddr, PodRecord>>,
+    health_policy: HealthPolicy,
+    published: watch::Sender<Arc<Fleet>>,
+    dirty: Notify,
+    endpoints_version: AtomicU64,
+}
+
+impl PodStore {
+    pub fn new(health_policy: HealthPolicy) -> Self {
+        PodStore {
+            pods: Mutex::new(BTreeMap::new()),
+            health_policy,
+            published: watch::Sender::new(Arc::new(Fleet::default())),
+            dirty: Notify::new(),
+            endpoints_version: AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<SocketAddr, PodRecord>> {
+        // Records are replaced field by field; a panic mid-update leaves at worst one
+        // stale field, which the next scrape overwrites.
+        self.pods
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Replaces the endpoint set. New endpoints start down until their first scrape
+    /// succeeds; removed ones vanish from the next snapshot together with their
+    /// in-flight accounting. Returns whether anything changed.
+    pub fn set_endpoints(&self, endpoints: &[SocketAddr]) -> bool {
+        let wanted: HashSet<&SocketAddr> = endpoints.iter().collect();
+        let mut pods = self.lock();
+        let before = pods.len();
+        pods.retain(|endpoint, _| wanted.contains(endpoint));
+        let mut changed = pods.len() != before;
+        for endpoint in endpoints {
+            pods.entry(*endpoint).or_insert_with(|| {
+                changed = true;
+                PodRecord {
+                    metrics: None,
+                    scraped_at: None,
+                    models: None,
+                    health: HealthTracker::default(),
+                    load: Arc::new(PodLoad::default()),
+                    unpublished: None,
+                }
+            });
+        }
+        if changed {
+            // Bumped under the lock, so a publish that sees the new set sees the new version.
+            self.endpoints_version.fetch_add(1, Ordering::Relaxed);
+        }
+        drop(pods);
+        if changed {
+            self.dirty.notify_one();
+        }
+        changed
+    }
+
+    /// The endpoints currently known.
+    pub fn endpoints(&self) -> Vec<SocketAddr> {
+        self.lock().keys().copied().collect()
+    }
+
+    /// The load counters of an endpoint, for the scraper's ticketing.
+    pub fn load(&self, endpoint: SocketAddr) -> Option<Arc<PodLoad>> {
+        self.lock()
+            .get(&endpoint)
+            .map(|record| Arc::clone(&record.load))
+    }
+
+    /// Records one scrape's outcome: the metrics it read, or `None` when it failed.
+    /// Returns whether the pod is healthy afterwards (None when the endpoint is no longer
+    /// known). `ticket` is what [`PodLoad::scrape_started`] returned when the scrape
+    /// began, at `at`.
+    pub fn record_scrape(
+        &self,
+        endpoint: SocketAddr,
+        metrics: Option<PodMetrics>,
+        ticket: ScrapeTicket,
+        at: Instant,
+    ) -> Option<bool> {
+        let mut pods = self.lock();
+        let record = pods.get_mut(&endpoint)?;
+        match metrics {
+            Some(metrics) => {
+                record.metrics = Some(Arc::new(metrics));
+                record.scraped_at = Some(at);
+                record.unpublished = Some(ticket);
+                record.health.record_success(&self.health_policy);
+            }
+            None => record.health.record_failure(&self.health_policy),
+        }
+        let healthy = record.health.is_up();
+        drop(pods);
+        self.dirty.notify_one();
+        Some(healthy)
+    }
+
+    /// Records what the pod's `/v1/models` said.
+    /// Pods serving the same models share one `Arc`, which lets the scheduler check
+    /// a model once per distinct list rather than once per pod.
+    pub fn record_models(&self, endpoint: SocketAddr, models: ServedModels) {
+        let mut pods = self.lock();
+        if pods
+            .get(&endpoint)
+            .is_none_or(|r| r.models.as_deref() == Some(&models))
+        {
+            return;
+        }
+        let shared = pods
+            .values()
+            .filter_map(|r| r.models.as_ref())
+            .find(|m| ***m == models)
+            .cloned()
+            .unwrap_or_else(|| Arc::new(models));
+        if let Some(record) = pods.get_mut(&endpoint) {
+            record.models = Some(shared);
+        }
+        drop(pods);
+        self.dirty.notify_one();
+    }
+
+    /// Rebuilds and publishes the fleet, with metric ages measured at `now`.
+    pub fn publish(&self, now: Instant) -> Arc<Fleet> {
+        let mut records = self.lock();
+        let pods: Vec<(PodView, Arc<PodLoad>)> = records
+            .iter_mut()
+            .map(|(endpoint, record)| {
+                if let Some(ticket) = record.unpublished.take() {
+                    record.load.scrape_succeeded(ticket);
+                }
+                let view = PodView::new(
+                    *endpoint,
+                    record.health.is_up(),
+                    record.metrics.clone(),
+                    record
+                        .scraped_at
+                        .map(|at| now.saturating_duration_since(at)),
+                    record.models.clone(),
+                );
+                (view, Arc::clone(&record.load))
+            })
+            .collect();
+        let endpoints_version = self.endpoints_version.load(Ordering::Relaxed);
+        drop(records);
+        let generation = self.published.borrow().snapshot().generation + 1;
+        let fleet = Arc::new(Fleet::new(pods, generation, endpoints_version));
+        self.published.send_replace(Arc::clone(&fleet));
+        fleet
+    }
+
+    /// The current fleet.
+    pub fn fleet(&self) -> Arc<Fleet> {
+        Arc::clone(&self.published.borrow())
+    }
+
+    /// Follows every published fleet (readiness, tests waiting for a state).
+    pub fn subscribe(&self) -> watch::Receiver<Arc<Fleet>> {
+        self.published.subscribe()
+    }
+
+    /// Rebuilds the snapshot whenever the store changes, and at least every
+    /// `max_interval` so that metric ages stay current. Runs until dropped.
+    pub async fn run_publisher(self: Arc<Self>, max_interval: Duration) {
+        // Coalesce bursts of scrape results into one rebuild.
+        let min_gap = (max_interval / 10).clamp(Duration::from_millis(1), Duration::from_millis(5));
+        loop {
+            let _ = tokio::time::timeout(max_interval, self.dirty.notified()).await;
+            self.publish(Instant::now());
+            tokio::time::sleep(min_gap).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

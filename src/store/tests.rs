@@ -1,0 +1,100 @@
+use std::collections::HashMap;
+
+use super::*;
+
+fn addr(port: u16) -> SocketAddr {
+    SocketAddr::from(([10, 0, 0, 1], port))
+}
+
+fn scrape_ok(store: &PodStore, endpoint: SocketAddr, at: Instant) {
+    let ticket = store.load(endpoint).expect("known").scrape_started();
+    store.record_scrape(endpoint, Some(PodMetrics::default()), ticket, at);
+}
+
+#[test]
+fn in_flight_tokens_are_absorbed_only_when_the_scrape_is_published() {
+    let store = PodStore::new(HealthPolicy::default());
+    store.set_endpoints(&[addr(1)]);
+    let load = store.load(addr(1)).expect("known");
+    let _request = load.reserve(500, 0);
+    scrape_ok(&store, addr(1), Instant::now());
+    assert_eq!(
+        load.unscraped_tokens(),
+        500,
+        "old snapshot still lacks the scrape"
+    );
+    store.publish(Instant::now());
+    assert_eq!(load.unscraped_tokens(), 0);
+}
+
+#[test]
+fn new_endpoints_stay_down_until_their_first_scrape() {
+    let store = PodStore::new(HealthPolicy::default());
+    store.set_endpoints(&[addr(1)]);
+    let fleet = store.publish(Instant::now());
+    let snapshot = fleet.snapshot();
+    assert!(!snapshot.pods()[0].healthy);
+    assert!(!snapshot.has_metrics());
+    scrape_ok(&store, addr(1), Instant::now());
+    let fleet = store.publish(Instant::now());
+    let snapshot = fleet.snapshot();
+    assert!(snapshot.pods()[0].healthy);
+    assert!(snapshot.has_metrics());
+}
+
+#[test]
+fn pods_with_equal_model_lists_share_one_copy() {
+    let store = PodStore::new(HealthPolicy::default());
+    store.set_endpoints(&[addr(1), addr(2)]);
+    let models = ServedModels {
+        base: vec!["llama".into()],
+        adapters: HashMap::new(),
+    };
+    store.record_models(addr(1), models.clone());
+    store.record_models(addr(2), models);
+    let fleet = store.publish(Instant::now());
+    let snapshot = fleet.snapshot();
+    let (a, b) = (&snapshot.pods()[0].models, &snapshot.pods()[1].models);
+    assert!(matches!((a, b), (Some(a), Some(b)) if Arc::ptr_eq(a, b)));
+}
+
+#[test]
+fn removed_endpoints_vanish_from_the_next_snapshot() {
+    let store = PodStore::new(HealthPolicy::default());
+    store.set_endpoints(&[addr(1), addr(2)]);
+    store.set_endpoints(&[addr(2)]);
+    let fleet = store.publish(Instant::now());
+    let snapshot = fleet.snapshot();
+    let endpoints: Vec<_> = snapshot.pods().iter().map(|p| p.endpoint).collect();
+    assert_eq!(endpoints, vec![addr(2)]);
+}
+
+#[test]
+fn snapshots_carry_the_age_of_each_pods_metrics() {
+    let store = PodStore::new(HealthPolicy::default());
+    store.set_endpoints(&[addr(1)]);
+    let scraped = Instant::now();
+    scrape_ok(&store, addr(1), scraped);
+    let fleet = store.publish(scraped + Duration::from_millis(300));
+    let snapshot = fleet.snapshot();
+    assert_eq!(
+        snapshot.pods()[0].metrics_age,
+        Some(Duration::from_millis(300))
+    );
+}
+
+#[test]
+fn pods_are_sorted_by_endpoint_and_found_by_lookup() {
+    let store = PodStore::new(HealthPolicy::default());
+    store.set_endpoints(&[addr(3), addr(1), addr(2)]);
+    let fleet = store.publish(Instant::now());
+    let snapshot = fleet.snapshot();
+    assert!(
+        snapshot
+            .pods()
+            .windows(2)
+            .all(|w| w[0].endpoint < w[1].endpoint)
+    );
+    assert_eq!(snapshot.pod(addr(2)).map(|p| p.endpoint), Some(addr(2)));
+    assert!(snapshot.pod(addr(9)).is_none());
+}
