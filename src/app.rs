@@ -154,6 +154,13 @@ impl App {
         reporter
             .set_service_status(LIVENESS_SERVICE, ServingStatus::Serving)
             .await;
+        // Not ready until a pod is scraped: said before the servers start, so the first
+        // probe finds it whether or not the readiness task has run yet.
+        for service in [EXTPROC_SERVICE, "", READINESS_SERVICE] {
+            reporter
+                .set_service_status(service, ServingStatus::NotServing)
+                .await;
+        }
         let readiness = tokio::spawn(track_readiness(Arc::clone(&store), reporter.clone()));
         let (stop, abort) = (shutdown::phase(), shutdown::phase());
         let (stopping, aborting) = (stop.1, abort.1);

@@ -179,23 +179,12 @@ fn candidate(score: &CandidateScore) -> pb::CandidateScore {
         lora: score.lora,
         lora_tier: score
             .lora_tier
-            .map(tier_name)
+            .map(LoraTier::name)
             .unwrap_or_default()
             .to_owned(),
         free_kv_tokens: score.free_kv_tokens,
         prefix: score.prefix,
         prefill_queue: score.prefill_queue,
-    }
-}
-
-fn tier_name(tier: LoraTier) -> &'static str {
-    match tier {
-        LoraTier::Active => "active",
-        LoraTier::Warm => "warm",
-        LoraTier::FreeSlot => "free_slot",
-        LoraTier::Unknown => "unknown",
-        LoraTier::Waiting => "waiting",
-        LoraTier::MustEvict => "must_evict",
     }
 }
 

@@ -155,7 +155,7 @@ impl<R: Router> Exchange<R> {
         if headers.end_of_stream || self.request_mode == BodyMode::None {
             // Nothing to read (GET /v1/models, or a filter that sends no body): any
             // ready pod can answer.
-            return vec![self.route(None, Placement::InHeaders)];
+            return vec![self.route(None, AnswerIn::Headers)];
         }
         self.phase = Phase::ReadingBody;
         match self.request_mode {
@@ -185,7 +185,7 @@ impl<R: Router> Exchange<R> {
             // Buffered modes deliver the whole body (or all Envoy would buffer) at once.
             _ => {
                 let parsed = self.parse_body();
-                vec![self.route_parsed(parsed, Placement::InBody)]
+                vec![self.route_parsed(parsed, AnswerIn::Body)]
             }
         }
     }
@@ -245,7 +245,7 @@ impl<R: Router> Exchange<R> {
 
     fn route_full_duplex(&mut self, ended_by_trailers: bool) -> Vec<ProcessingResponse> {
         let parsed = self.parse_body();
-        let first = self.route_parsed(parsed, Placement::InHeaders);
+        let first = self.route_parsed(parsed, AnswerIn::Headers);
         if self.phase != Phase::Forwarded {
             return vec![first];
         }
@@ -283,10 +283,10 @@ impl<R: Router> Exchange<R> {
     fn route_parsed(
         &mut self,
         parsed: Result<Option<InferenceRequest>, RequestError>,
-        placement: Placement,
+        answer_in: AnswerIn,
     ) -> ProcessingResponse {
         match parsed {
-            Ok(request) => self.route(request.as_ref(), placement),
+            Ok(request) => self.route(request.as_ref(), answer_in),
             Err(error) => self.refuse(bad_request(&error), Outcome::BadRequest),
         }
     }
@@ -294,7 +294,7 @@ impl<R: Router> Exchange<R> {
     fn route(
         &mut self,
         request: Option<&InferenceRequest>,
-        placement: Placement,
+        answer_in: AnswerIn,
     ) -> ProcessingResponse {
         let route_request = RouteRequest {
             inference: request,
@@ -306,9 +306,9 @@ impl<R: Router> Exchange<R> {
                 let destination = routed.destination();
                 self.ticket = Some(routed.ticket);
                 self.phase = Phase::Forwarded;
-                match placement {
-                    Placement::InHeaders => messages::route_in_headers(&destination),
-                    Placement::InBody => messages::route_in_body(&destination),
+                match answer_in {
+                    AnswerIn::Headers => messages::route_in_headers(&destination),
+                    AnswerIn::Body => messages::route_in_body(&destination),
                 }
             }
             Err(unrouted) => self.reject(no_route(unrouted)),
@@ -335,10 +335,12 @@ impl<R: Router> Exchange<R> {
     }
 }
 
+/// Which answer carries the destination: the one to the request headers (Envoy has not
+/// picked a host yet), or the one to the buffered body.
 #[derive(Debug, Clone, Copy)]
-enum Placement {
-    InHeaders,
-    InBody,
+enum AnswerIn {
+    Headers,
+    Body,
 }
 
 fn header_value(map: &HeaderMap, name: &str) -> Option<String> {

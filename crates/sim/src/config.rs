@@ -1,4 +1,4 @@
-//! Fleet configuration: from the `kvroute sim` flags, optionally refined per pod by a YAML file.
+//! Fleet configuration: from the `kvroute-sim` flags, optionally refined per pod by a YAML file.
 //!
 //! ```yaml
 //! # every key optional; pod groups inherit the command-line values they do not set

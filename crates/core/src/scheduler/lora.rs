@@ -77,6 +77,18 @@ impl LoraTier {
         }
     }
 
+    /// The tier's name, as it is serialised (`free_slot`, `must_evict`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            LoraTier::Active => "active",
+            LoraTier::Warm => "warm",
+            LoraTier::FreeSlot => "free_slot",
+            LoraTier::Unknown => "unknown",
+            LoraTier::Waiting => "waiting",
+            LoraTier::MustEvict => "must_evict",
+        }
+    }
+
     /// A bounded label value.
     pub fn reason(self) -> &'static str {
         match self {

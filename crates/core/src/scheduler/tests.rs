@@ -531,3 +531,18 @@ fn a_prefix_match_does_not_outweigh_a_much_heavier_load() {
     let decision = pick_seeded(&req, &snapshot).expect("placed");
     assert_eq!(decision.endpoint, endpoint(2));
 }
+
+#[test]
+fn a_lora_tiers_name_is_its_serialised_form() {
+    for tier in [
+        LoraTier::Active,
+        LoraTier::Warm,
+        LoraTier::FreeSlot,
+        LoraTier::Unknown,
+        LoraTier::Waiting,
+        LoraTier::MustEvict,
+    ] {
+        let json = serde_json::to_value(tier).expect("serialises");
+        assert_eq!(json, tier.name());
+    }
+}

@@ -66,100 +66,125 @@ pub enum VllmMetricsError {
 /// [`VllmMetricsError::Invalid`] for impossible values (NaN, negative, ...).
 pub fn parse_vllm_metrics(text: &str) -> Result<PodMetrics, VllmMetricsError> {
     let samples = exposition::parse_where(text, |name| READ.contains(&name))?;
-
-    let mut waiting = Total::default();
-    let mut running = Total::default();
-    let mut preemptions = Total::default();
-    let mut prefix_hits = Total::default();
-    let mut prefix_queries = Total::default();
-    let mut kv_usage: Vec<EngineValue<'_>> = Vec::new();
-    let mut kv_usage_legacy: Vec<EngineValue<'_>> = Vec::new();
-    let mut caches: Vec<EngineCache<'_>> = Vec::new();
-    // (timestamp, sample) of the newest LoRA series so far.
-    let mut newest_lora: Option<(f64, &Sample<'_>)> = None;
-    let mut engines: Vec<&str> = Vec::new();
-
+    let mut page = Page::default();
     for sample in samples.iter().filter(|s| s.name.starts_with("vllm:")) {
+        page.add(sample)?;
+    }
+    page.finish()
+}
+
+/// What a page says so far, series by series.
+#[derive(Default)]
+struct Page<'s> {
+    waiting: Total,
+    running: Total,
+    preemptions: Total,
+    prefix_hits: Total,
+    prefix_queries: Total,
+    kv_usage: Vec<EngineValue<'s>>,
+    kv_usage_legacy: Vec<EngineValue<'s>>,
+    caches: Vec<EngineCache<'s>>,
+    /// (timestamp, sample) of the newest LoRA series so far.
+    newest_lora: Option<(f64, &'s Sample<'s>)>,
+    engines: Vec<&'s str>,
+}
+
+impl<'s> Page<'s> {
+    fn add(&mut self, sample: &'s Sample<'s>) -> Result<(), VllmMetricsError> {
         let engine = engine_of(sample);
         if let Some(name) = engine
-            && !engines.contains(&name)
+            && !self.engines.contains(&name)
         {
-            engines.push(name);
+            self.engines.push(name);
         }
+        let value = sample.value;
         match sample.name {
-            WAITING => waiting.add(count_value(WAITING, sample.value)?),
-            RUNNING => running.add(count_value(RUNNING, sample.value)?),
-            PREEMPTIONS => preemptions.add(finite_non_negative(PREEMPTIONS, sample.value)?),
-            PREFIX_HITS => prefix_hits.add(finite_non_negative(PREFIX_HITS, sample.value)?),
+            WAITING => self.waiting.add(count_value(WAITING, value)?),
+            RUNNING => self.running.add(count_value(RUNNING, value)?),
+            PREEMPTIONS => self
+                .preemptions
+                .add(finite_non_negative(PREEMPTIONS, value)?),
+            PREFIX_HITS => self
+                .prefix_hits
+                .add(finite_non_negative(PREFIX_HITS, value)?),
             PREFIX_QUERIES => {
-                prefix_queries.add(finite_non_negative(PREFIX_QUERIES, sample.value)?)
+                let queries = finite_non_negative(PREFIX_QUERIES, value)?;
+                self.prefix_queries.add(queries);
             }
             // Validated once we know which of the two names is in use.
-            KV_USAGE => kv_usage.push(EngineValue {
-                engine,
-                value: sample.value,
-            }),
-            KV_USAGE_LEGACY => kv_usage_legacy.push(EngineValue {
-                engine,
-                value: sample.value,
-            }),
-            CACHE_CONFIG => {
-                // An info gauge is 1 while current. prometheus_client also
-                // creates a child (value 0) for every label set merely named,
-                // e.g. a template `engine=""`; such a series describes no engine.
-                if finite_non_negative(CACHE_CONFIG, sample.value)? == 0.0 {
-                    continue;
-                }
-                let cache = EngineCache::from_sample(engine, sample)?;
-                // One description per engine; a repeated one replaces the earlier.
-                match caches.iter_mut().find(|known| known.engine == engine) {
-                    Some(known) => *known = cache,
-                    None => caches.push(cache),
-                }
-            }
+            KV_USAGE => self.kv_usage.push(EngineValue { engine, value }),
+            KV_USAGE_LEGACY => self.kv_usage_legacy.push(EngineValue { engine, value }),
+            CACHE_CONFIG => self.add_cache(engine, sample)?,
             LORA_INFO => {
                 // The value is the unix time of the update; each distinct
                 // adapter set is its own series, so old ones linger.
-                let timestamp = finite_non_negative(LORA_INFO, sample.value)?;
-                if newest_lora.is_none_or(|(newest, _)| timestamp > newest) {
-                    newest_lora = Some((timestamp, sample));
+                let timestamp = finite_non_negative(LORA_INFO, value)?;
+                if self
+                    .newest_lora
+                    .is_none_or(|(newest, _)| timestamp > newest)
+                {
+                    self.newest_lora = Some((timestamp, sample));
                 }
             }
             _ => {}
         }
+        Ok(())
     }
 
-    // Prefer the current name; the legacy one only when the current is absent
-    // (vLLM versions in between expose both, with the same values).
-    let (kv_metric, kv_usage) = if kv_usage.is_empty() {
-        (KV_USAGE_LEGACY, kv_usage_legacy)
-    } else {
-        (KV_USAGE, kv_usage)
-    };
-    if kv_usage.is_empty() {
-        return Err(VllmMetricsError::Missing(KV_USAGE));
+    fn add_cache(
+        &mut self,
+        engine: Option<&'s str>,
+        sample: &'s Sample<'s>,
+    ) -> Result<(), VllmMetricsError> {
+        // An info gauge is 1 while current. prometheus_client also creates a child
+        // (value 0) for every label set merely named, e.g. a template `engine=""`;
+        // such a series describes no engine.
+        if finite_non_negative(CACHE_CONFIG, sample.value)? == 0.0 {
+            return Ok(());
+        }
+        let cache = EngineCache::from_sample(engine, sample)?;
+        // One description per engine; a repeated one replaces the earlier.
+        match self.caches.iter_mut().find(|known| known.engine == engine) {
+            Some(known) => *known = cache,
+            None => self.caches.push(cache),
+        }
+        Ok(())
     }
-    for entry in &kv_usage {
-        finite_non_negative(kv_metric, entry.value)?;
-    }
-    let waiting = waiting.require(WAITING)?;
-    let running = running.require(RUNNING)?;
 
-    Ok(PodMetrics {
-        waiting: to_u32(WAITING, waiting)?,
-        running: to_u32(RUNNING, running)?,
-        kv_usage: weighted_kv_usage(&kv_usage, &caches),
-        kv_capacity_tokens: sum_all(caches.iter().map(|c| c.capacity_tokens))?,
-        num_gpu_blocks: sum_all(caches.iter().map(|c| c.num_gpu_blocks))?,
-        block_size: common_block_size(&caches)?,
-        engines: u32::try_from(engines.len()).unwrap_or(u32::MAX).max(1),
-        lora: newest_lora
-            .map(|(_, sample)| lora_status(sample))
-            .transpose()?,
-        preemptions_total: preemptions.into_option(),
-        prefix_cache_hits_total: prefix_hits.into_option(),
-        prefix_cache_queries_total: prefix_queries.into_option(),
-    })
+    fn finish(self) -> Result<PodMetrics, VllmMetricsError> {
+        // Prefer the current name; the legacy one only when the current is absent
+        // (vLLM versions in between expose both, with the same values).
+        let (kv_metric, kv_usage) = if self.kv_usage.is_empty() {
+            (KV_USAGE_LEGACY, self.kv_usage_legacy)
+        } else {
+            (KV_USAGE, self.kv_usage)
+        };
+        if kv_usage.is_empty() {
+            return Err(VllmMetricsError::Missing(KV_USAGE));
+        }
+        for entry in &kv_usage {
+            finite_non_negative(kv_metric, entry.value)?;
+        }
+        let waiting = self.waiting.require(WAITING)?;
+        let running = self.running.require(RUNNING)?;
+        let caches = self.caches;
+        Ok(PodMetrics {
+            waiting: to_u32(WAITING, waiting)?,
+            running: to_u32(RUNNING, running)?,
+            kv_usage: weighted_kv_usage(&kv_usage, &caches),
+            kv_capacity_tokens: sum_all(caches.iter().map(|c| c.capacity_tokens))?,
+            num_gpu_blocks: sum_all(caches.iter().map(|c| c.num_gpu_blocks))?,
+            block_size: common_block_size(&caches)?,
+            engines: u32::try_from(self.engines.len()).unwrap_or(u32::MAX).max(1),
+            lora: self
+                .newest_lora
+                .map(|(_, sample)| lora_status(sample))
+                .transpose()?,
+            preemptions_total: self.preemptions.into_option(),
+            prefix_cache_hits_total: self.prefix_hits.into_option(),
+            prefix_cache_queries_total: self.prefix_queries.into_option(),
+        })
+    }
 }
 
 /// The sample's `engine` label; an empty value counts as no label.
