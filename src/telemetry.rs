@@ -73,15 +73,24 @@ impl ModelLabels {
     }
 }
 
-static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
+/// Why kvroute's metrics recorder could not be installed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("invalid histogram buckets: {0}")]
+    Buckets(String),
+    #[error("a different metrics recorder is already installed")]
+    RecorderTaken,
+}
+
+static HANDLE: OnceLock<Result<PrometheusHandle, TelemetryError>> = OnceLock::new();
 
 /// Installs the process-wide recorder once and returns its handle (later calls, e.g.
 /// several servers in one test process, share it).
-pub fn install() -> Result<PrometheusHandle, String> {
+pub fn install() -> Result<PrometheusHandle, TelemetryError> {
     HANDLE.get_or_init(build_and_install).clone()
 }
 
-fn build_and_install() -> Result<PrometheusHandle, String> {
+fn build_and_install() -> Result<PrometheusHandle, TelemetryError> {
     let latency_buckets = [
         0.000_001, 0.000_002, 0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_2, 0.000_5,
         0.001, 0.005, 0.01,
@@ -100,11 +109,10 @@ fn build_and_install() -> Result<PrometheusHandle, String> {
         .and_then(|b| {
             b.set_buckets_for_metric(Matcher::Full(SCRAPE_DURATION.into()), &scrape_buckets)
         })
-        .map_err(|e| e.to_string())?
+        .map_err(|e| TelemetryError::Buckets(e.to_string()))?
         .build_recorder();
     let handle = recorder.handle();
-    metrics::set_global_recorder(recorder)
-        .map_err(|_| "a different metrics recorder is already installed".to_string())?;
+    metrics::set_global_recorder(recorder).map_err(|_| TelemetryError::RecorderTaken)?;
     describe();
     Ok(handle)
 }

@@ -1,5 +1,6 @@
 //! Cost of one scheduling decision, `scheduler::pick`, by fleet size.
-//! Run: `cargo bench --bench pick`. Targets: ≤ 2 µs at 8 pods, ≤ 50 µs at 4,096.
+//! Run: `cargo bench -p kvroute-core --bench pick`. Targets: ≤ 2 µs at 8 pods, ≤ 50 µs at
+//! 4,096. Also the per-snapshot model index build.
 
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -14,7 +15,9 @@ use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use kvroute_core::fleet::{Fleet, LoraStatus, PodLoad, PodMetrics, PodView, ServedModels};
+use kvroute_core::fleet::{
+    Fleet, LoraStatus, ModelIndex, PodLoad, PodMetrics, PodView, ServedModels,
+};
 use kvroute_core::request::{InferenceRequest, RouteRequest};
 use kvroute_core::scheduler::{SchedulerConfig, pick};
 
@@ -107,5 +110,21 @@ fn bench_pick(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_pick);
+/// The model index is built once per published snapshot (not per request): its cost
+/// bounds how often the store can publish.
+fn bench_model_index(c: &mut Criterion) {
+    let mut group = c.benchmark_group("model_index");
+    group.measurement_time(Duration::from_secs(3));
+    group.warm_up_time(Duration::from_secs(1));
+    for size in [64usize, 4096] {
+        let fleet = fleet(size, &mut SmallRng::seed_from_u64(42));
+        let pods = fleet.snapshot().pods();
+        group.bench_with_input(BenchmarkId::new("build", size), pods, |b, pods| {
+            b.iter(|| ModelIndex::build(black_box(pods)))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_pick, bench_model_index);
 criterion_main!(benches);

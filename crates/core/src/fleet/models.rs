@@ -7,7 +7,6 @@
 //! on discovery updates for the same reason).
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 use std::sync::Arc;
 
 use super::PodView;
@@ -63,8 +62,10 @@ impl ModelIndex {
             .filter_map(|pod| pod.metrics().and_then(|m| m.lora.as_ref()))
         {
             for adapter in lora.running.iter().chain(lora.waiting.iter()) {
-                if let Entry::Vacant(entry) = classes.entry(adapter.clone()) {
-                    entry.insert(ModelClass::UnlistedAdapter);
+                // Looked up before inserting: most running adapters are listed ones, and
+                // the entry API would copy the name for every lookup.
+                if !classes.contains_key(adapter.as_str()) {
+                    classes.insert(adapter.clone(), ModelClass::UnlistedAdapter);
                 }
             }
         }

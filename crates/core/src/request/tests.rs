@@ -189,9 +189,9 @@ fn image_parts_add_a_fixed_estimate_and_stay_out_of_the_prefix() {
     let image = "A".repeat(1 << 20);
     let request = chat(&format!(
         r#"[{{"role":"user","content":[
-            {{"type":"image_url","image_url":{{"url":"data:image/png;base64,{image}"}}}},
-            {{"type":"text","text":"What is this?"}},
-            {{"type":"input_audio","input_audio":{{"data":"AAAA","format":"wav"}}}}]}}]"#
+                {{"type":"image_url","image_url":{{"url":"data:image/png;base64,{image}"}}}},
+                {{"type":"text","text":"What is this?"}},
+                {{"type":"input_audio","input_audio":{{"data":"AAAA","format":"wav"}}}}]}}]"#
     ));
     assert_eq!(
         request.prompt_tokens,
@@ -460,8 +460,8 @@ fn unknown_fields_are_ignored_whatever_their_shape() {
     let request = parsed(
         ApiKind::Completions,
         r#"{"echo":true,"no_stop_trim":null,"model":"m","logit_bias":{"50256":-100},
-            "stop":["\n"],"prompt":"abcd","sampling_params":{"nested":[[{"deep":1}]]},
-            "temperature":0.7,"user":"\u00e9","messages":42}"#,
+                "stop":["\n"],"prompt":"abcd","sampling_params":{"nested":[[{"deep":1}]]},
+                "temperature":0.7,"user":"\u00e9","messages":42}"#,
     );
     assert_eq!(request.model, "m");
     assert_eq!(request.prompt_tokens, 1);
@@ -516,8 +516,8 @@ fn other_apis_accept_unfamiliar_input_shapes() {
     let image = "B".repeat(100_000);
     let body = format!(
         r#"{{"model":"m","input":[{{"type":"message","role":"user","content":[
-            {{"type":"input_text","text":"Describe this"}},
-            {{"type":"input_image","image_url":"data:image/png;base64,{image}"}}]}}]}}"#
+                {{"type":"input_text","text":"Describe this"}},
+                {{"type":"input_image","image_url":"data:image/png;base64,{image}"}}]}}]}}"#
     );
     let request = parsed(ApiKind::Other, &body);
     let text = [
