@@ -14,7 +14,10 @@ use kvroute::config::{LogFormat, ServeArgs, ServeConfig};
 #[command(
     name = "kvroute",
     version,
-    about = "KV-cache and LoRA aware endpoint picker for LLM inference behind Envoy"
+    about = "KV-cache and LoRA aware endpoint picker for LLM inference behind Envoy",
+    after_help = "The simulator is `kvroute-sim`; `bench`, `compare` and `demo` are \
+                  `kvroute-lab` subcommands. `kvroute sim|bench|compare|demo` runs them when \
+                  they are installed beside kvroute (a source build), not in the image."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -48,8 +51,46 @@ fn init_logging(format: LogFormat, default_filter: &str) {
     }
 }
 
+/// Subcommands of the one-binary days that now live in the laboratory binaries: the
+/// program that runs them, and whether the subcommand's name stays on its command line.
+const MOVED: [(&str, &str, bool); 4] = [
+    ("sim", "kvroute-sim", false),
+    ("bench", "kvroute-lab", true),
+    ("compare", "kvroute-lab", true),
+    ("demo", "kvroute-lab", true),
+];
+
+/// Runs a moved subcommand in place of this process, with the same arguments, when its
+/// binary sits beside this one; otherwise says where it went. Returns only on failure.
+fn forward_moved(subcommand: &str) -> Option<std::process::ExitCode> {
+    use std::os::unix::process::CommandExt;
+
+    let &(name, program, keep_name) = MOVED.iter().find(|(name, ..)| *name == subcommand)?;
+    let sibling = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.join(program)))
+        .filter(|path| path.is_file());
+    let Some(sibling) = sibling else {
+        eprintln!(
+            "kvroute: `{name}` is a command of `{program}`, which is not installed beside \
+             kvroute (build it with `cargo build --release -p {program}`)"
+        );
+        return Some(std::process::ExitCode::from(2));
+    };
+    let skip = if keep_name { 1 } else { 2 };
+    let error = std::process::Command::new(&sibling)
+        .args(std::env::args_os().skip(skip))
+        .exec();
+    eprintln!("kvroute: cannot run {}: {error}", sibling.display());
+    Some(std::process::ExitCode::FAILURE)
+}
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    let first = std::env::args_os().nth(1);
+    if let Some(code) = first.as_ref().and_then(|arg| forward_moved(arg.to_str()?)) {
+        return code;
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => {

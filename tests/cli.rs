@@ -127,3 +127,47 @@ async fn the_binary_serves_metrics_and_stops_cleanly_on_sigterm() {
     drop(guard);
     assert!(status.success(), "kvroute exited with {status} on SIGTERM");
 }
+
+/// The laboratory's commands, run through the gateway binary: forwarded to the program
+/// beside it that now holds them, or refused with where they went. A copy of the gateway
+/// alone in a directory plays the shipped image.
+#[test]
+fn moved_commands_run_from_the_laboratory_binaries_or_say_where_they_went() {
+    let built = std::path::Path::new(env!("CARGO_BIN_EXE_kvroute"));
+    for (command, program, usage) in [
+        ("sim", "kvroute-sim", "Usage: kvroute-sim"),
+        ("demo", "kvroute-lab", "Usage: kvroute-lab demo"),
+        ("bench", "kvroute-lab", "Usage: kvroute-lab bench"),
+        ("compare", "kvroute-lab", "Usage: kvroute-lab compare"),
+    ] {
+        assert!(
+            built.with_file_name(program).is_file(),
+            "{program} is not built beside kvroute: run the workspace's tests \
+             (cargo nextest run --workspace)"
+        );
+        let output = kvroute()
+            .args([command, "--help"])
+            .output()
+            .expect("run kvroute");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "kvroute {command} --help");
+        assert!(
+            stdout.contains(usage),
+            "kvroute {command} --help:\n{stdout}"
+        );
+
+        let alone = tempfile::tempdir().expect("tempdir");
+        let copy = alone.path().join("kvroute");
+        std::fs::copy(built, &copy).expect("copy kvroute");
+        let output = Command::new(&copy)
+            .args([command, "--help"])
+            .output()
+            .expect("run the copy");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains(&format!("`{command}` is a command of `{program}`")),
+            "{stderr}"
+        );
+    }
+}
