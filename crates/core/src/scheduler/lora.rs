@@ -30,6 +30,23 @@ pub enum LoraTier {
     MustEvict,
 }
 
+/// How many distinct names `adapters` holds; the lists are a handful long, so a nested
+/// scan beats allocating a set.
+fn distinct<'a>(adapters: impl IntoIterator<Item = &'a String> + Clone) -> usize {
+    adapters
+        .clone()
+        .into_iter()
+        .enumerate()
+        .filter(|(index, adapter)| {
+            !adapters
+                .clone()
+                .into_iter()
+                .take(*index)
+                .any(|earlier| earlier == *adapter)
+        })
+        .count()
+}
+
 impl LoraTier {
     /// `key` is [`crate::fleet::adapter_key`] of `adapter`; `load` holds the adapters
     /// kvroute sent to `pod` lately.
@@ -43,22 +60,27 @@ impl LoraTier {
         if lora.waiting.iter().any(|a| a == adapter) {
             return LoraTier::Waiting;
         }
+        // A pod that does not say how many adapters a batch may hold tells nothing about
+        // its slots (vLLM's label is absent before it reports LoRA state).
+        if lora.max_lora == 0 {
+            return LoraTier::Unknown;
+        }
+        let slots = u64::from(lora.max_lora);
+        // Other adapters' running requests pin their slots: when they hold every slot,
+        // the adapter cannot still be loaded however recently it ran here.
+        if distinct(&lora.running) as u64 >= slots {
+            return LoraTier::MustEvict;
+        }
         // Among the last `max_lora` distinct adapters sent here: vLLM evicts idle
         // adapters least recently used first, so it is most likely still loaded.
         if load
             .adapter_recency(key)
-            .is_some_and(|rank| (rank as u64) < u64::from(lora.max_lora))
+            .is_some_and(|rank| (rank as u64) < slots)
         {
             return LoraTier::Warm;
         }
-        // Distinct adapters holding a slot; the lists are a handful long, so a nested
-        // scan beats allocating a set.
-        let all = || lora.running.iter().chain(lora.waiting.iter());
-        let in_use = all()
-            .enumerate()
-            .filter(|(index, adapter)| !all().take(*index).any(|earlier| earlier == *adapter))
-            .count();
-        if (in_use as u64) < u64::from(lora.max_lora) {
+        let in_use = distinct(lora.running.iter().chain(lora.waiting.iter()));
+        if (in_use as u64) < slots {
             LoraTier::FreeSlot
         } else {
             LoraTier::MustEvict

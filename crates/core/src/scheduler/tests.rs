@@ -546,3 +546,71 @@ fn a_lora_tiers_name_is_its_serialised_form() {
         assert_eq!(json, tier.name());
     }
 }
+
+#[test]
+fn a_pod_whose_slots_other_running_adapters_hold_is_not_warm_for_one_it_ran_earlier() {
+    // max_lora 2. Pod 1 was sent b, then a (finished), then c: it runs {b, c}, so a is
+    // no longer loaded there and must wait for a slot. Pod 2 has a free slot.
+    let full = with_metrics(pod(1), |m| {
+        m.lora = Some(LoraStatus {
+            max_lora: 2,
+            running: vec!["a2".into(), "a3".into()],
+            waiting: vec![],
+        });
+    });
+    let snapshot = fleet(vec![full, pod(2)]);
+    let (_, load) = snapshot.pod(endpoint(1)).expect("known");
+    for adapter in ["a2", "a1", "a3"] {
+        load.note_adapter(adapter_key(adapter));
+    }
+    let decision = pick_seeded(&request("a1", 100), &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
+    assert_eq!(decision.reason, Reason::Lora(LoraTier::FreeSlot));
+    let passed_over = &decision.ranked[1];
+    assert_eq!(passed_over.endpoint, endpoint(1));
+    assert_eq!(passed_over.lora_tier, Some(LoraTier::MustEvict));
+}
+
+#[test]
+fn a_recently_sent_adapter_stays_warm_while_a_slot_is_not_held_by_running_ones() {
+    let one_running = with_metrics(pod(1), |m| {
+        m.lora = Some(LoraStatus {
+            max_lora: 2,
+            running: vec!["a2".into()],
+            waiting: vec![],
+        });
+    });
+    let snapshot = fleet(vec![one_running]);
+    let (_, load) = snapshot.pod(endpoint(1)).expect("known");
+    load.note_adapter(adapter_key("a1"));
+    load.note_adapter(adapter_key("a2"));
+    let decision = pick_seeded(&request("a1", 100), &snapshot).expect("placed");
+    assert_eq!(decision.reason, Reason::Lora(LoraTier::Warm));
+}
+
+#[test]
+fn a_pod_that_does_not_report_its_adapter_slots_is_unknown_not_full() {
+    let unreported = with_metrics(pod(1), |m| {
+        m.lora = Some(LoraStatus {
+            max_lora: 0,
+            running: vec!["a2".into()],
+            waiting: vec![],
+        });
+    });
+    let decision = pick_seeded(&request("a1", 100), &fleet(vec![unreported])).expect("placed");
+    assert_eq!(decision.reason, Reason::Lora(LoraTier::Unknown));
+}
+
+#[test]
+fn lora_tiers_keep_the_documented_order() {
+    let order = [
+        LoraTier::Active,
+        LoraTier::Warm,
+        LoraTier::FreeSlot,
+        LoraTier::Unknown,
+        LoraTier::Waiting,
+        LoraTier::MustEvict,
+    ];
+    let scores: Vec<f64> = order.iter().map(|tier| tier.score()).collect();
+    assert!(scores.windows(2).all(|w| w[0] > w[1]), "{scores:?}");
+}
