@@ -38,10 +38,12 @@ pub struct PodMetrics {
     /// Fraction of KV-cache blocks in use, in `0..=1`. With several engines,
     /// their mean weighted by capacity (unweighted if a capacity is unknown).
     pub kv_usage: f64,
-    /// KV-cache capacity in tokens, over all engines; `None` if any engine's
-    /// is unknown.
+    /// KV-cache capacity in tokens, over all engines: the sum of the engines'
+    /// `kv_cache_size_tokens` where vLLM states them, else the pod's
+    /// `num_gpu_blocks × block_size`; `None` when neither is known.
     pub kv_capacity_tokens: Option<u64>,
-    /// GPU KV-cache blocks, summed over engines; `None` if any is unknown.
+    /// GPU KV-cache blocks of the whole pod (vLLM already sums its data-parallel
+    /// engines' blocks and repeats the total on every engine's series).
     pub num_gpu_blocks: Option<u64>,
     /// Tokens per KV-cache block (the same on every engine).
     pub block_size: Option<u32>,
@@ -93,6 +95,8 @@ impl ServedModels {
 /// than behind a pointer.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LoadSignals {
+    /// Requests waiting per engine (rounded up): a data-parallel pod runs one queue per
+    /// engine, so its queue depth compares with a single engine's, not its total.
     pub waiting: u32,
     /// KV-cache use, 0..=1.
     pub kv_usage: f32,
@@ -103,7 +107,7 @@ pub struct LoadSignals {
 impl LoadSignals {
     pub fn of(metrics: &PodMetrics) -> Self {
         LoadSignals {
-            waiting: metrics.waiting,
+            waiting: metrics.waiting.div_ceil(metrics.engines.max(1)),
             kv_usage: metrics.kv_usage.clamp(0.0, 1.0) as f32,
             kv_capacity_tokens: metrics.kv_capacity_tokens.unwrap_or(0),
         }

@@ -614,3 +614,21 @@ fn lora_tiers_keep_the_documented_order() {
     let scores: Vec<f64> = order.iter().map(|tier| tier.score()).collect();
     assert!(scores.windows(2).all(|w| w[0] > w[1]), "{scores:?}");
 }
+
+#[test]
+fn a_data_parallel_pod_is_saturated_by_its_queue_per_engine_not_its_total() {
+    // DP 8 with one request waiting per engine: each engine's queue is short.
+    let dp8 = with_metrics(pod(1), |m| {
+        m.engines = 8;
+        m.waiting = 8;
+        m.kv_usage = 0.3;
+    });
+    let single = with_metrics(pod(2), |m| {
+        m.waiting = 6;
+        m.kv_usage = 0.3;
+    });
+    let decision = pick_seeded(&request("base", 10), &fleet(vec![dp8, single])).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(1));
+    assert!(!decision.relaxed.saturation, "{:?}", decision.relaxed);
+    assert!((decision.ranked[0].queue - 5.0 / 6.0).abs() < 1e-9);
+}

@@ -5,6 +5,16 @@
 //! and between deployments (`engine` appears on data-parallel pods). Series
 //! are summed or combined across `engine` and `model_name` values.
 //!
+//! Data-parallel pods (`--data-parallel-size N`, one `engine` label value per rank), as
+//! vLLM's own code means the numbers (docs/vllm-metrics.md has the version table):
+//! - queue and running: per engine; the pod's are their sums;
+//! - KV use: per engine; the pod's is their mean, weighted by per-engine capacity where
+//!   vLLM states it;
+//! - `cache_config_info`: one series per engine, all carrying the frontend's one
+//!   `CacheConfig`, whose `num_gpu_blocks` is already the **pod's** total (summed over
+//!   engines at start-up): taken once, never summed again. Newer vLLM adds
+//!   `kv_cache_size_tokens`, **per engine**: summed.
+//!
 //! A page that is not vLLM's, or that reports impossible values (negative or
 //! NaN queue lengths), is an error rather than a pod that looks idle.
 
@@ -168,13 +178,14 @@ impl<'s> Page<'s> {
         let waiting = self.waiting.require(WAITING)?;
         let running = self.running.require(RUNNING)?;
         let caches = self.caches;
+        let block_size = common_block_size(&caches)?;
         Ok(PodMetrics {
             waiting: to_u32(WAITING, waiting)?,
             running: to_u32(RUNNING, running)?,
             kv_usage: weighted_kv_usage(&kv_usage, &caches),
-            kv_capacity_tokens: sum_all(caches.iter().map(|c| c.capacity_tokens))?,
-            num_gpu_blocks: sum_all(caches.iter().map(|c| c.num_gpu_blocks))?,
-            block_size: common_block_size(&caches)?,
+            kv_capacity_tokens: pod_capacity_tokens(&caches, block_size)?,
+            num_gpu_blocks: pod_gpu_blocks(&caches),
+            block_size,
             engines: u32::try_from(self.engines.len()).unwrap_or(u32::MAX).max(1),
             lora: self
                 .newest_lora
@@ -266,38 +277,55 @@ struct EngineValue<'s> {
 }
 
 /// What `vllm:cache_config_info` says about one engine.
+///
+/// vLLM has one `CacheConfig` per pod, in its API frontend, and emits it once per engine
+/// (data-parallel rank) with that engine's `engine` label. Its `num_gpu_blocks` is the
+/// **pod's** total: the frontend sums the blocks every DP engine reports at start-up.
+/// `kv_cache_size_tokens` (newer vLLM; absent up to v0.11) is **per engine**.
 #[derive(Debug)]
 struct EngineCache<'s> {
     engine: Option<&'s str>,
-    num_gpu_blocks: Option<u64>,
+    /// The pod's GPU blocks, over all its engines.
+    pod_gpu_blocks: Option<u64>,
     block_size: Option<u32>,
-    capacity_tokens: Option<u64>,
+    /// This engine's own capacity in tokens, when vLLM states it.
+    engine_tokens: Option<u64>,
 }
 
 impl<'s> EngineCache<'s> {
     fn from_sample(engine: Option<&'s str>, sample: &Sample<'_>) -> Result<Self, VllmMetricsError> {
-        let num_gpu_blocks: Option<u64> = numeric_label(CACHE_CONFIG, sample, "num_gpu_blocks")?;
-        let block_size: Option<u32> = numeric_label(CACHE_CONFIG, sample, "block_size")?;
-        // Newer vLLM states the capacity in tokens; it is authoritative for
-        // hybrid models, whose blocks do not map to tokens by a plain product.
-        let capacity_tokens =
-            match numeric_label::<u64>(CACHE_CONFIG, sample, "kv_cache_size_tokens")? {
-                Some(tokens) => Some(tokens),
-                None => match (num_gpu_blocks, block_size) {
-                    (Some(blocks), Some(size)) => {
-                        Some(blocks.checked_mul(u64::from(size)).ok_or_else(|| {
-                            invalid(CACHE_CONFIG, "num_gpu_blocks * block_size overflows")
-                        })?)
-                    }
-                    _ => None,
-                },
-            };
         Ok(Self {
             engine,
-            num_gpu_blocks,
-            block_size,
-            capacity_tokens,
+            pod_gpu_blocks: numeric_label(CACHE_CONFIG, sample, "num_gpu_blocks")?,
+            block_size: numeric_label(CACHE_CONFIG, sample, "block_size")?,
+            engine_tokens: numeric_label(CACHE_CONFIG, sample, "kv_cache_size_tokens")?,
         })
+    }
+}
+
+/// The pod's GPU blocks: the value every engine's series repeats (the largest, should
+/// a page ever disagree: a partial value would understate the pod).
+fn pod_gpu_blocks(caches: &[EngineCache<'_>]) -> Option<u64> {
+    caches.iter().filter_map(|cache| cache.pod_gpu_blocks).max()
+}
+
+/// The pod's KV capacity in tokens. Newer vLLM states each engine's capacity in tokens
+/// (authoritative for hybrid models, whose blocks do not map to tokens by a plain
+/// product): their sum. Otherwise the pod's blocks times the block size.
+fn pod_capacity_tokens(
+    caches: &[EngineCache<'_>],
+    block_size: Option<u32>,
+) -> Result<Option<u64>, VllmMetricsError> {
+    if !caches.is_empty() && caches.iter().all(|cache| cache.engine_tokens.is_some()) {
+        return sum_all(caches.iter().map(|cache| cache.engine_tokens));
+    }
+    match (pod_gpu_blocks(caches), block_size) {
+        (Some(blocks), Some(size)) => {
+            Ok(Some(blocks.checked_mul(u64::from(size)).ok_or_else(
+                || invalid(CACHE_CONFIG, "num_gpu_blocks * block_size overflows"),
+            )?))
+        }
+        _ => Ok(None),
     }
 }
 
@@ -320,8 +348,8 @@ fn numeric_label<T: std::str::FromStr>(
     }
 }
 
-/// Sum over engines, `None` when there are none or any one is unknown: a
-/// partial total would understate the pod.
+/// Sum over engines, `None` when any one is unknown: a partial total would
+/// understate the pod.
 fn sum_all(values: impl Iterator<Item = Option<u64>>) -> Result<Option<u64>, VllmMetricsError> {
     let mut total: Option<u64> = None;
     for value in values {
@@ -353,7 +381,9 @@ fn common_block_size(caches: &[EngineCache<'_>]) -> Result<Option<u32>, VllmMetr
 }
 
 /// Mean KV usage over engines, weighted by each engine's capacity so that a
-/// large engine counts for more; unweighted when any capacity is unknown.
+/// large engine counts for more; unweighted when vLLM does not state per-engine
+/// capacities (up to v0.11 only the pod's total is known, and DP engines of one
+/// pod run the same model on the same kind of GPU).
 ///
 /// Each value is clamped to 1: vLLM reports a fraction of blocks, but some
 /// versions briefly report slightly more than 1 while blocks are being freed,
@@ -363,7 +393,7 @@ fn weighted_kv_usage(usage: &[EngineValue<'_>], caches: &[EngineCache<'_>]) -> f
         caches
             .iter()
             .find(|cache| cache.engine == engine)
-            .and_then(|cache| cache.capacity_tokens)
+            .and_then(|cache| cache.engine_tokens)
             .filter(|&tokens| tokens > 0)
     };
     let weights: Option<Vec<f64>> = usage

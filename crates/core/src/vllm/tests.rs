@@ -4,6 +4,7 @@ const V0_11_SINGLE: &str =
     include_str!("../../tests/fixtures/metrics/vllm-v0.11-single-engine.txt");
 const V0_6_LEGACY: &str = include_str!("../../tests/fixtures/metrics/vllm-v0.6-legacy.txt");
 const DP2_LORA: &str = include_str!("../../tests/fixtures/metrics/vllm-dp2-lora.txt");
+const V0_11_DP4: &str = include_str!("../../tests/fixtures/metrics/vllm-v0.11-dp4.txt");
 const NOT_VLLM: &str = include_str!("../../tests/fixtures/metrics/not-vllm.txt");
 
 /// A minimal page with the three required gauges and `extra` lines after.
@@ -76,9 +77,10 @@ fn v0_6_legacy_fixture_reads_gpu_cache_usage_and_the_old_cache_config() {
 }
 
 #[test]
-fn dp2_lora_fixture_sums_engines_and_picks_the_newest_lora_series() {
+fn a_newer_dp2_pod_sums_per_engine_tokens_keeps_the_pod_blocks_and_picks_the_newest_lora_series() {
     let metrics = parse_vllm_metrics(DP2_LORA).unwrap();
-    // Engine 0: 31 % of 224000 tokens; engine 1: 62 % of 192000 tokens.
+    // Engine 0: 31 % of 224000 tokens; engine 1: 62 % of 192000 tokens. Both series carry
+    // the pod's 26000 blocks, which must not be added up again.
     let expected_kv = (0.31 * 224000.0 + 0.62 * 192000.0) / 416000.0;
     assert_close(metrics.kv_usage, expected_kv);
     assert_eq!(
@@ -286,18 +288,54 @@ fn none_block_counts_leave_the_capacity_unknown() {
 }
 
 #[test]
-fn one_engine_with_unknown_capacity_makes_the_total_unknown() {
+fn a_v0_11_dp4_pod_counts_its_blocks_once_and_its_queues_per_engine() {
+    let metrics = parse_vllm_metrics(V0_11_DP4).unwrap();
+    // Every engine's cache_config_info repeats the pod's 117888 blocks (4 × 29472).
+    assert_eq!(metrics.num_gpu_blocks, Some(117_888));
+    assert_eq!(metrics.kv_capacity_tokens, Some(117_888 * 16));
+    assert_eq!(metrics.engines, 4);
+    assert_eq!(
+        (metrics.waiting, metrics.running),
+        (2 + 1 + 5, 14 + 12 + 9 + 16)
+    );
+    let per_engine = [
+        0.41273072747014117,
+        0.3501357220412595,
+        0.2204125950054288,
+        0.5817589576547231,
+    ];
+    assert_close(metrics.kv_usage, per_engine.iter().sum::<f64>() / 4.0);
+    assert_eq!(metrics.lora, None);
+}
+
+#[test]
+fn the_pods_blocks_are_read_once_however_many_engines_repeat_them() {
     let text = "\
 vllm:num_requests_waiting{engine=\"0\"} 0
 vllm:num_requests_running{engine=\"0\"} 0
 vllm:kv_cache_usage_perc{engine=\"0\"} 0.1
 vllm:kv_cache_usage_perc{engine=\"1\"} 0.3
-vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"1000\"} 1
-vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"None\"} 1
+vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"2000\"} 1
+vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"2000\"} 1
 ";
     let metrics = parse_vllm_metrics(text).unwrap();
-    assert_eq!(metrics.kv_capacity_tokens, None);
-    assert_eq!(metrics.num_gpu_blocks, None);
+    assert_eq!(metrics.num_gpu_blocks, Some(2000));
+    assert_eq!(metrics.kv_capacity_tokens, Some(32_000));
+    assert_close(metrics.kv_usage, 0.2);
+}
+
+#[test]
+fn per_engine_tokens_count_only_when_every_engine_states_them() {
+    let text = "\
+vllm:num_requests_waiting{engine=\"0\"} 0
+vllm:num_requests_running{engine=\"0\"} 0
+vllm:kv_cache_usage_perc{engine=\"0\"} 0.1
+vllm:kv_cache_usage_perc{engine=\"1\"} 0.3
+vllm:cache_config_info{block_size=\"16\",engine=\"0\",kv_cache_size_tokens=\"9000\",num_gpu_blocks=\"1000\"} 1
+vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"1000\"} 1
+";
+    let metrics = parse_vllm_metrics(text).unwrap();
+    assert_eq!(metrics.kv_capacity_tokens, Some(16_000));
     assert_close(metrics.kv_usage, 0.2);
 }
 
