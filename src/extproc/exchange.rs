@@ -12,7 +12,6 @@
 //!   goes in the answer to the body.
 //! - `NONE` (or a request without a body): routed on the headers alone.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
@@ -26,7 +25,9 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use super::messages::{
     self, ErrorReply, MAX_STREAMED_CHUNK, SUBSET_HINT_KEY, SUBSET_HINT_NAMESPACE,
 };
-use kvroute_core::request::{ApiKind, InferenceRequest, RequestError, parse_request};
+use kvroute_core::request::{
+    ApiKind, EndpointSubset, InferenceRequest, RequestError, parse_request,
+};
 
 use super::{InFlight, ResponseSummary, RouteRequest, Router, Unrouted, UnroutedKind};
 use crate::telemetry::{self, ModelLabels, Outcome};
@@ -71,7 +72,7 @@ pub struct Exchange<R: Router> {
     request_mode: BodyMode,
     response_mode: BodyMode,
     path: String,
-    subset: Option<Vec<SocketAddr>>,
+    subset: Option<EndpointSubset>,
     body: Vec<u8>,
     phase: Phase,
     /// What the routed request holds until its response ends.
@@ -298,7 +299,7 @@ impl<R: Router> Exchange<R> {
     ) -> ProcessingResponse {
         let route_request = RouteRequest {
             inference: request,
-            subset: self.subset.as_deref(),
+            subset: self.subset.as_ref(),
         };
         // The router records routed and unrouted requests itself: it knows their models.
         match self.router.route(&route_request) {
@@ -357,24 +358,23 @@ fn header_value(map: &HeaderMap, name: &str) -> Option<String> {
         })
 }
 
-/// The gateway's subset hint: endpoints the request may go to. Entries that are not
-/// `IP:PORT` are ignored (a hint naming nothing usable yields an empty subset: 503).
-fn subset_hint(metadata: &Metadata) -> Option<Vec<SocketAddr>> {
+/// The gateway's subset hint, when it sent one (see [`EndpointSubset`] for what its
+/// entries admit). The protocol sends a list of strings; a single string is read as a
+/// comma-separated list.
+fn subset_hint(metadata: &Metadata) -> Option<EndpointSubset> {
     let hint = metadata.filter_metadata.get(SUBSET_HINT_NAMESPACE)?;
     let value = hint.fields.get(SUBSET_HINT_KEY)?;
-    let endpoints = match &value.kind {
-        Some(Kind::ListValue(list)) => list
-            .values
-            .iter()
-            .filter_map(|v| match &v.kind {
-                Some(Kind::StringValue(s)) => s.trim().parse().ok(),
+    let subset = match &value.kind {
+        Some(Kind::ListValue(list)) => {
+            EndpointSubset::parse(list.values.iter().filter_map(|v| match &v.kind {
+                Some(Kind::StringValue(s)) => Some(s.as_str()),
                 _ => None,
-            })
-            .collect(),
-        Some(Kind::StringValue(s)) => s.split(',').filter_map(|e| e.trim().parse().ok()).collect(),
-        _ => Vec::new(),
+            }))
+        }
+        Some(Kind::StringValue(s)) => EndpointSubset::parse(s.split(',')),
+        _ => EndpointSubset::default(),
     };
-    Some(endpoints)
+    Some(subset)
 }
 
 /// Finds the last `"completion_tokens": N` in a response chunk (the usage object

@@ -14,7 +14,7 @@ const POD_A: &str = "10.0.0.1:8000";
 const POD_B: &str = "10.0.0.2:8000";
 
 /// What the stub router was asked: the model and the subset hint.
-type Asked = (Option<String>, Option<Vec<SocketAddr>>);
+type Asked = (Option<String>, Option<EndpointSubset>);
 
 /// What happened to the tickets the stub router handed out.
 #[derive(Debug, Default)]
@@ -58,7 +58,7 @@ impl Router for StubRouter {
     fn route(&self, request: &RouteRequest<'_>) -> Result<Routed<StubTicket>, Unrouted> {
         self.seen.lock().expect("lock").push((
             request.inference.map(|r| r.model.clone()),
-            request.subset.map(<[SocketAddr]>::to_vec),
+            request.subset.cloned(),
         ));
         if let Some(kind) = self.fail_with {
             return Err(Unrouted {
@@ -370,7 +370,7 @@ fn the_subset_hint_is_passed_to_the_router() {
     ex.handle(message);
     ex.handle(body(COMPLETION, true));
     let seen = router.seen.lock().expect("lock");
-    assert_eq!(seen[0].1, Some(vec![POD_B.parse().expect("addr")]));
+    assert_eq!(seen[0].1, Some(EndpointSubset::parse([POD_B])));
 }
 
 #[test]

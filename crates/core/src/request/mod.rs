@@ -24,11 +24,12 @@ mod chat;
 mod completions;
 mod json_len;
 mod loose;
+mod subset;
 mod text;
 
-use std::net::SocketAddr;
-
 use serde::de::{DeserializeSeed, IgnoredAny};
+
+pub use subset::EndpointSubset;
 
 // The visitors reach each other through this module: each file names what it needs with
 // `use super::*`.
@@ -109,7 +110,7 @@ pub struct RouteRequest<'a> {
     /// path whose body is not an inference request): any ready pod may answer those.
     pub inference: Option<&'a InferenceRequest>,
     /// The gateway's subset hint: only these endpoints may be picked.
-    pub subset: Option<&'a [SocketAddr]>,
+    pub subset: Option<&'a EndpointSubset>,
 }
 
 impl RouteRequest<'_> {

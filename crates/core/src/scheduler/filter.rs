@@ -123,7 +123,7 @@ pub(super) fn filter(
     for (index, (pod, load)) in fleet.pods().enumerate() {
         if request
             .subset
-            .is_some_and(|subset| !subset.contains(&pod.endpoint))
+            .is_some_and(|subset| !subset.contains(pod.endpoint))
         {
             continue;
         }

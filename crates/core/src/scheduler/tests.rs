@@ -8,7 +8,7 @@ use rand::rngs::SmallRng;
 
 use super::*;
 use crate::fleet::{LoraStatus, PodLoad, PodMetrics, PodView, ServedModels, adapter_key};
-use crate::request::InferenceRequest;
+use crate::request::{EndpointSubset, InferenceRequest};
 
 const CAPACITY: u64 = 100_000;
 
@@ -60,7 +60,7 @@ struct Ask<'a> {
     model: Option<&'a str>,
     prompt_tokens: u32,
     max_output_tokens: Option<u32>,
-    subset: Option<&'a [SocketAddr]>,
+    subset: Option<&'a EndpointSubset>,
     prefix: Option<&'a PrefixMatches>,
 }
 
@@ -127,7 +127,7 @@ fn an_empty_fleet_is_an_error() {
 #[test]
 fn a_subset_hint_restricts_the_choice_to_its_endpoints() {
     let snapshot = fleet(vec![pod(1), pod(2), pod(3)]);
-    let subset = [endpoint(2)];
+    let subset: EndpointSubset = [endpoint(2)].into_iter().collect();
     for seed in 0..20 {
         let req = Ask {
             subset: Some(&subset),
@@ -146,7 +146,7 @@ fn a_subset_hint_restricts_the_choice_to_its_endpoints() {
 #[test]
 fn a_subset_naming_no_known_endpoint_fails() {
     let snapshot = fleet(vec![pod(1)]);
-    let subset = [endpoint(9)];
+    let subset: EndpointSubset = [endpoint(9)].into_iter().collect();
     let req = Ask {
         subset: Some(&subset),
         ..request("base", 10)
@@ -631,4 +631,23 @@ fn a_data_parallel_pod_is_saturated_by_its_queue_per_engine_not_its_total() {
     assert_eq!(decision.endpoint, endpoint(1));
     assert!(!decision.relaxed.saturation, "{:?}", decision.relaxed);
     assert!((decision.ranked[0].queue - 5.0 / 6.0).abs() < 1e-9);
+}
+
+#[test]
+fn a_subset_hint_of_a_bare_host_admits_that_host_and_no_other() {
+    let snapshot = fleet(vec![pod(1), pod(2), pod(3)]);
+    let subset = EndpointSubset::parse(["10.0.0.3"]);
+    for seed in 0..10 {
+        let req = Ask {
+            subset: Some(&subset),
+            ..request("base", 10)
+        };
+        let decision = pick(
+            &req,
+            &snapshot,
+            &SchedulerConfig::default(),
+            &mut SmallRng::seed_from_u64(seed),
+        );
+        assert_eq!(decision.map(|d| d.endpoint), Ok(endpoint(3)));
+    }
 }
