@@ -60,10 +60,15 @@ pub async fn tap(args: TapArgs) -> anyhow::Result<()> {
         .context("WatchDecisions failed")?
         .into_inner();
     let mut stdout = std::io::stdout().lock();
+    // One listener for the whole run: a Ctrl-C that lands while an event is being
+    // printed is kept for the next wait, where a listener made per wait would miss it
+    // (and, the handler being installed, the signal would then be ignored).
+    let interrupted = tokio::signal::ctrl_c();
+    tokio::pin!(interrupted);
     loop {
         let event = tokio::select! {
             event = events.message() => event.context("the decision stream failed")?,
-            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = &mut interrupted => return Ok(()),
         };
         let Some(event) = event else {
             eprintln!("kvroute closed the decision stream");
