@@ -42,6 +42,8 @@ pub enum Outcome {
     UnknownModel,
     TooLarge,
     NoCapacity,
+    /// The gateway is configured in a way kvroute cannot route with.
+    Misconfigured,
 }
 
 impl Outcome {
@@ -52,6 +54,7 @@ impl Outcome {
             Outcome::UnknownModel => "unknown_model",
             Outcome::TooLarge => "too_large",
             Outcome::NoCapacity => "no_capacity",
+            Outcome::Misconfigured => "misconfigured_gateway",
         }
     }
 }

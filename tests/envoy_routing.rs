@@ -382,3 +382,41 @@ async fn with_the_fail_open_config_requests_still_succeed_when_kvroute_is_stoppe
         "round robin over both pods without kvroute: {served:?}"
     );
 }
+
+/// Body modes kvroute cannot route in are refused with an explicit error at the first
+/// message, through a real Envoy; a partial buffered body gets 413, not a parse error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn body_modes_that_cannot_route_are_refused_with_a_clear_error_through_envoy() {
+    let pods = fleet(1, &[]).await;
+    let client = http_client();
+    let (_kvroute, envoy) = behind_envoy(
+        &pods,
+        test_config(addrs(&pods)),
+        Gateway::OriginalDstWithRequestBodyMode("STREAMED"),
+    )
+    .await;
+    let (status, _, body) =
+        complete(&client, &envoy, json!({"model": MODEL, "prompt": "hi"})).await;
+    assert_eq!(status, 500, "{body}\n{}", envoy.log());
+    let error: serde_json::Value = serde_json::from_str(&body).expect("json error");
+    assert_eq!(error["error"]["code"], "unsupported_body_mode", "{body}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("STREAMED")),
+        "{body}"
+    );
+    assert_eq!(pods[0].arrivals(), 0, "nothing reached the pod unrouted");
+    drop(envoy);
+
+    let (_kvroute, envoy) = behind_envoy(
+        &pods,
+        test_config(addrs(&pods)),
+        Gateway::OriginalDstWithRequestBodyMode("BUFFERED_PARTIAL"),
+    )
+    .await;
+    let (status, pod, body) =
+        complete(&client, &envoy, json!({"model": MODEL, "prompt": "hi"})).await;
+    assert_eq!(status, 200, "a body that fits is routed: {body}");
+    assert_eq!(pod.as_deref(), Some("pod-0"));
+}

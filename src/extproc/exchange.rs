@@ -13,6 +13,7 @@
 //! - `NONE` (or a request without a body): routed on the headers alone.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -25,6 +26,8 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use super::messages::{
     self, ErrorReply, MAX_STREAMED_CHUNK, SUBSET_HINT_KEY, SUBSET_HINT_NAMESPACE,
 };
+use tracing::warn;
+
 use kvroute_core::request::{
     ApiKind, EndpointSubset, InferenceRequest, RequestError, parse_request,
 };
@@ -36,22 +39,31 @@ use crate::telemetry::{self, ModelLabels, Outcome};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BodyMode {
     None,
-    Streamed,
+    /// BUFFERED, or BUFFERED_PARTIAL: the body in one message (all of it, or all Envoy
+    /// would buffer).
     Buffered,
     FullDuplex,
+    /// A mode a request cannot be routed in, by its wire name. In STREAMED mode Envoy has
+    /// passed the headers on to its router before the body (and so the model) is known;
+    /// GRPC and modes newer than this build are not modelled.
+    Unroutable(&'static str),
 }
 
 impl BodyMode {
     fn from_wire(mode: i32) -> BodyMode {
         match BodySendMode::try_from(mode) {
             Ok(BodySendMode::None) => BodyMode::None,
-            Ok(BodySendMode::Streamed) => BodyMode::Streamed,
+            Ok(BodySendMode::Buffered | BodySendMode::BufferedPartial) => BodyMode::Buffered,
             Ok(BodySendMode::FullDuplexStreamed) => BodyMode::FullDuplex,
-            // BUFFERED and BUFFERED_PARTIAL both arrive as one message.
-            Ok(_) | Err(_) => BodyMode::Buffered,
+            Ok(other) => BodyMode::Unroutable(other.as_str_name()),
+            Err(_) => BodyMode::Unroutable("unknown"),
         }
     }
 }
+
+/// Set once the unroutable-mode warning has been logged: it is a configuration error,
+/// worth one line, not one per request.
+static WARNED_UNROUTABLE_MODE: AtomicBool = AtomicBool::new(false);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -149,6 +161,17 @@ impl<R: Router> Exchange<R> {
         headers: HttpHeaders,
         metadata: Option<Metadata>,
     ) -> Vec<ProcessingResponse> {
+        if let BodyMode::Unroutable(mode) = self.request_mode {
+            if !WARNED_UNROUTABLE_MODE.swap(true, Ordering::Relaxed) {
+                warn!(
+                    request_body_mode = mode,
+                    "the gateway's ext_proc filter sends request bodies in a mode kvroute cannot \
+                     route in; every request gets 500 until it uses FULL_DUPLEX_STREAMED, \
+                     BUFFERED or NONE (see envoy/)"
+                );
+            }
+            return vec![self.refuse(unroutable_mode(mode), Outcome::Misconfigured)];
+        }
         if let Some(map) = &headers.headers {
             self.path = header_value(map, ":path").unwrap_or_default();
         }
@@ -182,8 +205,13 @@ impl<R: Router> Exchange<R> {
         match self.request_mode {
             BodyMode::FullDuplex if ended => self.route_full_duplex(false),
             BodyMode::FullDuplex => Vec::new(),
-            BodyMode::Streamed if !ended => vec![messages::continue_request_body()],
-            // Buffered modes deliver the whole body (or all Envoy would buffer) at once.
+            // BUFFERED_PARTIAL sends what fits in Envoy's buffer without the end of the
+            // stream: not a whole request to parse.
+            BodyMode::Buffered if !ended => {
+                self.body = Vec::new();
+                vec![self.refuse(partial_body(), Outcome::TooLarge)]
+            }
+            // Buffered modes deliver the whole body at once.
             _ => {
                 let parsed = self.parse_body();
                 vec![self.route_parsed(parsed, AnswerIn::Body)]
@@ -400,6 +428,29 @@ fn bad_request(error: &RequestError) -> ErrorReply {
         error_type: error.openai_type(),
         code: error.code(),
         message: error.to_string(),
+        retry_after: None,
+    }
+}
+
+fn unroutable_mode(mode: &str) -> ErrorReply {
+    ErrorReply {
+        status: 500,
+        error_type: "server_error",
+        code: "unsupported_body_mode",
+        message: format!(
+            "the gateway sends request bodies to kvroute in {mode} mode, in which a request \
+             cannot be routed; configure FULL_DUPLEX_STREAMED, BUFFERED or NONE"
+        ),
+        retry_after: None,
+    }
+}
+
+fn partial_body() -> ErrorReply {
+    ErrorReply {
+        status: 413,
+        error_type: "invalid_request_error",
+        code: "request_too_large",
+        message: "request body exceeds what the gateway buffers for routing".into(),
         retry_after: None,
     }
 }

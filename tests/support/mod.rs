@@ -413,6 +413,8 @@ pub fn envoy_binary() -> PathBuf {
 pub enum Gateway {
     OriginalDst,
     OverrideHost,
+    /// The fail-closed config with another `request_body_mode`.
+    OriginalDstWithRequestBodyMode(&'static str),
 }
 
 /// A real Envoy running a shipped config, rewritten for this test's ports.
@@ -425,6 +427,9 @@ impl Envoy {
         let gateway = match gateway {
             Gateway::OriginalDst => kvroute_lab::envoy::Gateway::OriginalDst { kvroute },
             Gateway::OverrideHost => kvroute_lab::envoy::Gateway::OverrideHost { kvroute },
+            Gateway::OriginalDstWithRequestBodyMode(mode) => {
+                kvroute_lab::envoy::Gateway::OriginalDstWithRequestBodyMode { kvroute, mode }
+            }
         };
         let level = std::env::var("ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into());
         let process = EnvoyProcess::start(gateway, pods, &envoy_binary(), &level)

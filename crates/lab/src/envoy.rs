@@ -32,6 +32,12 @@ pub enum Gateway {
     OriginalDst { kvroute: SocketAddr },
     /// kvroute picks; override_host honours it, round robin without it; fails open.
     OverrideHost { kvroute: SocketAddr },
+    /// The fail-closed gateway with another `request_body_mode` (tests of how kvroute
+    /// answers modes it cannot route in).
+    OriginalDstWithRequestBodyMode {
+        kvroute: SocketAddr,
+        mode: &'static str,
+    },
     /// No picker: Envoy's own ROUND_ROBIN over the pods.
     RoundRobin,
     /// No picker: Envoy's own LEAST_REQUEST over the pods.
@@ -180,6 +186,13 @@ impl EnvoyProcess {
             }
             Gateway::OverrideHost { kvroute } => {
                 rewrite_shipped(OVERRIDE_HOST_CONFIG, port, admin_port, kvroute, pods)
+            }
+            Gateway::OriginalDstWithRequestBodyMode { kvroute, mode } => {
+                let template = ORIGINAL_DST_CONFIG.replace(
+                    "request_body_mode: FULL_DUPLEX_STREAMED",
+                    &format!("request_body_mode: {mode}"),
+                );
+                rewrite_shipped(&template, port, admin_port, kvroute, pods)
             }
             Gateway::RoundRobin => plain_config(port, admin_port, "ROUND_ROBIN", pods),
             Gateway::LeastRequest => plain_config(port, admin_port, "LEAST_REQUEST", pods),

@@ -349,6 +349,41 @@ fn an_unknown_model_is_answered_404_and_no_capacity_503_with_retry_after() {
 }
 
 #[test]
+fn modes_a_request_cannot_be_routed_in_are_refused_at_the_headers_with_a_500() {
+    for mode in [BodySendMode::Streamed, BodySendMode::Grpc] {
+        let router = Arc::new(StubRouter::default());
+        let mut ex = exchange(&router, mode);
+        let answers = ex.handle(post("/v1/completions"));
+        let (status, json) = immediate_status(&answers[0]).expect("immediate response");
+        assert_eq!(status, 500, "{mode:?}");
+        assert_eq!(json["error"]["code"], "unsupported_body_mode");
+        assert!(
+            json["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains(mode.as_str_name())),
+            "{json}"
+        );
+        assert!(
+            ex.handle(body(COMPLETION, true)).is_empty(),
+            "nothing after"
+        );
+        assert!(router.seen.lock().expect("lock").is_empty(), "never routed");
+    }
+}
+
+#[test]
+fn a_partial_buffered_body_is_answered_413_instead_of_parsed_as_whole() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::BufferedPartial);
+    ex.handle(post("/v1/completions"));
+    let answers = ex.handle(body(&COMPLETION[..20], false));
+    let (status, json) = immediate_status(&answers[0]).expect("immediate response");
+    assert_eq!(status, 413);
+    assert_eq!(json["error"]["code"], "request_too_large");
+    assert!(router.seen.lock().expect("lock").is_empty());
+}
+
+#[test]
 fn the_subset_hint_is_passed_to_the_router() {
     let router = Arc::new(StubRouter::default());
     let mut ex = exchange(&router, BodySendMode::Buffered);
