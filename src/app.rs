@@ -172,7 +172,8 @@ impl App {
             config.drain_timeout,
         ));
 
-        let extproc = ExtProcService::new(Arc::clone(&picker), config.max_body_bytes, aborting);
+        let extproc =
+            ExtProcService::new(Arc::clone(&picker), config.max_body_bytes, aborting.clone());
         let admin_api =
             AdminService::new(Arc::clone(&picker), Arc::clone(&store), stopping.clone());
         let http = HttpState {
@@ -181,7 +182,10 @@ impl App {
             store: Arc::clone(&store),
         };
         let result = tokio::try_join!(
-            serve_grpc(grpc, "ext_proc", &stopping, |server| server
+            // The ext_proc port keeps accepting until the drain deadline: readiness is
+            // already off, so gateways stop opening streams, and any that still arrive
+            // are routed rather than refused (which a fail-closed gateway turns into 500).
+            serve_grpc(grpc, "ext_proc", &aborting, |server| server
                 .add_service(health_service.clone())
                 .add_service(extproc.into_server())),
             serve_optional_grpc(health, "health", &stopping, |server| server
@@ -202,8 +206,8 @@ impl App {
     }
 }
 
-/// Waits for `shutdown`, then: readiness off, stop accepting, and after `drain_timeout`
-/// end the streams still open.
+/// Waits for `shutdown`, then: readiness off and the stop phase; after `drain_timeout`,
+/// the abort phase (see `shutdown`).
 async fn drive_shutdown(
     shutdown: impl Future<Output = ()>,
     reporter: HealthReporter,

@@ -1,6 +1,7 @@
-//! Shutdown phases as named types. Stopping has two steps: stop accepting (servers end
-//! gracefully, decision watchers end, readiness turns off), then, after the drain
-//! timeout, abort the ext_proc streams still open. Each step is a [`Phase`]: fired once,
+//! Shutdown phases as named types. Stopping has two steps: stop (readiness turns off; the
+//! health, admin and metrics servers end gracefully; decision watchers end), then, after
+//! the drain timeout, abort: the ext_proc server stops accepting, requests still waiting
+//! for a route are answered 503, and the open streams end. Each step is a [`Phase`]: fired once,
 //! never cleared, awaited by any number of tasks.
 
 use tokio::sync::watch;

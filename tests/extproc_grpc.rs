@@ -465,3 +465,86 @@ async fn a_pod_whose_metrics_hang_is_taken_out_after_the_scrape_timeout() {
         })
         .await;
 }
+
+/// On shutdown kvroute keeps routing until the drain deadline (readiness already off),
+/// then answers a request still waiting for its route with 503 rather than ending its
+/// stream cleanly, which Envoy would read as "continue unrouted".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_the_drain_requests_are_routed_and_at_its_end_a_held_one_gets_503() {
+    let pods = two_pods().await;
+    let mut config = test_config(pods.iter().map(|p| p.addr).collect());
+    config.drain_timeout = Duration::from_secs(2);
+    let mut kvroute = Kvroute::start(config).await;
+    kvroute.wait_until_scraped(2).await;
+    let grpc = kvroute.addrs.grpc;
+    let mut readiness = health_client(grpc)
+        .await
+        .watch(HealthCheckRequest {
+            service: "readiness".into(),
+        })
+        .await
+        .expect("watch readiness")
+        .into_inner();
+
+    // Held: full duplex, headers sent, the body never ends.
+    let mut held = Stream::open(&kvroute).await;
+    held.send(headers_message(
+        "/v1/completions",
+        false,
+        BodySendMode::FullDuplexStreamed,
+    ))
+    .await;
+    held.send(body_message(&COMPLETION[..10], false)).await;
+
+    let stopping = tokio::spawn(async move {
+        kvroute.stop().await;
+    });
+    let not_ready = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Ok(Some(update)) = readiness.message().await {
+            if update.status() == ServingStatus::NotServing {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(not_ready, Ok(true), "readiness turns off at once");
+    drop(readiness);
+
+    // Draining: a new stream (on a new connection) is still routed.
+    let mut late = ExternalProcessorClient::connect(format!("http://{grpc}"))
+        .await
+        .expect("the ext_proc port still accepts during the drain");
+    let (send, receive) = mpsc::channel(4);
+    let mut answers = late
+        .process(ReceiverStream::new(receive))
+        .await
+        .expect("open a stream during the drain")
+        .into_inner();
+    send.send(headers_message(
+        "/v1/models",
+        true,
+        BodySendMode::FullDuplexStreamed,
+    ))
+    .await
+    .expect("send");
+    let answer = answers
+        .message()
+        .await
+        .expect("no gRPC error")
+        .expect("an answer");
+    assert!(destination(&answer).is_some(), "routed: {answer:?}");
+    drop((send, answers, late));
+
+    // The deadline: the held request is answered, not passed on unrouted.
+    let answer = held.next().await;
+    let Some(Response::ImmediateResponse(reply)) = answer.response else {
+        panic!("an immediate response expected: {answer:?}");
+    };
+    assert_eq!(reply.status.map(|s| s.code), Some(503));
+    let error: serde_json::Value = serde_json::from_slice(&reply.body).expect("json error");
+    assert_eq!(error["error"]["code"], "shutting_down");
+    drop(held);
+    let stopped = tokio::time::timeout(Duration::from_secs(5), stopping).await;
+    assert!(stopped.is_ok(), "kvroute stops once the drain is over");
+}

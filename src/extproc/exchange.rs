@@ -139,6 +139,20 @@ impl<R: Router> Exchange<R> {
         self.complete();
     }
 
+    /// The drain deadline passed and the stream is about to end. Envoy reads a stream that
+    /// ends cleanly as "continue without the processor", so a request still waiting for
+    /// its route is answered 503 (with `retry-after`) here instead of passing unrouted; a
+    /// routed request keeps its pod, and its response passes on unprocessed.
+    pub fn abort(&mut self) -> Vec<ProcessingResponse> {
+        match self.phase {
+            Phase::Start | Phase::ReadingBody => {
+                self.body = Vec::new();
+                vec![self.refuse(shutting_down(), Outcome::NoCapacity)]
+            }
+            Phase::Forwarded | Phase::Rejected => Vec::new(),
+        }
+    }
+
     /// A body chunk was refused by the gRPC layer for its size: answers 413 unless the
     /// request was already answered.
     pub fn body_too_large(&mut self) -> Vec<ProcessingResponse> {
@@ -442,6 +456,16 @@ fn unroutable_mode(mode: &str) -> ErrorReply {
              cannot be routed; configure FULL_DUPLEX_STREAMED, BUFFERED or NONE"
         ),
         retry_after: None,
+    }
+}
+
+fn shutting_down() -> ErrorReply {
+    ErrorReply {
+        status: 503,
+        error_type: "service_unavailable",
+        code: "shutting_down",
+        message: "the endpoint picker is shutting down; retry".into(),
+        retry_after: Some(1),
     }
 }
 

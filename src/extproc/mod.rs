@@ -98,7 +98,8 @@ fn is_message_too_large(status: &Status) -> bool {
 pub struct ExtProcService<R: Router> {
     router: Arc<R>,
     max_body_bytes: usize,
-    /// Fires when open streams must end (the drain deadline passed).
+    /// Fires when open streams must end (the drain deadline passed); held requests are
+    /// answered 503 first.
     abort_streams: Phase,
 }
 
@@ -137,7 +138,12 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
             'stream: loop {
                 let message = tokio::select! {
                     message = inbound.message() => message,
-                    () = abort.fired() => break,
+                    () = abort.fired() => {
+                        for answer in exchange.abort() {
+                            let _ = answers.send(Ok(answer)).await;
+                        }
+                        break;
+                    }
                 };
                 match message {
                     Ok(Some(message)) => {
