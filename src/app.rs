@@ -25,7 +25,7 @@ use tracing::{info, warn};
 
 use crate::admin::AdminService;
 use crate::admin::pb::ListEndpointsResponse;
-use crate::config::ServeConfig;
+use crate::config::{GrpcKeepalive, ServeConfig};
 use crate::discovery::Discovery;
 use crate::extproc::ExtProcService;
 use crate::picker::LivePicker;
@@ -181,17 +181,18 @@ impl App {
             picker,
             store: Arc::clone(&store),
         };
+        let keepalive = config.grpc_keepalive;
         let result = tokio::try_join!(
             // The ext_proc port keeps accepting until the drain deadline: readiness is
             // already off, so gateways stop opening streams, and any that still arrive
             // are routed rather than refused (which a fail-closed gateway turns into 500).
-            serve_grpc(grpc, "ext_proc", &aborting, |server| server
+            serve_grpc(grpc, "ext_proc", &aborting, keepalive, |server| server
                 .add_service(health_service.clone())
                 .add_service(extproc.into_server())),
-            serve_optional_grpc(health, "health", &stopping, |server| server
+            serve_optional_grpc(health, "health", &stopping, keepalive, |server| server
                 .add_service(health_service.clone())),
             // Watch streams end on the stop signal, so this server drains at once.
-            serve_optional_grpc(admin, "admin API", &stopping, |server| server
+            serve_optional_grpc(admin, "admin API", &stopping, keepalive, |server| server
                 .add_service(admin_api.into_server())),
             serve_http(metrics, http, &stopping),
         );
@@ -232,11 +233,18 @@ async fn serve_grpc(
     listener: TcpListener,
     what: &str,
     stop: &shutdown::Phase,
+    keepalive: GrpcKeepalive,
     add: impl FnOnce(&mut tonic::transport::Server) -> tonic::transport::server::Router,
 ) -> anyhow::Result<()> {
     info!(addr = %listener.local_addr()?, "{what} gRPC listening");
-    add(&mut tonic::transport::Server::builder())
-        .serve_with_incoming_shutdown(incoming(listener), stop.clone().into_fired())
+    // Pings close the connection of a peer that vanished without a FIN (a node lost, a
+    // path black-holed); its streams end and release their requests' accounting.
+    let mut server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(keepalive.interval))
+        .http2_keepalive_timeout(Some(keepalive.timeout));
+    let incoming = incoming(listener).with_keepalive(Some(keepalive.interval));
+    add(&mut server)
+        .serve_with_incoming_shutdown(incoming, stop.clone().into_fired())
         .await
         .with_context(|| format!("{what} server failed"))
 }
@@ -246,10 +254,11 @@ async fn serve_optional_grpc(
     listener: Option<TcpListener>,
     what: &str,
     stop: &shutdown::Phase,
+    keepalive: GrpcKeepalive,
     add: impl FnOnce(&mut tonic::transport::Server) -> tonic::transport::server::Router,
 ) -> anyhow::Result<()> {
     match listener {
-        Some(listener) => serve_grpc(listener, what, stop, add).await,
+        Some(listener) => serve_grpc(listener, what, stop, keepalive, add).await,
         None => Ok(()),
     }
 }

@@ -132,6 +132,14 @@ pub struct ServeArgs {
     /// On shutdown, let open request streams finish for up to this long.
     #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
+    /// HTTP/2 ping interval on gRPC connections (ext_proc, health, admin); also the TCP
+    /// keepalive time. A gateway that vanishes without closing its connection is noticed
+    /// within this plus --grpc-keepalive-timeout, and its requests' accounting released.
+    #[arg(long, env = "KVROUTE_GRPC_KEEPALIVE_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub grpc_keepalive_interval: Duration,
+    /// How long an unanswered ping may wait before the connection is closed.
+    #[arg(long, env = "KVROUTE_GRPC_KEEPALIVE_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub grpc_keepalive_timeout: Duration,
     /// Log format.
     #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -292,6 +300,24 @@ pub struct ServeConfig {
     pub max_body_bytes: usize,
     pub debug_decisions: usize,
     pub drain_timeout: Duration,
+    pub grpc_keepalive: GrpcKeepalive,
+}
+
+/// Liveness checks on accepted gRPC connections: no request's accounting outlives its
+/// gateway connection by more than `interval + timeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrpcKeepalive {
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
+impl Default for GrpcKeepalive {
+    fn default() -> Self {
+        GrpcKeepalive {
+            interval: Duration::from_secs(10),
+            timeout: Duration::from_secs(10),
+        }
+    }
 }
 
 impl ServeConfig {
@@ -311,6 +337,7 @@ impl ServeConfig {
             max_body_bytes: 16 << 20,
             debug_decisions: 0,
             drain_timeout: Duration::from_secs(10),
+            grpc_keepalive: GrpcKeepalive::default(),
         }
     }
 
@@ -381,6 +408,10 @@ impl ServeConfig {
             max_body_bytes: args.max_body_bytes,
             debug_decisions: args.debug_decisions,
             drain_timeout: args.drain_timeout,
+            grpc_keepalive: GrpcKeepalive {
+                interval: args.grpc_keepalive_interval,
+                timeout: args.grpc_keepalive_timeout,
+            },
         };
         config.validate()?;
         Ok(config)
@@ -440,6 +471,11 @@ impl ServeConfig {
         }
         if self.max_body_bytes == 0 {
             return invalid("--max-body-bytes must be above zero");
+        }
+        if self.grpc_keepalive.interval.is_zero() || self.grpc_keepalive.timeout.is_zero() {
+            return invalid(
+                "--grpc-keepalive-interval and --grpc-keepalive-timeout must be above zero",
+            );
         }
         if self.health.failures_to_mark_down == 0 || self.health.successes_to_mark_up == 0 {
             return invalid("--unhealthy-after and --healthy-after must be at least 1");

@@ -548,3 +548,109 @@ async fn during_the_drain_requests_are_routed_and_at_its_end_a_held_one_gets_503
     let stopped = tokio::time::timeout(Duration::from_secs(5), stopping).await;
     assert!(stopped.is_ok(), "kvroute stops once the drain is over");
 }
+
+/// A TCP relay to `target` that can be cut: afterwards it forwards nothing either way but
+/// keeps both connections open, as a gateway node that vanished without a FIN looks.
+async fn cuttable_relay(
+    target: std::net::SocketAddr,
+) -> (std::net::SocketAddr, tokio::sync::watch::Sender<bool>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind relay");
+    let addr = listener.local_addr().expect("relay addr");
+    let (cut, cut_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect(target)
+                .await
+                .expect("relay connects");
+            let (client_read, client_write) = client.into_split();
+            let (server_read, server_write) = server.into_split();
+            for (mut from, mut to) in [(client_read, server_write), (server_read, client_write)] {
+                let mut cut = cut_rx.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        let cut_now = async {
+                            let _ = cut.wait_for(|cut| *cut).await;
+                        };
+                        let read = tokio::select! {
+                            read = from.read(&mut buf) => read,
+                            () = cut_now => {
+                                // Hold both halves open and silent until the test ends.
+                                std::future::pending::<()>().await;
+                                return;
+                            }
+                        };
+                        match read {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => {
+                                if to.write_all(&buf[..n]).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        }
+    });
+    (addr, cut)
+}
+
+/// A gateway that disappears without closing its connection does not keep its requests
+/// counted against a pod: keepalive pings go unanswered, kvroute closes the connection and
+/// the stream's reservation is released within interval + timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_that_vanishes_silently_releases_its_requests_within_the_keepalive_bound() {
+    let pod = FakePod::start("pod-0", "llama", &[]).await;
+    let mut config = test_config(vec![pod.addr]);
+    config.grpc_keepalive.interval = Duration::from_millis(100);
+    config.grpc_keepalive.timeout = Duration::from_millis(100);
+    let kvroute = Kvroute::start(config).await;
+    kvroute.wait_until_scraped(1).await;
+    let (relay, cut) = cuttable_relay(kvroute.addrs.grpc).await;
+
+    let mut client = ExternalProcessorClient::connect(format!("http://{relay}"))
+        .await
+        .expect("connect through the relay");
+    let (send, receive) = mpsc::channel(4);
+    let mut answers = client
+        .process(ReceiverStream::new(receive))
+        .await
+        .expect("open stream")
+        .into_inner();
+    // A header-only request is routed at once and holds its reservation until the
+    // stream ends (no response phases follow).
+    send.send(headers_message(
+        "/v1/models",
+        true,
+        BodySendMode::FullDuplexStreamed,
+    ))
+    .await
+    .expect("send");
+    let answer = answers.message().await.expect("no error").expect("answer");
+    assert!(destination(&answer).is_some());
+    let inflight = || {
+        let fleet = kvroute.store.fleet();
+        fleet.pod(pod.addr).map_or(0, |(_, load)| load.inflight())
+    };
+    assert_eq!(inflight(), 1);
+
+    cut.send_replace(true);
+    let started = std::time::Instant::now();
+    // Nothing announces the release (the counters are atomics, not events): poll them,
+    // bounded well above interval + timeout.
+    while inflight() > 0 && started.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        inflight(),
+        0,
+        "still counted {:?} after the cut",
+        started.elapsed()
+    );
+    drop((send, answers));
+}
