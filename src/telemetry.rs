@@ -15,6 +15,7 @@ use metrics::{
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use kvroute_core::fleet::PodMetrics;
+use kvroute_core::scheduler::Reason;
 
 pub const REQUESTS: &str = "kvroute_requests_total";
 pub const PICK_DURATION: &str = "kvroute_pick_duration_seconds";
@@ -47,6 +48,15 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    pub const ALL: [Outcome; 6] = [
+        Outcome::Routed,
+        Outcome::BadRequest,
+        Outcome::UnknownModel,
+        Outcome::TooLarge,
+        Outcome::NoCapacity,
+        Outcome::Misconfigured,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Routed => "routed",
@@ -117,6 +127,7 @@ fn build_and_install() -> Result<PrometheusHandle, TelemetryError> {
     let handle = recorder.handle();
     metrics::set_global_recorder(recorder).map_err(|_| TelemetryError::RecorderTaken)?;
     describe();
+    register_counters();
     Ok(handle)
 }
 
@@ -184,6 +195,31 @@ fn describe() {
         "Age of the oldest healthy pod's metrics in the current snapshot."
     );
     describe_gauge!(ENDPOINTS, "Endpoints known to kvroute, by health.");
+}
+
+/// The counters dashboards rate exist from the start, at 0: a rate over no series shows
+/// "no data" rather than 0 on a fleet where nothing went wrong yet.
+fn register_counters() {
+    let other = ModelLabels::other();
+    for outcome in Outcome::ALL {
+        counter!(REQUESTS, "model" => other.model.clone(), "adapter" => other.adapter.clone(), "outcome" => outcome.as_str())
+            .increment(0);
+    }
+    counter!(COMPLETION_TOKENS, "model" => other.model.clone(), "adapter" => other.adapter)
+        .increment(0);
+    for reason in Reason::all() {
+        counter!(DECISIONS, "reason" => reason.as_str()).increment(0);
+    }
+}
+
+/// A pod's scrape counters, at 0, as it joins: every kind of scrape error is a series
+/// from the start.
+pub fn register_pod(endpoint: SocketAddr, error_kinds: &[&'static str]) {
+    let pod = pod_label(endpoint);
+    counter!(SCRAPES, "pod" => pod.clone()).increment(0);
+    for &kind in error_kinds {
+        counter!(SCRAPE_ERRORS, "pod" => pod.clone(), "kind" => kind).increment(0);
+    }
 }
 
 fn pod_label(endpoint: SocketAddr) -> String {

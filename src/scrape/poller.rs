@@ -35,6 +35,17 @@ pub enum ScrapeError {
 }
 
 impl ScrapeError {
+    /// Every value of [`ScrapeError::kind`].
+    pub const KINDS: [&'static str; 7] = [
+        "connect",
+        "http",
+        "timeout",
+        "status",
+        "too_large",
+        "parse",
+        "models",
+    ];
+
     /// A bounded label value for the scrape-error counter.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -90,6 +101,7 @@ impl ScrapeManager {
         });
         for endpoint in endpoints {
             tasks.entry(endpoint).or_insert_with(|| {
+                telemetry::register_pod(endpoint, &ScrapeError::KINDS);
                 let poller = PodPoller {
                     endpoint,
                     store: Arc::clone(&self.store),

@@ -48,6 +48,16 @@ fn distinct<'a>(adapters: impl IntoIterator<Item = &'a String> + Clone) -> usize
 }
 
 impl LoraTier {
+    /// Every tier, best first.
+    pub const ALL: [LoraTier; 6] = [
+        LoraTier::Active,
+        LoraTier::Warm,
+        LoraTier::FreeSlot,
+        LoraTier::Unknown,
+        LoraTier::Waiting,
+        LoraTier::MustEvict,
+    ];
+
     /// `key` is [`crate::fleet::adapter_key`] of `adapter`; `load` holds the adapters
     /// kvroute sent to `pod` lately.
     pub fn of(pod: &PodView, load: &PodLoad, adapter: &str, key: u64) -> LoraTier {

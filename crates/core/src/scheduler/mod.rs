@@ -77,6 +77,14 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason a decision can carry, each LoRA tier apart.
+    pub fn all() -> impl Iterator<Item = Reason> {
+        [Reason::AnyReady, Reason::LeastLoaded]
+            .into_iter()
+            .chain(LoraTier::ALL.into_iter().map(Reason::Lora))
+            .chain([Reason::PrefixCache, Reason::Fallback])
+    }
+
     /// A bounded label value.
     pub fn as_str(&self) -> &'static str {
         match self {

@@ -534,14 +534,7 @@ fn a_prefix_match_does_not_outweigh_a_much_heavier_load() {
 
 #[test]
 fn a_lora_tiers_name_is_its_serialised_form() {
-    for tier in [
-        LoraTier::Active,
-        LoraTier::Warm,
-        LoraTier::FreeSlot,
-        LoraTier::Unknown,
-        LoraTier::Waiting,
-        LoraTier::MustEvict,
-    ] {
+    for tier in LoraTier::ALL {
         let json = serde_json::to_value(tier).expect("serialises");
         assert_eq!(json, tier.name());
     }
@@ -603,15 +596,7 @@ fn a_pod_that_does_not_report_its_adapter_slots_is_unknown_not_full() {
 
 #[test]
 fn lora_tiers_keep_the_documented_order() {
-    let order = [
-        LoraTier::Active,
-        LoraTier::Warm,
-        LoraTier::FreeSlot,
-        LoraTier::Unknown,
-        LoraTier::Waiting,
-        LoraTier::MustEvict,
-    ];
-    let scores: Vec<f64> = order.iter().map(|tier| tier.score()).collect();
+    let scores: Vec<f64> = LoraTier::ALL.iter().map(|tier| tier.score()).collect();
     assert!(scores.windows(2).all(|w| w[0] > w[1]), "{scores:?}");
 }
 
@@ -650,4 +635,11 @@ fn a_subset_hint_of_a_bare_host_admits_that_host_and_no_other() {
         );
         assert_eq!(decision.map(|d| d.endpoint), Ok(endpoint(3)));
     }
+}
+
+#[test]
+fn every_reason_has_its_own_label() {
+    let labels: std::collections::BTreeSet<&str> = Reason::all().map(|r| r.as_str()).collect();
+    assert_eq!(labels.len(), Reason::all().count());
+    assert_eq!(labels.len(), 10);
 }

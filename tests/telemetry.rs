@@ -1,0 +1,91 @@
+//! kvroute's own `/metrics` on a healthy fleet before any request: every counter the
+//! shipped Grafana dashboard rates is already a series (at 0), so its panels show 0, not
+//! "no data". Its own process, so no other test's traffic has created the series first.
+
+// A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::BTreeSet;
+
+use support::{FakePod, Kvroute, http_client, project_file, test_config};
+
+/// The `kvroute_*_total` names the dashboard's queries use.
+fn dashboard_counters() -> BTreeSet<String> {
+    let path = project_file("manifests/grafana/kvroute-dashboard.json");
+    let text = std::fs::read_to_string(&path).expect("dashboard");
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("dashboard json");
+    let mut exprs = Vec::new();
+    collect_exprs(&dashboard, &mut exprs);
+    let mut names = BTreeSet::new();
+    for expr in exprs {
+        let mut rest = expr.as_str();
+        while let Some(at) = rest.find("kvroute_") {
+            let tail = &rest[at..];
+            let end = tail
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(tail.len());
+            let name = &tail[..end];
+            if name.ends_with("_total") {
+                names.insert(name.to_owned());
+            }
+            rest = &tail[end..];
+        }
+    }
+    names
+}
+
+fn collect_exprs(value: &serde_json::Value, out: &mut Vec<String>) {
+    match value {
+        serde_json::Value::Object(map) => {
+            for (key, inner) in map {
+                match (key.as_str(), inner) {
+                    ("expr", serde_json::Value::String(expr)) => out.push(expr.clone()),
+                    _ => collect_exprs(inner, out),
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|item| collect_exprs(item, out)),
+        _ => {}
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_counter_the_dashboard_rates_exists_at_zero_before_its_first_event() {
+    let counters = dashboard_counters();
+    assert!(counters.len() >= 4, "{counters:?}");
+    let pod = FakePod::start("pod-0", "llama", &[]).await;
+    let kvroute = Kvroute::start(test_config(vec![pod.addr])).await;
+    kvroute.wait_until_scraped(1).await;
+    let text = http_client()
+        .get(format!("http://{}/metrics", kvroute.addrs.metrics))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("text");
+    let samples = kvroute_core::exposition::parse(&text).expect("valid exposition");
+    for counter in &counters {
+        assert!(
+            samples.iter().any(|s| s.name == counter),
+            "{counter} is not exported yet:\n{text}"
+        );
+    }
+    let pod_label = pod.addr.to_string();
+    let timeouts = samples.iter().find(|s| {
+        s.name == "kvroute_scrape_errors_total"
+            && s.label("pod") == Some(pod_label.as_str())
+            && s.label("kind") == Some("timeout")
+    });
+    assert_eq!(timeouts.map(|s| s.value), Some(0.0), "{text}");
+    for reason in ["least_loaded", "lora_active", "fallback"] {
+        assert!(
+            samples
+                .iter()
+                .any(|s| s.name == "kvroute_decisions_total" && s.label("reason") == Some(reason)),
+            "no decisions series for {reason}"
+        );
+    }
+}
