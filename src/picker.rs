@@ -131,9 +131,9 @@ impl Router for LivePicker {
         let fleet = self.store.fleet();
         let labels = model_labels(request.model(), fleet.snapshot(), &self.config);
         // Hashing is the costly part of prefix matching, so it happens before the lock.
-        let blocks = request
-            .inference
-            .map_or_else(Vec::new, |r| block_hashes(&r.model, &r.prompt_prefix));
+        let blocks = request.inference.map_or_else(Vec::new, |r| {
+            block_hashes(&r.model, r.prefix_context, &r.prompt_prefix)
+        });
         let started = Instant::now();
         let placed = self.place(request, &blocks, &fleet);
         let elapsed = started.elapsed();

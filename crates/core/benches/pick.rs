@@ -83,6 +83,7 @@ fn bench_pick(c: &mut Criterion) {
             max_output_tokens: Some(256),
             stream: false,
             prompt_prefix: Vec::new(),
+            prefix_context: 0,
         };
         let adapter_body = InferenceRequest {
             model: "adapter-3".into(),

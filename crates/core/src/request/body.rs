@@ -18,9 +18,10 @@ pub(super) struct Fields {
     pub(super) prompt: Option<Prompt>,
     pub(super) input: Option<Prompt>,
     pub(super) messages: Option<Prompt>,
-    /// Compact JSON length of `tools` and `functions` (chat only), 0 when absent.
-    pub(super) tools: usize,
-    pub(super) functions: usize,
+    /// Compact JSON length and digest of `tools` and `functions` (chat only), zero when
+    /// absent.
+    pub(super) tools: JsonLen,
+    pub(super) functions: JsonLen,
 }
 
 /// Reads the top-level object. `field` names the field being read, so that an error raised
@@ -65,8 +66,8 @@ impl<'de> Visitor<'de> for BodySeed<'_> {
                     fields.prompt = map.next_value_seed(PromptSeed)?;
                 }
                 TopKey::Messages if chat => fields.messages = map.next_value_seed(MessagesSeed)?,
-                TopKey::Tools if chat => fields.tools = map.next_value::<JsonLen>()?.0,
-                TopKey::Functions if chat => fields.functions = map.next_value::<JsonLen>()?.0,
+                TopKey::Tools if chat => fields.tools = map.next_value::<JsonLen>()?,
+                TopKey::Functions if chat => fields.functions = map.next_value::<JsonLen>()?,
                 TopKey::Prompt | TopKey::Input | TopKey::Messages if other => {
                     let mut prompt = Prompt::default();
                     let present = map.next_value_seed(LooseText {

@@ -98,7 +98,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
                         index,
                     })?;
                 }
-                MessageKey::ToolCalls => tool_calls = map.next_value::<JsonLen>()?.0,
+                MessageKey::ToolCalls => tool_calls = map.next_value::<JsonLen>()?.len,
                 MessageKey::Ignored => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -164,6 +164,18 @@ impl Content<'_> {
     pub(super) fn add_text(&mut self, len: usize, head: &[u8]) {
         self.text_bytes = self.text_bytes.saturating_add(len);
         self.text.push(head);
+    }
+
+    /// A non-text part: counted for its tokens, and stood for in the prefix by a marker
+    /// with its payload's digest, where the model sees it.
+    pub(super) fn add_part(&mut self, payload_digest: u64) {
+        self.non_text_parts += 1;
+        let mut marker = *b"\0part:0000000000000000";
+        for (index, slot) in marker[6..].iter_mut().enumerate() {
+            let nibble = (payload_digest >> (60 - 4 * index)) & 0xf;
+            *slot = b"0123456789abcdef"[nibble as usize];
+        }
+        self.text.push(&marker);
     }
 }
 
@@ -248,6 +260,9 @@ impl<'de> Visitor<'de> for PartSeed<'_, '_> {
         let (message, part) = (self.message, self.part);
         let mut is_text = None;
         let mut text = None;
+        // What the part carries besides its type and text (an image URL, audio data...),
+        // digested without a copy: two different images must not read as one prefix.
+        let mut payload = 0u64;
         while let Some(key) = map.next_key_seed(KeySeed::<PartKey>(PhantomData))? {
             match key {
                 PartKey::Type => {
@@ -257,16 +272,19 @@ impl<'de> Visitor<'de> for PartSeed<'_, '_> {
                 PartKey::Text => {
                     text = Some(map.next_value_seed(HeadSeed(Place::PartText { message, part }))?);
                 }
-                // Media payloads (often megabytes of base64) are skipped without a copy.
                 PartKey::Ignored => {
-                    map.next_value::<IgnoredAny>()?;
+                    let value = map.next_value_seed(JsonLenVisitor {
+                        top: false,
+                        measure: false,
+                    })?;
+                    payload = mix(payload, value.digest);
                 }
             }
         }
         match (is_text, text) {
             (Some(true) | None, Some(text)) => self.content.add_text(text.len, &text.head),
             (Some(true), None) => self.content.add_text(0, b""),
-            _ => self.content.non_text_parts += 1,
+            _ => self.content.add_part(payload),
         }
         Ok(())
     }

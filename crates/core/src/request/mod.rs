@@ -97,9 +97,14 @@ pub struct InferenceRequest {
     /// The first [`PROMPT_PREFIX_BYTES`] bytes (or fewer) of the prompt text, cut at a byte, not
     /// a character, boundary. Completions: the prompt, or the first prompt of a batch (each
     /// batch prompt is its own sequence in the KV cache); empty for token-id prompts. Chat: role
-    /// and text content of each message in order, joined by `'\n'`; non-text parts are left
-    /// out. Other APIs: the string values measured, joined by `'\n'`.
+    /// and content of each message in order, joined by `'\n'`, a non-text part standing as a
+    /// marker with its payload's digest (`\0part:` and 16 hex digits). Other APIs: the string
+    /// values measured, joined by `'\n'`.
     pub prompt_prefix: Vec<u8>,
+    /// A digest of what the chat template renders into the prompt besides the messages: the
+    /// `tools` and `functions` definitions (most templates put them before the first
+    /// message). 0 when there are none. Requests that differ here share no prefix.
+    pub prefix_context: u64,
 }
 
 /// A request as routing sees it, from the ext_proc exchange through the picker to the
@@ -210,8 +215,8 @@ pub fn parse_request(api: ApiKind, body: &[u8]) -> Result<InferenceRequest, Requ
         ApiKind::Completions => fields.prompt.ok_or_else(|| required("prompt"))?,
         ApiKind::ChatCompletions => {
             let mut prompt = fields.messages.ok_or_else(|| required("messages"))?;
-            prompt.add_tokens(estimate_tokens(fields.tools));
-            prompt.add_tokens(estimate_tokens(fields.functions));
+            prompt.add_tokens(estimate_tokens(fields.tools.len));
+            prompt.add_tokens(estimate_tokens(fields.functions.len));
             prompt
         }
         ApiKind::Other => fields
@@ -226,6 +231,10 @@ pub fn parse_request(api: ApiKind, body: &[u8]) -> Result<InferenceRequest, Requ
         max_output_tokens: fields.max_completion_tokens.or(fields.max_tokens),
         stream: fields.stream.unwrap_or(false),
         prompt_prefix: prompt.prefix.bytes,
+        prefix_context: match (fields.tools.digest, fields.functions.digest) {
+            (0, 0) => 0,
+            (tools, functions) => json_len::mix(tools, functions).max(1),
+        },
     })
 }
 

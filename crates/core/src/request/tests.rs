@@ -71,6 +71,7 @@ fn a_completions_request_yields_model_prompt_budget_and_stream() {
             max_output_tokens: Some(64),
             stream: true,
             prompt_prefix: b"Hello, world!".to_vec(),
+            prefix_context: 0,
         }
     );
 }
@@ -185,23 +186,70 @@ fn null_or_absent_chat_content_counts_only_the_overhead() {
 }
 
 #[test]
-fn image_parts_add_a_fixed_estimate_and_stay_out_of_the_prefix() {
+fn image_parts_add_a_fixed_estimate_and_mark_their_place_in_the_prefix() {
     let image = "A".repeat(1 << 20);
-    let request = chat(&format!(
-        r#"[{{"role":"user","content":[
+    let with_image = |image: &str| {
+        chat(&format!(
+            r#"[{{"role":"user","content":[
                 {{"type":"image_url","image_url":{{"url":"data:image/png;base64,{image}"}}}},
                 {{"type":"text","text":"What is this?"}},
                 {{"type":"input_audio","input_audio":{{"data":"AAAA","format":"wav"}}}}]}}]"#
-    ));
+        ))
+    };
+    let request = with_image(&image);
     assert_eq!(
         request.prompt_tokens,
         OVERHEAD + estimate_tokens(13) + 2 * NON_TEXT_PART_TOKENS
     );
-    assert_eq!(request.prompt_prefix, b"user\nWhat is this?");
-    // A part that is not text keeps its text out of the count.
+    // "user", the image's marker, the text, the audio's marker.
+    let pieces: Vec<&[u8]> = request.prompt_prefix.split(|b| *b == b'\n').collect();
+    assert_eq!(
+        pieces.len(),
+        4,
+        "{:?}",
+        String::from_utf8_lossy(&request.prompt_prefix)
+    );
+    assert_eq!(pieces[0], b"user");
+    assert!(pieces[1].starts_with(b"\0part:") && pieces[1].len() == 22);
+    assert_eq!(pieces[2], b"What is this?");
+    assert!(pieces[3].starts_with(b"\0part:") && pieces[1] != pieces[3]);
+    // The same image gives the same prefix; another image another one.
+    assert_eq!(with_image(&image).prompt_prefix, request.prompt_prefix);
+    assert_ne!(with_image("BBBB").prompt_prefix, request.prompt_prefix);
+    // A part that is not text keeps its text out of the count and the prefix.
     let request = chat(r#"[{"role":"user","content":[{"text":"ignored","type":"refusal"}]}]"#);
     assert_eq!(request.prompt_tokens, OVERHEAD + NON_TEXT_PART_TOKENS);
-    assert_eq!(request.prompt_prefix, b"user");
+    assert!(!request.prompt_prefix.windows(7).any(|w| w == b"ignored"));
+}
+
+#[test]
+fn requests_that_differ_only_in_tools_have_different_prefix_contexts() {
+    let with_tools = |tools: &str| {
+        parsed(
+            ApiKind::ChatCompletions,
+            &format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"tools":{tools}}}"#
+            ),
+        )
+    };
+    let weather = r#"[{"type":"function","function":{"name":"weather","parameters":{}}}]"#;
+    let stocks = r#"[{"type":"function","function":{"name":"stocks","parameters":{}}}]"#;
+    let spaced = r#"[ { "type" : "function", "function" : {"name":"weather","parameters":{} } } ]"#;
+    let (a, b) = (with_tools(weather), with_tools(stocks));
+    assert_eq!(
+        a.prompt_prefix, b.prompt_prefix,
+        "the messages are the same"
+    );
+    assert_ne!(a.prefix_context, b.prefix_context);
+    assert_ne!(a.prefix_context, 0);
+    assert_eq!(
+        with_tools(spaced).prefix_context,
+        a.prefix_context,
+        "whitespace is not content"
+    );
+    let without = chat(r#"[{"role":"user","content":"hi"}]"#);
+    assert_eq!(without.prefix_context, 0);
+    assert_eq!(without.prompt_prefix, a.prompt_prefix);
 }
 
 #[test]

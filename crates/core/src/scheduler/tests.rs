@@ -72,6 +72,7 @@ impl Ask<'_> {
             max_output_tokens: self.max_output_tokens,
             stream: false,
             prompt_prefix: Vec::new(),
+            prefix_context: 0,
         })
     }
 }
