@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use kvroute_core::fleet::{
-    Fleet, ModelClass, PrefixIndex, Reservation, Snapshot, adapter_key, block_hashes,
+    Fleet, ModelClass, PrefillEnd, PrefixIndex, Reservation, Snapshot, adapter_key, block_hashes,
 };
 use kvroute_core::request::RouteRequest;
 use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
@@ -118,7 +118,15 @@ impl LivePicker {
             if let (Some(model), Some(_)) = (request.model(), tier) {
                 load.note_adapter(adapter_key(model));
             }
-            load.reserve(decision.tokens_needed, u64::from(request.prompt_tokens()))
+            // A non-streaming answer arrives whole: its first bytes cannot end the prefill.
+            let streaming = request.inference.is_some_and(|r| r.stream);
+            let prefill_end = if streaming {
+                PrefillEnd::FirstToken
+            } else {
+                PrefillEnd::NextScrape
+            };
+            let prompt = u64::from(request.prompt_tokens());
+            load.reserve(decision.tokens_needed, prompt, prefill_end)
         });
         Ok((decision, reservation))
     }

@@ -654,3 +654,45 @@ async fn a_gateway_that_vanishes_silently_releases_its_requests_within_the_keepa
     );
     drop((send, answers));
 }
+
+/// A non-streaming request answers only when it is complete, so its first response bytes
+/// cannot mark the end of its prefill: the next scrape that saw it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streaming_requests_queued_prefill_ends_without_any_response_bytes() {
+    let pod = FakePod::start("pod-0", "llama", &[]).await;
+    let kvroute = Kvroute::start(test_config(vec![pod.addr])).await;
+    kvroute.wait_until_scraped(1).await;
+    let mut stream = Stream::open(&kvroute).await;
+    stream
+        .send(headers_message(
+            "/v1/completions",
+            false,
+            BodySendMode::FullDuplexStreamed,
+        ))
+        .await;
+    // COMPLETION does not set `stream`: a non-streaming request.
+    stream.send(body_message(COMPLETION, true)).await;
+    assert!(destination(&stream.next().await).is_some(), "routed");
+    let prefill = |fleet: &kvroute_core::fleet::Fleet| {
+        fleet
+            .pod(pod.addr)
+            .map_or(0, |(_, load)| load.prefill_tokens())
+    };
+    assert!(prefill(&kvroute.store.fleet()) > 0, "queued at first");
+    // No response phase follows; each scrape publishes a fleet.
+    let mut fleets = kvroute.store.subscribe();
+    let ended = tokio::time::timeout(
+        Duration::from_secs(5),
+        fleets.wait_for(|fleet| prefill(fleet) == 0),
+    )
+    .await;
+    assert!(matches!(ended, Ok(Ok(_))), "the next scrape ends it");
+    let fleet = kvroute.store.fleet();
+    let (_, load) = fleet.pod(pod.addr).expect("known");
+    assert_eq!(
+        load.inflight(),
+        1,
+        "still in flight: only its prefill ended"
+    );
+    drop(stream);
+}

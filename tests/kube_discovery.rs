@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use kvroute::config::ServeConfig;
 use kvroute::discovery::{KubeTarget, KubernetesDiscovery, PodTarget};
-use kvroute_core::fleet::Snapshot;
+use kvroute_core::fleet::{PrefillEnd, Snapshot};
 
 use fake_kube::{FakeKube, Resource, pod, pool};
 use support::{FakePod, Kvroute};
@@ -183,7 +183,7 @@ async fn deleted_and_terminating_pods_leave_with_their_in_flight_accounting() {
     )
     .await;
     let load = kvroute.store.load(a).expect("a is known");
-    let request = load.reserve(1_000, 0);
+    let request = load.reserve(1_000, 0, PrefillEnd::FirstToken);
     assert_eq!(load.inflight(), 1);
 
     assert!(fake.delete(Resource::Pods, NS, "a"));

@@ -1,5 +1,7 @@
 use std::collections::HashMap;
 
+use kvroute_core::fleet::PrefillEnd;
+
 use super::*;
 
 fn addr(port: u16) -> SocketAddr {
@@ -16,7 +18,7 @@ fn in_flight_tokens_are_absorbed_only_when_the_scrape_is_published() {
     let store = PodStore::new(HealthPolicy::default());
     store.set_endpoints(&[addr(1)]);
     let load = store.load(addr(1)).expect("known");
-    let _request = load.reserve(500, 0);
+    let _request = load.reserve(500, 0, PrefillEnd::FirstToken);
     scrape_ok(&store, addr(1), Instant::now());
     assert_eq!(
         load.unscraped_tokens(),

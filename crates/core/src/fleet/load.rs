@@ -7,6 +7,12 @@
 //! free KV once a scrape that *started after* the request was sent has succeeded (the pod
 //! then reports the request itself), or when the request finishes, whichever comes first.
 //! The in-flight request count is held until the request finishes.
+//!
+//! Prompt tokens also count as *queued prefill* until the pod has taken them in: for a
+//! streaming request, until its first response bytes (vLLM sends nothing before the first
+//! token); a non-streaming request sends nothing until it is complete, so its prefill ends
+//! instead when a scrape started after it was sent has succeeded, by when the pod's own
+//! queue and batch report it.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -16,9 +22,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub struct PodLoad {
     inflight: AtomicU32,
     unscraped_tokens: AtomicU64,
-    /// Prompt tokens of requests sent here that have not yet streamed a first token: the
-    /// prefill work queued ahead of a new request, known without waiting for a scrape.
+    /// Prompt tokens of streaming requests sent here that have not yet streamed a first
+    /// token: the prefill work queued ahead of a new request, known without a scrape.
     prefill_tokens: AtomicU64,
+    /// Prompt tokens of non-streaming requests that no successful scrape has seen yet.
+    prefill_unscraped: AtomicU64,
     ledger: Mutex<Ledger>,
     /// Keys of the LoRA adapters kvroute last sent here, most recent first (0: empty).
     /// vLLM reports only the adapters of requests running *now*; an adapter whose
@@ -39,6 +47,16 @@ pub fn adapter_key(name: &str) -> u64 {
     hash.max(1)
 }
 
+/// When a request's prompt stops counting as queued prefill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillEnd {
+    /// At its first response bytes (streaming requests).
+    FirstToken,
+    /// When a scrape started after it was sent succeeds (non-streaming requests, which
+    /// answer only once complete), or at its response, whichever comes first.
+    NextScrape,
+}
+
 #[derive(Debug, Default)]
 struct Ledger {
     /// Number of scrapes started so far; a request sent now is tagged with it.
@@ -46,11 +64,30 @@ struct Ledger {
     /// Tokens of live requests not yet covered by a successful scrape, per tag.
     /// Holds one or two entries in practice (one per scrape in progress).
     pending: Vec<(u64, u64)>,
+    /// The same for the prompt tokens of non-streaming requests' queued prefill.
+    prefill_pending: Vec<(u64, u64)>,
 }
 
-impl Ledger {
-    fn total(&self) -> u64 {
-        self.pending.iter().map(|(_, tokens)| tokens).sum()
+fn total(entries: &[(u64, u64)]) -> u64 {
+    entries.iter().map(|(_, tokens)| tokens).sum()
+}
+
+/// Adds `tokens` to the entry of `tag`.
+fn add(entries: &mut Vec<(u64, u64)>, tag: u64, tokens: u64) {
+    match entries.iter_mut().find(|(t, _)| *t == tag) {
+        Some((_, sum)) => *sum += tokens,
+        None => entries.push((tag, tokens)),
+    }
+}
+
+/// Takes `tokens` off the entry of `tag`, if a scrape has not absorbed it already.
+fn subtract(entries: &mut Vec<(u64, u64)>, tag: u64, tokens: u64) {
+    if let Some(index) = entries.iter().position(|(t, _)| *t == tag) {
+        let sum = &mut entries[index].1;
+        *sum = sum.saturating_sub(tokens);
+        if *sum == 0 {
+            entries.swap_remove(index);
+        }
     }
 }
 
@@ -78,9 +115,9 @@ impl PodLoad {
         self.unscraped_tokens.load(Ordering::Relaxed)
     }
 
-    /// Prompt tokens of requests sent here still waiting for their first token.
+    /// Prompt tokens of requests sent here whose prefill the pod has not shown yet.
     pub fn prefill_tokens(&self) -> u64 {
-        self.prefill_tokens.load(Ordering::Relaxed)
+        self.prefill_tokens.load(Ordering::Relaxed) + self.prefill_unscraped.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> MutexGuard<'_, Ledger> {
@@ -92,28 +129,37 @@ impl PodLoad {
     }
 
     /// Counts a request of `tokens` (prompt + expected output), `prompt_tokens` of which
-    /// wait for prefill, as sent to this pod. Dropping the returned reservation releases
-    /// it; [`Reservation::first_token`] ends its prefill earlier.
-    pub fn reserve(self: &Arc<Self>, tokens: u64, prompt_tokens: u64) -> Reservation {
+    /// wait for prefill until `prefill_end`, as sent to this pod. Dropping the returned
+    /// reservation releases it; [`Reservation::first_token`] ends its prefill earlier.
+    pub fn reserve(
+        self: &Arc<Self>,
+        tokens: u64,
+        prompt_tokens: u64,
+        prefill_end: PrefillEnd,
+    ) -> Reservation {
         let tag = {
             let mut ledger = self.lock();
             let tag = ledger.scrapes_started;
-            match ledger.pending.iter_mut().find(|(t, _)| *t == tag) {
-                Some((_, sum)) => *sum += tokens,
-                None => ledger.pending.push((tag, tokens)),
-            }
+            add(&mut ledger.pending, tag, tokens);
             self.unscraped_tokens
-                .store(ledger.total(), Ordering::Relaxed);
+                .store(total(&ledger.pending), Ordering::Relaxed);
+            if prefill_end == PrefillEnd::NextScrape {
+                add(&mut ledger.prefill_pending, tag, prompt_tokens);
+                self.prefill_unscraped
+                    .store(total(&ledger.prefill_pending), Ordering::Relaxed);
+            }
             tag
         };
         self.inflight.fetch_add(1, Ordering::Relaxed);
-        self.prefill_tokens
-            .fetch_add(prompt_tokens, Ordering::Relaxed);
+        if prefill_end == PrefillEnd::FirstToken {
+            self.prefill_tokens
+                .fetch_add(prompt_tokens, Ordering::Relaxed);
+        }
         Reservation {
             load: Arc::clone(self),
             tag,
             tokens,
-            prefill_tokens: prompt_tokens,
+            prefill: Some((prefill_end, prompt_tokens)),
         }
     }
 
@@ -157,22 +203,27 @@ impl PodLoad {
     pub fn scrape_succeeded(&self, ticket: ScrapeTicket) {
         let mut ledger = self.lock();
         ledger.pending.retain(|(tag, _)| *tag >= ticket.0);
+        ledger.prefill_pending.retain(|(tag, _)| *tag >= ticket.0);
         self.unscraped_tokens
-            .store(ledger.total(), Ordering::Relaxed);
+            .store(total(&ledger.pending), Ordering::Relaxed);
+        self.prefill_unscraped
+            .store(total(&ledger.prefill_pending), Ordering::Relaxed);
+    }
+
+    /// A non-streaming request answered: its prefill is over, absorbed or not.
+    fn end_unscraped_prefill(&self, tag: u64, tokens: u64) {
+        let mut ledger = self.lock();
+        subtract(&mut ledger.prefill_pending, tag, tokens);
+        self.prefill_unscraped
+            .store(total(&ledger.prefill_pending), Ordering::Relaxed);
     }
 
     fn release(&self, tag: u64, tokens: u64) {
         {
             let mut ledger = self.lock();
-            if let Some(index) = ledger.pending.iter().position(|(t, _)| *t == tag) {
-                let sum = &mut ledger.pending[index].1;
-                *sum = sum.saturating_sub(tokens);
-                if *sum == 0 {
-                    ledger.pending.swap_remove(index);
-                }
-            }
+            subtract(&mut ledger.pending, tag, tokens);
             self.unscraped_tokens
-                .store(ledger.total(), Ordering::Relaxed);
+                .store(total(&ledger.pending), Ordering::Relaxed);
         }
         // Never underflows: every decrement pairs with the increment in `reserve`.
         self.inflight.fetch_sub(1, Ordering::Relaxed);
@@ -189,19 +240,26 @@ pub struct Reservation {
     load: Arc<PodLoad>,
     tag: u64,
     tokens: u64,
-    /// Prompt tokens still counted as waiting for prefill (0 after the first token).
-    prefill_tokens: u64,
+    /// Prompt tokens still counted as waiting for prefill, and until when; `None` after
+    /// the first token.
+    prefill: Option<(PrefillEnd, u64)>,
 }
 
 impl Reservation {
-    /// The pod streamed the request's first token: its prefill is done. Idempotent.
+    /// The pod answered the request (its first token, or for a non-streaming request the
+    /// whole answer): its prefill is done. Idempotent.
     pub fn first_token(&mut self) {
-        let tokens = std::mem::take(&mut self.prefill_tokens);
-        if tokens > 0 {
+        match self.prefill.take() {
             // Never underflows: pairs with the increment in `reserve`.
-            self.load
-                .prefill_tokens
-                .fetch_sub(tokens, Ordering::Relaxed);
+            Some((PrefillEnd::FirstToken, tokens)) => {
+                self.load
+                    .prefill_tokens
+                    .fetch_sub(tokens, Ordering::Relaxed);
+            }
+            Some((PrefillEnd::NextScrape, tokens)) => {
+                self.load.end_unscraped_prefill(self.tag, tokens);
+            }
+            None => {}
         }
     }
 }
@@ -214,105 +272,4 @@ impl Drop for Reservation {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_reservation_counts_until_dropped() {
-        let load = Arc::new(PodLoad::default());
-        let first = load.reserve(100, 0);
-        let second = load.reserve(50, 0);
-        assert_eq!(load.inflight(), 2);
-        assert_eq!(load.unscraped_tokens(), 150);
-        drop(first);
-        assert_eq!(load.inflight(), 1);
-        assert_eq!(load.unscraped_tokens(), 50);
-        drop(second);
-        assert_eq!(load.inflight(), 0);
-        assert_eq!(load.unscraped_tokens(), 0);
-    }
-
-    #[test]
-    fn a_scrape_started_after_the_request_absorbs_its_tokens_but_not_its_count() {
-        let load = Arc::new(PodLoad::default());
-        let request = load.reserve(100, 0);
-        let ticket = load.scrape_started();
-        load.scrape_succeeded(ticket);
-        assert_eq!(load.unscraped_tokens(), 0);
-        assert_eq!(load.inflight(), 1);
-        drop(request);
-        assert_eq!(load.unscraped_tokens(), 0);
-        assert_eq!(load.inflight(), 0);
-    }
-
-    #[test]
-    fn a_scrape_started_before_the_request_does_not_absorb_it() {
-        let load = Arc::new(PodLoad::default());
-        let ticket = load.scrape_started();
-        let _request = load.reserve(100, 0);
-        load.scrape_succeeded(ticket);
-        assert_eq!(load.unscraped_tokens(), 100);
-        let next = load.scrape_started();
-        load.scrape_succeeded(next);
-        assert_eq!(load.unscraped_tokens(), 0);
-    }
-
-    #[test]
-    fn recently_sent_adapters_are_remembered_most_recent_first() {
-        let load = PodLoad::default();
-        let (a, b, c) = (adapter_key("a"), adapter_key("b"), adapter_key("c"));
-        assert_eq!(load.adapter_recency(a), None);
-        load.note_adapter(a);
-        load.note_adapter(b);
-        load.note_adapter(c);
-        load.note_adapter(a);
-        assert_eq!(load.adapter_recency(a), Some(0));
-        assert_eq!(load.adapter_recency(c), Some(1));
-        assert_eq!(load.adapter_recency(b), Some(2));
-        for n in 0..RECENT_ADAPTERS {
-            load.note_adapter(adapter_key(&format!("other-{n}")));
-        }
-        assert_eq!(
-            load.adapter_recency(a),
-            None,
-            "only the last few are remembered"
-        );
-    }
-
-    #[test]
-    fn prompt_tokens_wait_for_prefill_until_the_first_token_or_the_end() {
-        let load = Arc::new(PodLoad::default());
-        let mut streaming = load.reserve(300, 200);
-        let failed = load.reserve(90, 80);
-        assert_eq!(load.prefill_tokens(), 280);
-        streaming.first_token();
-        streaming.first_token();
-        assert_eq!(load.prefill_tokens(), 80, "counted off once");
-        drop(failed);
-        assert_eq!(load.prefill_tokens(), 0, "a request that ends unstreamed");
-        drop(streaming);
-        assert_eq!(load.prefill_tokens(), 0);
-    }
-
-    #[test]
-    fn a_failed_scrape_absorbs_nothing() {
-        let load = Arc::new(PodLoad::default());
-        let _request = load.reserve(100, 0);
-        let _failed = load.scrape_started();
-        let _also_failed = load.scrape_started();
-        assert_eq!(load.unscraped_tokens(), 100);
-    }
-
-    #[test]
-    fn releasing_after_absorption_does_not_subtract_twice() {
-        let load = Arc::new(PodLoad::default());
-        let old = load.reserve(100, 0);
-        let ticket = load.scrape_started();
-        let new = load.reserve(40, 0);
-        load.scrape_succeeded(ticket);
-        drop(old);
-        assert_eq!(load.unscraped_tokens(), 40);
-        drop(new);
-        assert_eq!(load.unscraped_tokens(), 0);
-    }
-}
+mod tests;

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use health::{HealthPolicy, HealthTracker};
-pub use load::{PodLoad, RECENT_ADAPTERS, Reservation, ScrapeTicket, adapter_key};
+pub use load::{PodLoad, PrefillEnd, RECENT_ADAPTERS, Reservation, ScrapeTicket, adapter_key};
 pub use models::{ModelClass, ModelIndex};
 pub use prefix::{BLOCK_BYTES, BLOCK_TOKENS, PrefixIndex, PrefixMatches, block_hashes};
 

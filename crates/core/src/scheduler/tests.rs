@@ -7,7 +7,9 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 use super::*;
-use crate::fleet::{LoraStatus, PodLoad, PodMetrics, PodView, ServedModels, adapter_key};
+use crate::fleet::{
+    LoraStatus, PodLoad, PodMetrics, PodView, PrefillEnd, ServedModels, adapter_key,
+};
 use crate::request::{EndpointSubset, InferenceRequest};
 
 const CAPACITY: u64 = 100_000;
@@ -420,7 +422,7 @@ fn reserving_each_pick_spreads_a_burst_over_equal_pods() {
     for _ in 0..8 {
         let decision = pick(&request("base", 2_000), &snapshot, &config, &mut rng).expect("placed");
         let (_, load) = snapshot.pod(decision.endpoint).expect("known");
-        reservations.push(load.reserve(decision.tokens_needed, 2_000));
+        reservations.push(load.reserve(decision.tokens_needed, 2_000, PrefillEnd::FirstToken));
         *per_pod.entry(decision.endpoint).or_default() += 1;
     }
     assert_eq!(per_pod.len(), 4);

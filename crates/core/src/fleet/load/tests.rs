@@ -1,0 +1,135 @@
+use super::*;
+
+#[test]
+fn a_reservation_counts_until_dropped() {
+    let load = Arc::new(PodLoad::default());
+    let first = load.reserve(100, 0, PrefillEnd::FirstToken);
+    let second = load.reserve(50, 0, PrefillEnd::FirstToken);
+    assert_eq!(load.inflight(), 2);
+    assert_eq!(load.unscraped_tokens(), 150);
+    drop(first);
+    assert_eq!(load.inflight(), 1);
+    assert_eq!(load.unscraped_tokens(), 50);
+    drop(second);
+    assert_eq!(load.inflight(), 0);
+    assert_eq!(load.unscraped_tokens(), 0);
+}
+
+#[test]
+fn a_scrape_started_after_the_request_absorbs_its_tokens_but_not_its_count() {
+    let load = Arc::new(PodLoad::default());
+    let request = load.reserve(100, 0, PrefillEnd::FirstToken);
+    let ticket = load.scrape_started();
+    load.scrape_succeeded(ticket);
+    assert_eq!(load.unscraped_tokens(), 0);
+    assert_eq!(load.inflight(), 1);
+    drop(request);
+    assert_eq!(load.unscraped_tokens(), 0);
+    assert_eq!(load.inflight(), 0);
+}
+
+#[test]
+fn a_scrape_started_before_the_request_does_not_absorb_it() {
+    let load = Arc::new(PodLoad::default());
+    let ticket = load.scrape_started();
+    let _request = load.reserve(100, 0, PrefillEnd::FirstToken);
+    load.scrape_succeeded(ticket);
+    assert_eq!(load.unscraped_tokens(), 100);
+    let next = load.scrape_started();
+    load.scrape_succeeded(next);
+    assert_eq!(load.unscraped_tokens(), 0);
+}
+
+#[test]
+fn recently_sent_adapters_are_remembered_most_recent_first() {
+    let load = PodLoad::default();
+    let (a, b, c) = (adapter_key("a"), adapter_key("b"), adapter_key("c"));
+    assert_eq!(load.adapter_recency(a), None);
+    load.note_adapter(a);
+    load.note_adapter(b);
+    load.note_adapter(c);
+    load.note_adapter(a);
+    assert_eq!(load.adapter_recency(a), Some(0));
+    assert_eq!(load.adapter_recency(c), Some(1));
+    assert_eq!(load.adapter_recency(b), Some(2));
+    for n in 0..RECENT_ADAPTERS {
+        load.note_adapter(adapter_key(&format!("other-{n}")));
+    }
+    assert_eq!(
+        load.adapter_recency(a),
+        None,
+        "only the last few are remembered"
+    );
+}
+
+#[test]
+fn prompt_tokens_wait_for_prefill_until_the_first_token_or_the_end() {
+    let load = Arc::new(PodLoad::default());
+    let mut streaming = load.reserve(300, 200, PrefillEnd::FirstToken);
+    let failed = load.reserve(90, 80, PrefillEnd::FirstToken);
+    assert_eq!(load.prefill_tokens(), 280);
+    streaming.first_token();
+    streaming.first_token();
+    assert_eq!(load.prefill_tokens(), 80, "counted off once");
+    drop(failed);
+    assert_eq!(load.prefill_tokens(), 0, "a request that ends unstreamed");
+    drop(streaming);
+    assert_eq!(load.prefill_tokens(), 0);
+}
+
+#[test]
+fn a_failed_scrape_absorbs_nothing() {
+    let load = Arc::new(PodLoad::default());
+    let _request = load.reserve(100, 0, PrefillEnd::FirstToken);
+    let _failed = load.scrape_started();
+    let _also_failed = load.scrape_started();
+    assert_eq!(load.unscraped_tokens(), 100);
+}
+
+#[test]
+fn releasing_after_absorption_does_not_subtract_twice() {
+    let load = Arc::new(PodLoad::default());
+    let old = load.reserve(100, 0, PrefillEnd::FirstToken);
+    let ticket = load.scrape_started();
+    let new = load.reserve(40, 0, PrefillEnd::FirstToken);
+    load.scrape_succeeded(ticket);
+    drop(old);
+    assert_eq!(load.unscraped_tokens(), 40);
+    drop(new);
+    assert_eq!(load.unscraped_tokens(), 0);
+}
+
+#[test]
+fn a_non_streaming_requests_prefill_ends_at_the_next_scrape_not_at_its_answer() {
+    let load = Arc::new(PodLoad::default());
+    // A scrape already under way when the request is sent cannot have seen it...
+    let early = load.scrape_started();
+    let batch = load.reserve(1_100, 1_000, PrefillEnd::NextScrape);
+    assert_eq!(
+        load.prefill_tokens(),
+        1_000,
+        "queued until the pod shows it"
+    );
+    load.scrape_succeeded(early);
+    assert_eq!(load.prefill_tokens(), 1_000);
+    // ...one that began after it has: the pod's own queue now reports it.
+    let late = load.scrape_started();
+    load.scrape_succeeded(late);
+    assert_eq!(load.prefill_tokens(), 0);
+    drop(batch);
+    assert_eq!(load.prefill_tokens(), 0, "no double release");
+    assert_eq!(load.inflight(), 0);
+}
+
+#[test]
+fn a_non_streaming_answer_before_any_scrape_ends_its_prefill_once() {
+    let load = Arc::new(PodLoad::default());
+    let mut quick = load.reserve(300, 200, PrefillEnd::NextScrape);
+    let _other = load.reserve(300, 100, PrefillEnd::NextScrape);
+    assert_eq!(load.prefill_tokens(), 300);
+    quick.first_token();
+    quick.first_token();
+    assert_eq!(load.prefill_tokens(), 100);
+    drop(quick);
+    assert_eq!(load.prefill_tokens(), 100);
+}
