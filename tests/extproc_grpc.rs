@@ -75,7 +75,12 @@ struct Stream {
 
 impl Stream {
     async fn open(kvroute: &Kvroute) -> Stream {
-        let mut client = ExternalProcessorClient::connect(format!("http://{}", kvroute.addrs.grpc))
+        Stream::open_at(kvroute.addrs.grpc).await
+    }
+
+    /// A stream on a new connection to `addr` (kvroute's ext_proc port, or a relay to it).
+    async fn open_at(addr: std::net::SocketAddr) -> Stream {
+        let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
             .await
             .expect("connect");
         let (send, receive) = mpsc::channel(16);
@@ -512,29 +517,16 @@ async fn during_the_drain_requests_are_routed_and_at_its_end_a_held_one_gets_503
     drop(readiness);
 
     // Draining: a new stream (on a new connection) is still routed.
-    let mut late = ExternalProcessorClient::connect(format!("http://{grpc}"))
-        .await
-        .expect("the ext_proc port still accepts during the drain");
-    let (send, receive) = mpsc::channel(4);
-    let mut answers = late
-        .process(ReceiverStream::new(receive))
-        .await
-        .expect("open a stream during the drain")
-        .into_inner();
-    send.send(headers_message(
+    let mut late = Stream::open_at(grpc).await;
+    late.send(headers_message(
         "/v1/models",
         true,
         BodySendMode::FullDuplexStreamed,
     ))
-    .await
-    .expect("send");
-    let answer = answers
-        .message()
-        .await
-        .expect("no gRPC error")
-        .expect("an answer");
+    .await;
+    let answer = late.next().await;
     assert!(destination(&answer).is_some(), "routed: {answer:?}");
-    drop((send, answers, late));
+    drop(late);
 
     // The deadline: the held request is answered, not passed on unrouted.
     let answer = held.next().await;
@@ -613,26 +605,17 @@ async fn a_gateway_that_vanishes_silently_releases_its_requests_within_the_keepa
     kvroute.wait_until_scraped(1).await;
     let (relay, cut) = cuttable_relay(kvroute.addrs.grpc).await;
 
-    let mut client = ExternalProcessorClient::connect(format!("http://{relay}"))
-        .await
-        .expect("connect through the relay");
-    let (send, receive) = mpsc::channel(4);
-    let mut answers = client
-        .process(ReceiverStream::new(receive))
-        .await
-        .expect("open stream")
-        .into_inner();
+    let mut stream = Stream::open_at(relay).await;
     // A header-only request is routed at once and holds its reservation until the
     // stream ends (no response phases follow).
-    send.send(headers_message(
-        "/v1/models",
-        true,
-        BodySendMode::FullDuplexStreamed,
-    ))
-    .await
-    .expect("send");
-    let answer = answers.message().await.expect("no error").expect("answer");
-    assert!(destination(&answer).is_some());
+    stream
+        .send(headers_message(
+            "/v1/models",
+            true,
+            BodySendMode::FullDuplexStreamed,
+        ))
+        .await;
+    assert!(destination(&stream.next().await).is_some());
     let inflight = || {
         let fleet = kvroute.store.fleet();
         fleet.pod(pod.addr).map_or(0, |(_, load)| load.inflight())
@@ -652,7 +635,7 @@ async fn a_gateway_that_vanishes_silently_releases_its_requests_within_the_keepa
         "still counted {:?} after the cut",
         started.elapsed()
     );
-    drop((send, answers));
+    drop(stream);
 }
 
 /// A non-streaming request answers only when it is complete, so its first response bytes
