@@ -194,6 +194,11 @@ impl Snapshot {
     /// A snapshot of `pods` (sorted here by endpoint), with its model index.
     pub fn new(mut pods: Vec<PodView>, generation: u64, endpoints_version: u64) -> Self {
         pods.sort_by_key(|pod| pod.endpoint);
+        Snapshot::from_sorted(pods, generation, endpoints_version)
+    }
+
+    /// [`Snapshot::new`] for pods already sorted by endpoint.
+    fn from_sorted(pods: Vec<PodView>, generation: u64, endpoints_version: u64) -> Self {
         let models = ModelIndex::build(&pods);
         Snapshot {
             pods,
@@ -247,7 +252,7 @@ impl Fleet {
         pods.sort_by_key(|(pod, _)| pod.endpoint);
         let (views, loads): (Vec<PodView>, Vec<Arc<PodLoad>>) = pods.into_iter().unzip();
         Fleet {
-            snapshot: Snapshot::new(views, generation, endpoints_version),
+            snapshot: Snapshot::from_sorted(views, generation, endpoints_version),
             loads,
         }
     }

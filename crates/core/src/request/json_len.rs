@@ -61,10 +61,9 @@ fn number(v: impl fmt::Display) -> JsonLen {
     // exponent, so 1e300 is 301 digits long).
     let mut text = SmallText::default();
     let _ = fmt::write(&mut text, format_args!("{v}"));
-    let len = display_len(v);
     JsonLen {
-        len,
-        digest: mix(xxh3_64_with_seed(text.as_bytes(), NUMBER), len as u64),
+        len: text.len,
+        digest: mix(xxh3_64_with_seed(text.kept(), NUMBER), text.len as u64),
     }
 }
 
@@ -161,7 +160,7 @@ impl<'de> Visitor<'de> for JsonLenVisitor {
     }
 }
 
-/// A number's text, on the stack.
+/// A number's text on the stack: its first 40 bytes, and its whole length.
 struct SmallText {
     bytes: [u8; 40],
     len: usize,
@@ -177,18 +176,18 @@ impl Default for SmallText {
 }
 
 impl SmallText {
-    fn as_bytes(&self) -> &[u8] {
-        &self.bytes[..self.len]
+    fn kept(&self) -> &[u8] {
+        &self.bytes[..self.len.min(self.bytes.len())]
     }
 }
 
 impl fmt::Write for SmallText {
-    /// Keeps what fits and drops the rest.
+    /// Keeps what fits, counts everything.
     fn write_str(&mut self, s: &str) -> fmt::Result {
-        let room = self.bytes.len() - self.len;
-        let kept = &s.as_bytes()[..s.len().min(room)];
-        self.bytes[self.len..self.len + kept.len()].copy_from_slice(kept);
-        self.len += kept.len();
+        let start = self.len.min(self.bytes.len());
+        let kept = s.len().min(self.bytes.len() - start);
+        self.bytes[start..start + kept].copy_from_slice(&s.as_bytes()[..kept]);
+        self.len = self.len.saturating_add(s.len());
         Ok(())
     }
 }
@@ -202,18 +201,4 @@ pub(super) fn escaped_len(s: &str) -> usize {
             _ => 1,
         })
         .sum()
-}
-
-pub(super) fn display_len(v: impl fmt::Display) -> usize {
-    struct Counter(usize);
-    impl fmt::Write for Counter {
-        fn write_str(&mut self, s: &str) -> fmt::Result {
-            self.0 += s.len();
-            Ok(())
-        }
-    }
-    let mut counter = Counter(0);
-    // Counter never fails, so neither can the write.
-    let _ = fmt::write(&mut counter, format_args!("{v}"));
-    counter.0
 }
