@@ -278,7 +278,14 @@ async fn readiness_follows_whether_any_pod_is_scraped_while_liveness_always_serv
         ServingStatus::NotServing
     );
 
-    // Requests get 503 while no pod is ready.
+    // Requests get 503 while no pod is ready. The pod's model list must be in first: a
+    // down pod that never listed its models serves nothing, and the answer would be 404
+    // (the poller reads /v1/models after its first /metrics attempt, so this can lag).
+    kvroute
+        .wait_for("the pod's models listed", |s| {
+            s.pods().iter().all(|p| p.models.is_some())
+        })
+        .await;
     let Some(Response::ImmediateResponse(reply)) = route_one_buffered(&kvroute).await.response
     else {
         panic!("immediate response expected");
