@@ -99,6 +99,7 @@ impl LivePicker {
         request: &RouteRequest<'_>,
         blocks: &[u64],
         fleet: &Fleet,
+        first_token_visible: bool,
     ) -> Result<(Decision, Option<Reservation>), PickError> {
         let mut placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
         placement.follow(fleet.snapshot());
@@ -118,15 +119,20 @@ impl LivePicker {
             if let (Some(model), Some(_)) = (request.model(), tier) {
                 load.note_adapter(adapter_key(model));
             }
-            // A non-streaming answer arrives whole: its first bytes cannot end the prefill.
+            // A non-streaming answer arrives whole, and a gateway that keeps response
+            // bodies from kvroute shows no first token: either way the prefill ends
+            // when the pod's own report can include the request.
             let streaming = request.inference.is_some_and(|r| r.stream);
-            let prefill_end = if streaming {
+            let prefill_end = if streaming && first_token_visible {
                 PrefillEnd::FirstToken
             } else {
                 PrefillEnd::NextScrape
             };
-            let prompt = u64::from(request.prompt_tokens());
-            load.reserve(decision.tokens_needed, prompt, prefill_end)
+            // Cached prompt blocks are neither recomputed nor allocated again.
+            let cached = decision.ranked.first().map_or(0, |c| c.cached_tokens);
+            let prompt = u64::from(request.prompt_tokens()).saturating_sub(cached);
+            let tokens = decision.tokens_needed.saturating_sub(cached);
+            load.reserve(tokens, prompt, prefill_end)
         });
         Ok((decision, reservation))
     }
@@ -135,7 +141,11 @@ impl LivePicker {
 impl Router for LivePicker {
     type Ticket = InFlightRequest;
 
-    fn route(&self, request: &RouteRequest<'_>) -> Result<Routed<InFlightRequest>, Unrouted> {
+    fn route(
+        &self,
+        request: &RouteRequest<'_>,
+        first_token_visible: bool,
+    ) -> Result<Routed<InFlightRequest>, Unrouted> {
         let fleet = self.store.fleet();
         let labels = model_labels(request.model(), fleet.snapshot(), &self.config);
         // Hashing is the costly part of prefix matching, so it happens before the lock.
@@ -143,7 +153,7 @@ impl Router for LivePicker {
             block_hashes(&r.model, r.prefix_context, &r.prompt_prefix)
         });
         let started = Instant::now();
-        let placed = self.place(request, &blocks, &fleet);
+        let placed = self.place(request, &blocks, &fleet, first_token_visible);
         let elapsed = started.elapsed();
         match placed {
             Ok((decision, reservation)) => {

@@ -185,6 +185,7 @@ fn candidate(score: &CandidateScore) -> pb::CandidateScore {
         free_kv_tokens: score.free_kv_tokens,
         prefix: score.prefix,
         prefill_queue: score.prefill_queue,
+        cached_tokens: score.cached_tokens,
     }
 }
 
@@ -232,6 +233,8 @@ fn endpoint(pod: &PodView, load: &PodLoad) -> pb::Endpoint {
         adapters,
         inflight: load.inflight(),
         unscraped_tokens: load.unscraped_tokens(),
+        committed_tokens: load.committed_tokens(),
+        prefill_tokens: load.prefill_tokens(),
     }
 }
 

@@ -31,6 +31,7 @@ fn record(model: Option<&str>) -> DecisionRecord {
                 prefix: 0.25,
                 prefill_queue: 0.5,
                 free_kv_tokens: Some(14_000),
+                cached_tokens: 0,
             }],
         }),
         error: None,

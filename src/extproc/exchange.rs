@@ -344,7 +344,10 @@ impl<R: Router> Exchange<R> {
             subset: self.subset.as_ref(),
         };
         // The router records routed and unrouted requests itself: it knows their models.
-        match self.router.route(&route_request) {
+        // Only a streamed response body shows its first token as it leaves the pod; a
+        // buffered one arrives whole, at the end.
+        let first_token_visible = self.response_mode == BodyMode::FullDuplex;
+        match self.router.route(&route_request, first_token_visible) {
             Ok(routed) => {
                 let destination = routed.destination();
                 self.ticket = Some(routed.ticket);

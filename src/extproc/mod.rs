@@ -84,7 +84,13 @@ pub trait InFlight: Send + 'static {
 pub trait Router: Send + Sync + 'static {
     type Ticket: InFlight;
 
-    fn route(&self, request: &RouteRequest<'_>) -> Result<Routed<Self::Ticket>, Unrouted>;
+    /// Routes `request`. `first_token_visible`: the gateway sends response bodies to
+    /// kvroute, so [`InFlight::first_token`] will be called when the first one passes.
+    fn route(
+        &self,
+        request: &RouteRequest<'_>,
+        first_token_visible: bool,
+    ) -> Result<Routed<Self::Ticket>, Unrouted>;
 }
 
 fn is_message_too_large(status: &Status) -> bool {

@@ -12,7 +12,7 @@ fn route_unplaceable(picker: &LivePicker) {
         inference: None,
         subset: None,
     };
-    assert!(picker.route(&request).is_err(), "no pods: not routed");
+    assert!(picker.route(&request, true).is_err(), "no pods: not routed");
 }
 
 #[test]

@@ -88,6 +88,9 @@ struct PodState {
     arrivals: watch::Sender<usize>,
     /// While true, completions wait before answering.
     hold: watch::Sender<bool>,
+    /// While true, streamed completions send their headers and first event, then wait
+    /// before the rest: a response that is still streaming.
+    hold_stream: watch::Sender<bool>,
     /// Headers of the last completion request.
     last_headers: Mutex<Option<HeaderMap>>,
     /// When set, `/metrics` answers with this body instead (e.g. a lying page).
@@ -113,6 +116,7 @@ impl FakePod {
             metrics: Mutex::new(FakeMetrics::default()),
             arrivals: watch::Sender::new(0),
             hold: watch::Sender::new(false),
+            hold_stream: watch::Sender::new(false),
             last_headers: Mutex::new(None),
             metrics_override: Mutex::new(None),
             metrics_hang: watch::Sender::new(false),
@@ -177,6 +181,16 @@ impl FakePod {
         self.state.hold.send_replace(false);
     }
 
+    /// Makes streamed completions stop after their first event until
+    /// [`FakePod::release_stream`].
+    pub fn hold_stream(&self) {
+        self.state.hold_stream.send_replace(true);
+    }
+
+    pub fn release_stream(&self) {
+        self.state.hold_stream.send_replace(false);
+    }
+
     pub fn last_headers(&self) -> Option<HeaderMap> {
         self.state.last_headers.lock().expect("lock").clone()
     }
@@ -230,15 +244,25 @@ async fn completion(State(pod): State<Arc<PodState>>, headers: HeaderMap, body: 
     let model = request["model"].as_str().unwrap_or_default().to_owned();
     let pod_header = [("x-pod", pod.name.clone())];
     if request["stream"].as_bool() == Some(true) {
-        let mut sse = String::new();
+        let mut events = Vec::new();
         for word in ["streamed", " from ", pod.name.as_str()] {
             let chunk = serde_json::json!({"object": "text_completion", "model": model,
                 "choices": [{"index": 0, "text": word}]});
-            sse.push_str(&format!("data: {chunk}\n\n"));
+            events.push(format!("data: {chunk}\n\n"));
         }
         let usage = serde_json::json!({"object": "text_completion", "model": model, "choices": [],
             "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}});
-        sse.push_str(&format!("data: {usage}\n\ndata: [DONE]\n\n"));
+        events.push(format!("data: {usage}\n\ndata: [DONE]\n\n"));
+        let gate = pod.hold_stream.subscribe();
+        let sse = futures::stream::unfold((events.into_iter(), gate, true), |state| async move {
+            let (mut events, mut gate, first) = state;
+            let event = events.next()?;
+            if !first {
+                let _ = gate.wait_for(|held| !*held).await;
+            }
+            Some((Ok::<_, std::convert::Infallible>(event), (events, gate, false)))
+        });
+        let sse = axum::body::Body::from_stream(sse);
         return (
             pod_header,
             [(header::CONTENT_TYPE, "text/event-stream")],

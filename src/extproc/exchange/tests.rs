@@ -28,6 +28,8 @@ struct TicketLog {
 #[derive(Default)]
 struct StubRouter {
     seen: Mutex<Vec<Asked>>,
+    /// `first_token_visible` of each route call.
+    first_token_visible: Mutex<Vec<bool>>,
     fail_with: Option<UnroutedKind>,
     tickets: Arc<Mutex<TicketLog>>,
 }
@@ -55,7 +57,15 @@ impl InFlight for StubTicket {
 impl Router for StubRouter {
     type Ticket = StubTicket;
 
-    fn route(&self, request: &RouteRequest<'_>) -> Result<Routed<StubTicket>, Unrouted> {
+    fn route(
+        &self,
+        request: &RouteRequest<'_>,
+        first_token_visible: bool,
+    ) -> Result<Routed<StubTicket>, Unrouted> {
+        self.first_token_visible
+            .lock()
+            .expect("lock")
+            .push(first_token_visible);
         self.seen.lock().expect("lock").push((
             request.inference.map(|r| r.model.clone()),
             request.subset.cloned(),
@@ -381,6 +391,30 @@ fn a_partial_buffered_body_is_answered_413_instead_of_parsed_as_whole() {
     assert_eq!(status, 413);
     assert_eq!(json["error"]["code"], "request_too_large");
     assert!(router.seen.lock().expect("lock").is_empty());
+}
+
+#[test]
+fn the_router_learns_whether_the_first_token_will_be_seen() {
+    for (response_mode, visible) in [
+        (BodySendMode::FullDuplexStreamed, true),
+        (BodySendMode::None, false),
+        (BodySendMode::Buffered, false),
+    ] {
+        let router = Arc::new(StubRouter::default());
+        let mut ex = Exchange::new(Arc::clone(&router), 1 << 20);
+        ex.apply_protocol_config(ProtocolConfiguration {
+            request_body_mode: BodySendMode::Buffered as i32,
+            response_body_mode: response_mode as i32,
+            ..ProtocolConfiguration::default()
+        });
+        ex.handle(post("/v1/completions"));
+        ex.handle(body(COMPLETION, true));
+        assert_eq!(
+            *router.first_token_visible.lock().expect("lock"),
+            vec![visible],
+            "response body mode {response_mode:?}"
+        );
+    }
 }
 
 #[test]

@@ -1,12 +1,21 @@
 //! Optimistic in-flight accounting for one pod.
 //!
-//! A scrape tells us the pod's KV use *as of when the scrape started*. Requests kvroute
-//! sent after that moment are invisible in it, so a burst between two scrapes would all
-//! see the same free KV and herd onto the same pod. Each routed request therefore
-//! reserves its token estimate here; the reservation stops counting against the pod's
-//! free KV once a scrape that *started after* the request was sent has succeeded (the pod
-//! then reports the request itself), or when the request finishes, whichever comes first.
-//! The in-flight request count is held until the request finishes.
+//! A scrape tells us the pod's KV use *as of when the scrape started*, and only the blocks
+//! allocated then: not requests still in the pod's queue, nor the output a running request
+//! has yet to generate. kvroute therefore keeps two token sums per pod for the KV a request
+//! will need there (its uncached prompt plus its expected output):
+//!
+//! - **unscraped**: requests sent since the last scrape that started after them. A burst
+//!   between two scrapes sees these at once instead of herding onto the same pod. They
+//!   leave this sum when such a scrape succeeds, or when the request finishes.
+//! - **committed**: every request in flight, until it finishes. vLLM allocates a request's
+//!   blocks as it goes and preempts when they run out, so the pod's peak need is what
+//!   kvroute sent it, not what it reports now.
+//!
+//! The scheduler takes the larger of `reported + unscraped` and `committed` as the pod's
+//! use, so a request the pod already reports is never counted twice (see
+//! [`crate::scheduler::free_kv_tokens`]). The in-flight request count is held until the
+//! request finishes.
 //!
 //! Prompt tokens also count as *queued prefill* until the pod has taken them in: for a
 //! streaming request, until its first response bytes (vLLM sends nothing before the first
@@ -22,6 +31,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub struct PodLoad {
     inflight: AtomicU32,
     unscraped_tokens: AtomicU64,
+    /// KV tokens of every request in flight here (uncached prompt + expected output).
+    committed_tokens: AtomicU64,
     /// Prompt tokens of streaming requests sent here that have not yet streamed a first
     /// token: the prefill work queued ahead of a new request, known without a scrape.
     prefill_tokens: AtomicU64,
@@ -115,6 +126,11 @@ impl PodLoad {
         self.unscraped_tokens.load(Ordering::Relaxed)
     }
 
+    /// KV tokens the requests in flight here will need at their peak, scraped or not.
+    pub fn committed_tokens(&self) -> u64 {
+        self.committed_tokens.load(Ordering::Relaxed)
+    }
+
     /// Prompt tokens of requests sent here whose prefill the pod has not shown yet.
     pub fn prefill_tokens(&self) -> u64 {
         self.prefill_tokens.load(Ordering::Relaxed) + self.prefill_unscraped.load(Ordering::Relaxed)
@@ -128,8 +144,8 @@ impl PodLoad {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Counts a request of `tokens` (prompt + expected output), `prompt_tokens` of which
-    /// wait for prefill until `prefill_end`, as sent to this pod. Dropping the returned
+    /// Counts a request needing `tokens` of KV (uncached prompt + expected output),
+    /// `prompt_tokens` of which wait for prefill until `prefill_end`, as sent to this pod. Dropping the returned
     /// reservation releases it; [`Reservation::first_token`] ends its prefill earlier.
     pub fn reserve(
         self: &Arc<Self>,
@@ -151,6 +167,7 @@ impl PodLoad {
             tag
         };
         self.inflight.fetch_add(1, Ordering::Relaxed);
+        self.committed_tokens.fetch_add(tokens, Ordering::Relaxed);
         if prefill_end == PrefillEnd::FirstToken {
             self.prefill_tokens
                 .fetch_add(prompt_tokens, Ordering::Relaxed);
@@ -225,7 +242,8 @@ impl PodLoad {
             self.unscraped_tokens
                 .store(total(&ledger.pending), Ordering::Relaxed);
         }
-        // Never underflows: every decrement pairs with the increment in `reserve`.
+        // Never underflow: every decrement pairs with the increment in `reserve`.
+        self.committed_tokens.fetch_sub(tokens, Ordering::Relaxed);
         self.inflight.fetch_sub(1, Ordering::Relaxed);
     }
 }

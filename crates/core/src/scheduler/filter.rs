@@ -7,7 +7,7 @@
 
 use super::lora::ServesModel;
 use super::{PickError, Relaxed, SchedulerConfig, free_kv_tokens};
-use crate::fleet::{Fleet, PodLoad, PodView};
+use crate::fleet::{BLOCK_TOKENS, Fleet, PodLoad, PodView, PrefixMatches};
 use crate::request::RouteRequest;
 
 /// Soft-filter outcomes of one pod, as bits: a pod passes a filter when its bit is set.
@@ -31,8 +31,30 @@ pub(super) struct Candidate {
     pub(super) prefill: u64,
     pub(super) kv_usage: f32,
     pub(super) capacity: u64,
+    /// Prompt tokens the pod likely holds in its prefix cache for this request.
+    pub(super) cached: u64,
+    /// New KV the request needs here: its uncached prompt plus its expected output.
+    pub(super) needed: u64,
     /// Estimated free KV tokens, or [`UNKNOWN`].
     free_kv: u64,
+}
+
+/// What the request asks of any pod, before crediting what a pod caches.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Demand<'a> {
+    pub(super) prompt: u64,
+    /// Prompt plus expected output.
+    pub(super) tokens: u64,
+    pub(super) prefix: Option<&'a PrefixMatches>,
+}
+
+impl Demand<'_> {
+    /// Prompt tokens `pod` likely caches (kvroute sent it the same leading blocks).
+    fn cached_at(&self, pod: &PodView) -> u64 {
+        self.prefix.map_or(0, |prefix| {
+            (u64::from(prefix.blocks_at(pod.endpoint)) * BLOCK_TOKENS).min(self.prompt)
+        })
+    }
 }
 
 impl Candidate {
@@ -40,19 +62,23 @@ impl Candidate {
         index: usize,
         pod: &PodView,
         load: &PodLoad,
-        tokens_needed: u64,
+        demand: &Demand<'_>,
         config: &SchedulerConfig,
     ) -> Self {
         let signals = pod.signals();
         let free_kv = free_kv_tokens(pod, load);
+        // Cached blocks are shared, not allocated again: the request needs only the rest
+        // of its prompt, and the blocks it shares do not make the pod full for it.
+        let cached = demand.cached_at(pod);
+        let needed = demand.tokens - cached;
         let mut flags = 0;
         if is_fresh(pod, config) {
             flags |= FRESH;
         }
-        if !is_saturated(pod, config) {
+        if !is_saturated(pod, cached, config) {
             flags |= NOT_SATURATED;
         }
-        if free_kv.is_none_or(|free| free >= tokens_needed) {
+        if free_kv.is_none_or(|free| free >= needed) {
             flags |= FITS;
         }
         if signals.is_some() {
@@ -66,6 +92,8 @@ impl Candidate {
             prefill: load.prefill_tokens(),
             kv_usage: signals.map_or(0.0, |s| s.kv_usage),
             capacity: signals.map_or(0, |s| s.kv_capacity_tokens),
+            cached,
+            needed,
             free_kv: free_kv.unwrap_or(UNKNOWN),
         }
     }
@@ -110,7 +138,7 @@ impl Filtered {
 pub(super) fn filter(
     request: &RouteRequest<'_>,
     fleet: &Fleet,
-    tokens_needed: u64,
+    demand: &Demand<'_>,
     config: &SchedulerConfig,
 ) -> Result<Filtered, PickError> {
     if fleet.snapshot().pods().is_empty() {
@@ -133,7 +161,7 @@ pub(super) fn filter(
         }
         serving += 1;
         if pod.healthy {
-            let candidate = Candidate::read(index, pod, load, tokens_needed, config);
+            let candidate = Candidate::read(index, pod, load, demand, config);
             present[usize::from(candidate.flags)] = true;
             candidates.push(candidate);
         }
@@ -188,9 +216,16 @@ fn is_fresh(pod: &PodView, config: &SchedulerConfig) -> bool {
             .is_some_and(|age| age <= config.max_metrics_age)
 }
 
-fn is_saturated(pod: &PodView, config: &SchedulerConfig) -> bool {
+/// A long queue, or KV use at the threshold not counting the `cached` prompt tokens this
+/// request would share (on a shared-prefix load every pod is "full" of the very context
+/// the request reuses).
+fn is_saturated(pod: &PodView, cached: u64, config: &SchedulerConfig) -> bool {
     pod.signals().is_some_and(|s| {
+        let shared = match s.kv_capacity_tokens {
+            0 => 0.0,
+            capacity => cached as f64 / capacity as f64,
+        };
         s.waiting >= config.saturation.queue_depth
-            || f64::from(s.kv_usage) >= config.saturation.kv_usage
+            || f64::from(s.kv_usage) - shared >= config.saturation.kv_usage
     })
 }

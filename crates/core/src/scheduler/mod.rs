@@ -5,9 +5,10 @@
 //! 1. [`filter`]. Hard filters, which fail the request when nothing passes: inside the
 //!    gateway's subset hint, able to serve the model (else 404), healthy (else 503). Then
 //!    soft filters, each applied only when it leaves at least one pod (the decision records
-//!    every one it had to relax): fresh metrics; not saturated (queue or KV); enough free KV
-//!    for this request's prompt plus expected output, counting what kvroute sent since the
-//!    last scrape.
+//!    every one it had to relax): fresh metrics; not saturated (queue, or KV not counting
+//!    the prompt blocks the pod caches for this request); enough free KV for the request's
+//!    uncached prompt plus expected output, counting what kvroute has in flight there
+//!    ([`free_kv_tokens`]).
 //! 2. [`score`]. A weighted sum, highest wins:
 //!    `kv·headroom + queue·limit/(limit + waiting) + inflight·(1 − inflight/max) +
 //!    lora·tier + prefix·matched/blocks + prefill·scale/(scale + queued)`, where
@@ -113,6 +114,15 @@ pub struct CandidateScore {
     pub prefill_queue: f64,
     /// Free KV tokens the scheduler estimated for the pod, if its capacity is known.
     pub free_kv_tokens: Option<u64>,
+    /// Prompt tokens the pod likely caches for this request, credited against its need.
+    pub cached_tokens: u64,
+}
+
+impl CandidateScore {
+    /// New KV the request needs on this pod: `tokens_needed` less what it caches.
+    pub fn kv_tokens_needed(&self, tokens_needed: u64) -> u64 {
+        tokens_needed.saturating_sub(self.cached_tokens)
+    }
 }
 
 /// Where a request goes, and why.
@@ -141,11 +151,16 @@ pub fn pick<R: Rng + ?Sized>(
     rng: &mut R,
 ) -> Result<Decision, PickError> {
     let tokens_needed = tokens_needed(request, config);
-    let filtered = filter::filter(request, fleet, tokens_needed, config)?;
+    let demand = filter::Demand {
+        prompt: u64::from(request.prompt_tokens()).min(tokens_needed),
+        tokens: tokens_needed,
+        prefix,
+    };
+    let filtered = filter::filter(request, fleet, &demand, config)?;
     let adapter = request
         .model()
         .filter(|model| lora::is_adapter(model, fleet.snapshot(), config));
-    let scorer = score::Scorer::new(&filtered, fleet, prefix, adapter, tokens_needed, config);
+    let scorer = score::Scorer::new(&filtered, fleet, prefix, adapter, config);
     let ranking = rank::rank(&filtered, &scorer, config, rng);
     Ok(decide(request, &filtered, ranking, tokens_needed, config))
 }
@@ -205,13 +220,19 @@ pub fn tokens_needed(request: &RouteRequest<'_>, config: &SchedulerConfig) -> u6
     u64::from(request.prompt_tokens()) + u64::from(output)
 }
 
-/// Free KV tokens: `capacity × (1 − usage)` minus tokens kvroute sent since the last
-/// scrape. `None` when the pod did not report its capacity.
+/// Free KV tokens: capacity minus the larger of what the pod reports in use plus what
+/// kvroute sent since the last scrape, and what the requests kvroute has in flight there
+/// will need at their peak. Either alone undercounts: the report misses queued requests
+/// and output still to come, the commitments miss other gateways' traffic. Their sum
+/// would count a running request twice. `None` when the pod did not report its capacity.
 pub fn free_kv_tokens(pod: &PodView, load: &PodLoad) -> Option<u64> {
     let signals = pod.signals()?;
     let capacity = Some(signals.kv_capacity_tokens).filter(|c| *c > 0)?;
-    let free = (capacity as f64 * (1.0 - f64::from(signals.kv_usage))) as u64;
-    Some(free.saturating_sub(load.unscraped_tokens()))
+    let reported = (capacity as f64 * f64::from(signals.kv_usage)).round() as u64;
+    let used = reported
+        .saturating_add(load.unscraped_tokens())
+        .max(load.committed_tokens());
+    Some(capacity.saturating_sub(used))
 }
 
 #[cfg(test)]

@@ -13,7 +13,6 @@ pub(super) struct Scorer<'a> {
     adapter: Option<&'a str>,
     /// [`adapter_key`] of `adapter`.
     adapter_key: u64,
-    tokens_needed: u64,
     /// The most requests in flight on any accepted candidate.
     max_inflight: u32,
     config: &'a SchedulerConfig,
@@ -25,7 +24,6 @@ impl<'a> Scorer<'a> {
         fleet: &'a Fleet,
         prefix: Option<&'a PrefixMatches>,
         adapter: Option<&'a str>,
-        tokens_needed: u64,
         config: &'a SchedulerConfig,
     ) -> Self {
         let max_inflight = filtered
@@ -38,7 +36,6 @@ impl<'a> Scorer<'a> {
             prefix: prefix.filter(|p| p.any() && p.request_blocks > 0),
             adapter,
             adapter_key: adapter.map_or(0, adapter_key),
-            tokens_needed,
             max_inflight,
             config,
         }
@@ -50,7 +47,7 @@ impl<'a> Scorer<'a> {
 
     fn kv_headroom(&self, c: &Candidate) -> f64 {
         match (c.has_metrics(), c.free_kv()) {
-            (true, Some(free)) => kv_headroom_score(free, self.tokens_needed, c.capacity),
+            (true, Some(free)) => kv_headroom_score(free, c.needed, c.capacity),
             (true, None) => 1.0 - f64::from(c.kv_usage),
             (false, _) => 0.0,
         }
@@ -117,6 +114,7 @@ impl<'a> Scorer<'a> {
             prefix: self.prefix(c),
             prefill_queue: self.prefill_queue(c),
             free_kv_tokens: c.free_kv(),
+            cached_tokens: c.cached,
         }
     }
 }

@@ -646,3 +646,112 @@ fn every_reason_has_its_own_label() {
     assert_eq!(labels.len(), Reason::all().count());
     assert_eq!(labels.len(), 10);
 }
+
+/// Reserves `decision`'s KV need on its pod, as the gateway does after a pick.
+fn reserve(fleet: &Fleet, decision: &Decision, prompt: u64) -> crate::fleet::Reservation {
+    let (_, load) = fleet.pod(decision.endpoint).expect("known");
+    let winner = &decision.ranked[0];
+    load.reserve(
+        winner.kv_tokens_needed(decision.tokens_needed),
+        prompt.saturating_sub(winner.cached_tokens),
+        PrefillEnd::FirstToken,
+    )
+}
+
+/// Publishes a scrape of every pod (as the store does): the ledger absorbs what it saw.
+fn scrape_all(fleet: &Fleet) {
+    for (_, load) in fleet.pods() {
+        let ticket = load.scrape_started();
+        load.scrape_succeeded(ticket);
+    }
+}
+
+#[test]
+fn a_request_counts_against_free_kv_after_the_next_scrape_until_it_ends() {
+    // vLLM has allocated the prompt of the request kvroute sent (40 % of the pod) but not
+    // the output still to come: the pod's peak need is the request's whole estimate.
+    let long = Ask {
+        max_output_tokens: Some(40_000),
+        ..request("base", 40_000)
+    };
+    let fleet = fleet(vec![pod(1), pod(2)]);
+    let first = pick_seeded(&long, &fleet).expect("placed");
+    let held = reserve(&fleet, &first, 40_000);
+    let busy = first.endpoint;
+    scrape_all(&fleet);
+    let (pod, load) = fleet.pod(busy).expect("known");
+    let pod = with_metrics(pod.clone(), |m| m.kv_usage = 0.4);
+    assert_eq!(free_kv_tokens(&pod, load), Some(20_000), "not 60,000");
+
+    let reported = Fleet::new(
+        fleet
+            .pods()
+            .map(|(p, l)| {
+                let view = if p.endpoint == busy { pod.clone() } else { p.clone() };
+                (view, Arc::clone(l))
+            })
+            .collect(),
+        1,
+        0,
+    );
+    let second = pick_seeded(&long, &reported).expect("placed");
+    assert_ne!(second.endpoint, busy, "the burst does not herd: {second:?}");
+    drop(held);
+    assert_eq!(free_kv_tokens(&pod, load), Some(60_000), "released at the end");
+}
+
+#[test]
+fn what_the_pod_reports_is_not_counted_twice() {
+    // Other gateways' traffic fills 70 %; kvroute's own request (10,000 tokens) is running.
+    let fleet = fleet(vec![with_metrics(pod(1), |m| m.kv_usage = 0.7)]);
+    let (pod, load) = fleet.pod(endpoint(1)).expect("known");
+    let _held = load.reserve(10_000, 5_000, PrefillEnd::FirstToken);
+    assert_eq!(free_kv_tokens(pod, load), Some(20_000), "not yet scraped");
+    scrape_all(&fleet);
+    assert_eq!(free_kv_tokens(pod, load), Some(30_000), "the report covers it");
+}
+
+#[test]
+fn cached_prompt_tokens_are_credited_against_the_kv_a_pod_must_find() {
+    // 3,000-token shared context, 100-token question: pod 1 holds the context and is
+    // 85 % full (mostly of that context, shared by its running requests); pod 2 is cold
+    // and 75 % full. Only pod 1 can take the request without allocating the context.
+    let prefix = matches(187, &[(1, 187)]);
+    let ask = Ask {
+        max_output_tokens: Some(200),
+        prefix: Some(&prefix),
+        ..request("base", 3_100)
+    };
+    let small = |n, usage| {
+        with_metrics(pod(n), |m| {
+            m.kv_capacity_tokens = Some(20_000);
+            m.kv_usage = usage;
+        })
+    };
+    let fleet = fleet(vec![small(1, 0.85), small(2, 0.75)]);
+    let decision = pick_seeded(&ask, &fleet).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+    assert!(
+        !decision.relaxed.saturation && !decision.relaxed.kv_headroom,
+        "the cached pod passes both filters for this request: {decision:?}"
+    );
+    assert_eq!(decision.ranked[0].cached_tokens, 187 * 16);
+    assert_eq!(
+        decision.ranked[0].kv_tokens_needed(decision.tokens_needed),
+        3_100 + 200 - 187 * 16
+    );
+}
+
+#[test]
+fn prefix_affinity_survives_when_every_pod_fails_a_filter() {
+    // Every pod is saturated by queue depth; pod 3 holds the prompt's prefix.
+    let queued = |n| with_metrics(pod(n), |m| m.waiting = 9);
+    let prefix = matches(100, &[(3, 100)]);
+    let ask = Ask {
+        prefix: Some(&prefix),
+        ..request("base", 1_600)
+    };
+    let decision = pick_seeded(&ask, &fleet(vec![queued(1), queued(2), queued(3)])).expect("placed");
+    assert!(decision.relaxed.saturation);
+    assert_eq!(decision.endpoint, endpoint(3), "{decision:?}");
+}

@@ -29,6 +29,23 @@ fn a_scrape_started_after_the_request_absorbs_its_tokens_but_not_its_count() {
 }
 
 #[test]
+fn committed_tokens_outlive_every_scrape_until_the_request_ends() {
+    let load = Arc::new(PodLoad::default());
+    let first = load.reserve(8_000, 4_000, PrefillEnd::FirstToken);
+    let second = load.reserve(500, 100, PrefillEnd::NextScrape);
+    for _ in 0..3 {
+        let ticket = load.scrape_started();
+        load.scrape_succeeded(ticket);
+    }
+    assert_eq!(load.unscraped_tokens(), 0);
+    assert_eq!(load.committed_tokens(), 8_500, "vLLM does not report future output");
+    drop(first);
+    assert_eq!(load.committed_tokens(), 500);
+    drop(second);
+    assert_eq!(load.committed_tokens(), 0);
+}
+
+#[test]
 fn a_scrape_started_before_the_request_does_not_absorb_it() {
     let load = Arc::new(PodLoad::default());
     let ticket = load.scrape_started();
