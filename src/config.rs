@@ -17,7 +17,7 @@ use crate::discovery::{
 use kvroute_core::fleet::HealthPolicy;
 use kvroute_core::scheduler::{Saturation, SchedulerConfig, Weights};
 
-use crate::scrape::ScrapeConfig;
+use crate::scrape::{ApiKey, ScrapeConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -104,6 +104,10 @@ pub struct ServeArgs {
     /// Most scrapes in progress at once.
     #[arg(long, env = "KVROUTE_SCRAPE_CONCURRENCY", default_value_t = 64)]
     pub scrape_concurrency: usize,
+    /// Bearer token for the pods' /v1/models, when vLLM runs with --api-key (prefer the
+    /// environment variable, from a Secret, to the flag).
+    #[arg(long, env = "KVROUTE_POD_API_KEY", hide_env_values = true)]
+    pub pod_api_key: Option<String>,
     /// Largest request body accepted (bytes; suffixes KiB, MiB, GiB); above it: 413.
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value = "16MiB", value_parser = parse_byte_size)]
     pub max_body_bytes: usize,
@@ -398,6 +402,7 @@ impl ServeConfig {
                 timeout: args.scrape_timeout,
                 models_interval: args.refresh_models_interval,
                 concurrency: args.scrape_concurrency,
+                pod_api_key: args.pod_api_key.clone().map(ApiKey),
                 ..ScrapeConfig::default()
             },
             scheduler,

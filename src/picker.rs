@@ -188,6 +188,7 @@ impl Router for LivePicker {
                     }
                     PickError::NoEndpoints
                     | PickError::NoneInSubset
+                    | PickError::ModelsNotListed { .. }
                     | PickError::NoReadyEndpoint => {
                         (UnroutedKind::Unavailable, Outcome::NoCapacity)
                     }

@@ -275,6 +275,11 @@ pub fn record_scrape(
     gauge!(POD_HEALTHY, "pod" => pod).set(if healthy { 1.0 } else { 0.0 });
 }
 
+/// A pod's `/v1/models` could not be listed (any cause: its kind label is "models").
+pub fn record_models_error(endpoint: SocketAddr) {
+    counter!(SCRAPE_ERRORS, "pod" => pod_label(endpoint), "kind" => "models").increment(1);
+}
+
 pub fn record_pod_metrics(endpoint: SocketAddr, metrics: &PodMetrics) {
     let pod = pod_label(endpoint);
     gauge!(POD_KV_USAGE, "pod" => pod.clone()).set(metrics.kv_usage);

@@ -420,3 +420,48 @@ async fn body_modes_that_cannot_route_are_refused_with_a_clear_error_through_env
     assert_eq!(status, 200, "a body that fits is routed: {body}");
     assert_eq!(pod.as_deref(), Some("pod-0"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_whose_model_list_cannot_be_read_answers_503_not_404_until_kvroute_can_list_it() {
+    let pods = fleet(1, &[]).await;
+    pods[0].require_api_key(Some("sk-pod"));
+    let without_key = support::Kvroute::start(test_config(addrs(&pods))).await;
+    without_key
+        .wait_for("the pod scraped, its models refused", |s| {
+            s.pods()
+                .iter()
+                .all(|p| p.healthy && p.metrics().is_some() && p.models.is_none())
+        })
+        .await;
+    let envoy =
+        support::Envoy::start(Gateway::OriginalDst, without_key.addrs.grpc, &addrs(&pods)).await;
+    let client = http_client();
+    let (status, _, body) =
+        complete(&client, &envoy, json!({"model": MODEL, "prompt": "hi"})).await;
+    assert_eq!(status, 503, "a served model is not unknown: {body}");
+    let error: serde_json::Value = serde_json::from_str(&body).expect("json error");
+    assert_eq!(error["error"]["code"], "no_ready_endpoint");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("/v1/models")),
+        "{error}"
+    );
+    assert_eq!(pods[0].arrivals(), 0);
+    drop(envoy);
+    drop(without_key);
+
+    let mut config = test_config(addrs(&pods));
+    config.scrape.pod_api_key = Some(kvroute::scrape::ApiKey("sk-pod".into()));
+    let (_kvroute, envoy) = {
+        let kvroute = support::Kvroute::start(config).await;
+        kvroute.wait_until_current(&pods).await;
+        let envoy =
+            support::Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &addrs(&pods)).await;
+        (kvroute, envoy)
+    };
+    let (status, pod, body) =
+        complete(&client, &envoy, json!({"model": MODEL, "prompt": "hi"})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(pod.as_deref(), Some("pod-0"));
+}

@@ -1407,8 +1407,8 @@ async fn traffic_round(
         (
             "unknown model",
             json!({"model": "no-such-model", "prompt": "hi"}),
-            // The endpoint that is down never listed its models; it must not turn this
-            // 404 into a 503.
+            // Every endpoint listed its models, the one that is down included: no pod
+            // serves it.
             &[404],
         ),
         ("no model", json!({"prompt": "hi"}), &[400]),
@@ -1426,7 +1426,7 @@ async fn traffic_round(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_query_returns_data_from_a_real_prometheus_scraping_kvroute() {
-    // A small fleet: two live pods with LoRA adapters, one endpoint that is down (so
+    // A small fleet: two live pods with LoRA adapters, one whose /metrics fails (so
     // scrape errors and unhealthy endpoints exist too).
     let pods = [
         FakePod::start("pod-0", MODEL, &["sql-lora", "chat-lora"]).await,
@@ -1444,23 +1444,25 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus_scraping_kvro
         running: 2,
         ..FakeMetrics::default()
     });
-    let down: SocketAddr = format!(
-        "127.0.0.1:{}",
-        kvroute_lab::envoy::free_port().expect("free port")
-    )
-    .parse()
-    .expect("addr");
+    let failing = FakePod::start("pod-2", MODEL, &[]).await;
+    failing.override_metrics(Some((500, "engine dead")));
+    let down = failing.addr;
     let live: Vec<SocketAddr> = pods.iter().map(|p| p.addr).collect();
     let mut endpoints = live.clone();
     endpoints.push(down);
     let kvroute = Kvroute::start(test_config(endpoints)).await;
     kvroute
-        .wait_for("the live pods scraped", |s| {
-            live.iter().all(|addr| {
-                s.pod(*addr)
-                    .is_some_and(|p| p.healthy && p.metrics().is_some() && p.models.is_some())
-            })
-        })
+        .wait_for(
+            "the live pods scraped, the failing one listed and down",
+            |s| {
+                live.iter().all(|addr| {
+                    s.pod(*addr)
+                        .is_some_and(|p| p.healthy && p.metrics().is_some() && p.models.is_some())
+                }) && s
+                    .pod(down)
+                    .is_some_and(|p| !p.healthy && p.models.is_some())
+            },
+        )
         .await;
     let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &live).await;
     let url = envoy.url("/v1/completions");

@@ -42,7 +42,11 @@ fn ledger(kvroute: &Kvroute, pod: &FakePod) -> (u64, u64) {
 async fn assert_still_in_flight(kvroute: &Kvroute, pod: &FakePod, what: &str) {
     let until = Instant::now() + WATCH;
     while Instant::now() < until {
-        assert_eq!(inflight(kvroute, pod), 1, "{what}: request no longer counted");
+        assert_eq!(
+            inflight(kvroute, pod),
+            1,
+            "{what}: request no longer counted"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -61,8 +65,12 @@ async fn assert_released(kvroute: &Kvroute, pod: &FakePod, what: &str) {
 
 async fn streamed_response_is_counted_until_it_ends(gateway: Gateway) {
     let pod = FakePod::start("pod-0", MODEL, &[]).await;
-    let (kvroute, envoy) =
-        behind_envoy(std::slice::from_ref(&pod), test_config(vec![pod.addr]), gateway).await;
+    let (kvroute, envoy) = behind_envoy(
+        std::slice::from_ref(&pod),
+        test_config(vec![pod.addr]),
+        gateway,
+    )
+    .await;
     pod.hold_stream();
     let mut response = http_client()
         .post(envoy.url("/v1/completions"))
@@ -71,7 +79,11 @@ async fn streamed_response_is_counted_until_it_ends(gateway: Gateway) {
         .await
         .expect("request through Envoy");
     assert_eq!(response.status(), 200);
-    let first = response.chunk().await.expect("first event").expect("a chunk");
+    let first = response
+        .chunk()
+        .await
+        .expect("first event")
+        .expect("a chunk");
     assert!(first.starts_with(b"data: "), "first SSE event arrived");
     assert_still_in_flight(&kvroute, &pod, &format!("{gateway:?}, mid-stream")).await;
     // The prompt is past prefill: at its first token where kvroute sees the response
@@ -86,19 +98,29 @@ async fn streamed_response_is_counted_until_it_ends(gateway: Gateway) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(inflight(&kvroute, &pod), 1);
-    assert!(ledger(&kvroute, &pod).1 >= 8, "output still to come is committed");
+    assert!(
+        ledger(&kvroute, &pod).1 >= 8,
+        "output still to come is committed"
+    );
 
     pod.release_stream();
     let rest = response.text().await.expect("rest of the stream");
-    assert!(rest.ends_with("data: [DONE]\n\n"), "stream completed: {rest}");
+    assert!(
+        rest.ends_with("data: [DONE]\n\n"),
+        "stream completed: {rest}"
+    );
     assert_released(&kvroute, &pod, &format!("{gateway:?}, streamed")).await;
     assert_eq!(ledger(&kvroute, &pod), (0, 0), "nothing left counted");
 }
 
 async fn unstreamed_response_is_counted_until_it_ends(gateway: Gateway) {
     let pod = FakePod::start("pod-0", MODEL, &[]).await;
-    let (kvroute, envoy) =
-        behind_envoy(std::slice::from_ref(&pod), test_config(vec![pod.addr]), gateway).await;
+    let (kvroute, envoy) = behind_envoy(
+        std::slice::from_ref(&pod),
+        test_config(vec![pod.addr]),
+        gateway,
+    )
+    .await;
     pod.hold();
     let mut arrivals = pod.subscribe_arrivals();
     let request = tokio::spawn(

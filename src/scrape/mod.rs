@@ -17,6 +17,19 @@ pub struct ScrapeConfig {
     pub concurrency: usize,
     /// Largest /metrics or /v1/models body read; a pod sending more is failing.
     pub max_response_bytes: usize,
+    /// Bearer token for `/v1/models` on pods started with vLLM's `--api-key` (which
+    /// guards `/v1/*`, not `/metrics`).
+    pub pod_api_key: Option<ApiKey>,
+}
+
+/// A secret that never appears in logs or debug output.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(pub String);
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(redacted)")
+    }
 }
 
 impl Default for ScrapeConfig {
@@ -27,6 +40,7 @@ impl Default for ScrapeConfig {
             models_interval: Duration::from_secs(5),
             concurrency: 64,
             max_response_bytes: 8 << 20,
+            pod_api_key: None,
         }
     }
 }

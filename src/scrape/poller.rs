@@ -10,11 +10,11 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
-use tracing::debug;
+use tracing::{debug, warn};
 
 use kvroute_core::vllm::{ModelsError, VllmMetricsError, parse_models, parse_vllm_metrics};
 
-use super::ScrapeConfig;
+use super::{ApiKey, ScrapeConfig};
 use crate::store::PodStore;
 use crate::telemetry;
 
@@ -55,6 +55,7 @@ impl ScrapeError {
             ScrapeError::Status(_) => "status",
             ScrapeError::TooLarge(_) => "too_large",
             ScrapeError::Metrics(_) => "parse",
+            // Any failure to list the models counts as "models" (see record_models_error).
             ScrapeError::Models(_) => "models",
         }
     }
@@ -139,6 +140,7 @@ impl PodPoller {
         let mut ticker = tokio::time::interval(self.config.interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut models_due = Instant::now();
+        let mut warned_auth = false;
         loop {
             ticker.tick().await;
             let Some(load) = self.store.load(self.endpoint) else {
@@ -150,7 +152,7 @@ impl PodPoller {
             let ticket = load.scrape_started();
             let started = Instant::now();
             let outcome = self
-                .fetch(&metrics_url)
+                .fetch(&metrics_url, None)
                 .await
                 .and_then(|body| Ok(parse_vllm_metrics(&String::from_utf8_lossy(&body))?));
             let elapsed = started.elapsed();
@@ -172,7 +174,7 @@ impl PodPoller {
 
             if Instant::now() >= models_due {
                 let models = self
-                    .fetch(&models_url)
+                    .fetch(&models_url, self.config.pod_api_key.as_ref())
                     .await
                     .and_then(|body| Ok(parse_models(&body)?));
                 match models {
@@ -181,8 +183,21 @@ impl PodPoller {
                         models_due = Instant::now() + self.config.models_interval;
                     }
                     Err(error) => {
-                        debug!(endpoint = %self.endpoint, %error, "listing models failed");
-                        // Retry soon: until a pod lists its models it may be sent any model.
+                        // Until a pod lists its models it is sent no request that names
+                        // one (their answer is 503, not 404), so retry soon. A pod that
+                        // listed them before keeps its last list.
+                        if matches!(error, ScrapeError::Status(401 | 403)) && !warned_auth {
+                            warned_auth = true;
+                            warn!(
+                                endpoint = %self.endpoint,
+                                %error,
+                                "the pod refuses GET /v1/models (vLLM --api-key?): it gets no \
+                                 model requests until kvroute can list them; set --pod-api-key"
+                            );
+                        } else {
+                            debug!(endpoint = %self.endpoint, %error, "listing models failed");
+                        }
+                        telemetry::record_models_error(self.endpoint);
                         models_due = Instant::now()
                             + self.config.models_interval.min(Duration::from_secs(1));
                     }
@@ -192,10 +207,14 @@ impl PodPoller {
     }
 
     /// GETs `url`, within the timeout and the size limit.
-    async fn fetch(&self, url: &str) -> Result<Vec<u8>, ScrapeError> {
+    async fn fetch(&self, url: &str, key: Option<&ApiKey>) -> Result<Vec<u8>, ScrapeError> {
         let limit = self.config.max_response_bytes;
         let request = async {
-            let mut response = self.client.get(url).send().await?;
+            let mut request = self.client.get(url);
+            if let Some(ApiKey(key)) = key {
+                request = request.bearer_auth(key);
+            }
+            let mut response = request.send().await?;
             if !response.status().is_success() {
                 return Err(ScrapeError::Status(response.status().as_u16()));
             }

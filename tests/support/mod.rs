@@ -97,6 +97,9 @@ struct PodState {
     metrics_override: Mutex<Option<(StatusCode, String)>>,
     /// While true, `/metrics` never answers.
     metrics_hang: watch::Sender<bool>,
+    /// When set, `/v1/models` answers 401 to requests without `Authorization: Bearer <key>`,
+    /// as vLLM started with `--api-key` does.
+    api_key: Mutex<Option<String>>,
 }
 
 /// A minimal vLLM look-alike: `/metrics`, `/v1/models`, `/v1/completions`,
@@ -120,6 +123,7 @@ impl FakePod {
             last_headers: Mutex::new(None),
             metrics_override: Mutex::new(None),
             metrics_hang: watch::Sender::new(false),
+            api_key: Mutex::new(None),
         });
         let router = axum::Router::new()
             .route("/metrics", get(metrics))
@@ -157,6 +161,11 @@ impl FakePod {
     /// Makes `/metrics` hang (never answer) while `hang` is true.
     pub fn hang_metrics(&self, hang: bool) {
         self.state.metrics_hang.send_replace(hang);
+    }
+
+    /// Makes `/v1/models` require `key` (vLLM's `--api-key`), or not.
+    pub fn require_api_key(&self, key: Option<&str>) {
+        *self.state.api_key.lock().expect("lock") = key.map(str::to_owned);
     }
 
     pub fn metrics(&self) -> FakeMetrics {
@@ -218,12 +227,23 @@ async fn metrics(State(pod): State<Arc<PodState>>) -> Response {
     metrics.render(&pod.model).into_response()
 }
 
-async fn models(State(pod): State<Arc<PodState>>) -> Json<serde_json::Value> {
+async fn models(State(pod): State<Arc<PodState>>, headers: HeaderMap) -> Response {
+    let required = pod.api_key.lock().expect("lock").clone();
+    if let Some(key) = required {
+        let expected = format!("Bearer {key}");
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        if given != Some(expected.as_str()) {
+            let error = serde_json::json!({"error": "Unauthorized"});
+            return (StatusCode::UNAUTHORIZED, Json(error)).into_response();
+        }
+    }
     let mut data = vec![serde_json::json!({"id": pod.model, "object": "model", "parent": null})];
     for adapter in &pod.adapters {
         data.push(serde_json::json!({"id": adapter, "object": "model", "parent": pod.model}));
     }
-    Json(serde_json::json!({"object": "list", "data": data}))
+    Json(serde_json::json!({"object": "list", "data": data})).into_response()
 }
 
 async fn completion(State(pod): State<Arc<PodState>>, headers: HeaderMap, body: Bytes) -> Response {
@@ -260,7 +280,10 @@ async fn completion(State(pod): State<Arc<PodState>>, headers: HeaderMap, body: 
             if !first {
                 let _ = gate.wait_for(|held| !*held).await;
             }
-            Some((Ok::<_, std::convert::Infallible>(event), (events, gate, false)))
+            Some((
+                Ok::<_, std::convert::Infallible>(event),
+                (events, gate, false),
+            ))
         });
         let sse = axum::body::Body::from_stream(sse);
         return (

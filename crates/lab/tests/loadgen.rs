@@ -216,7 +216,11 @@ fn every_shipped_workload_parses_and_builds_a_valid_fleet() {
             let w = Workload::from_file(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
             let fleet = w.fleet_config().expect("fleet");
             fleet.validate().expect("valid fleet");
-            let pods = if w.name == "shared-prefix-pressure" { 4 } else { 8 };
+            let pods = if w.name == "shared-prefix-pressure" {
+                4
+            } else {
+                8
+            };
             assert_eq!(fleet.pods.len(), pods, "{}", w.name);
             assert!(fleet.speedup >= 1.0);
             assert_eq!(

@@ -5,7 +5,7 @@
 //! thousands of pods stay in cache. Soft-filter outcomes are bits of `flags`; the filters
 //! are applied to the flag combinations present (at most 16) rather than to each pod.
 
-use super::lora::ServesModel;
+use super::lora::{Serves, ServesModel};
 use super::{PickError, Relaxed, SchedulerConfig, free_kv_tokens};
 use crate::fleet::{BLOCK_TOKENS, Fleet, PodLoad, PodView, PrefixMatches};
 use crate::request::RouteRequest;
@@ -35,6 +35,8 @@ pub(super) struct Candidate {
     pub(super) cached: u64,
     /// New KV the request needs here: its uncached prompt plus its expected output.
     pub(super) needed: u64,
+    /// Prompt tokens the pod would have to prefill for this request.
+    pub(super) uncached_prompt: u64,
     /// Estimated free KV tokens, or [`UNKNOWN`].
     free_kv: u64,
 }
@@ -94,6 +96,7 @@ impl Candidate {
             capacity: signals.map_or(0, |s| s.kv_capacity_tokens),
             cached,
             needed,
+            uncached_prompt: demand.prompt - cached,
             free_kv: free_kv.unwrap_or(UNKNOWN),
         }
     }
@@ -145,7 +148,7 @@ pub(super) fn filter(
         return Err(PickError::NoEndpoints);
     }
     let mut serves = request.model().map(|model| ServesModel::new(model, config));
-    let (mut in_subset, mut serving) = (0usize, 0usize);
+    let (mut in_subset, mut serving, mut unlisted) = (0usize, 0usize, 0usize);
     let mut present = [false; 16];
     let mut candidates = Vec::with_capacity(fleet.snapshot().pods().len());
     for (index, (pod, load)) in fleet.pods().enumerate() {
@@ -156,8 +159,16 @@ pub(super) fn filter(
             continue;
         }
         in_subset += 1;
-        if serves.as_mut().is_some_and(|serves| !serves.check(pod)) {
-            continue;
+        match serves
+            .as_mut()
+            .map_or(Serves::Yes, |serves| serves.check(pod))
+        {
+            Serves::Yes => {}
+            Serves::No => continue,
+            Serves::Unlisted => {
+                unlisted += 1;
+                continue;
+            }
         }
         serving += 1;
         if pod.healthy {
@@ -170,8 +181,11 @@ pub(super) fn filter(
         return Err(PickError::NoneInSubset);
     }
     if serving == 0 {
-        let model = request.model().unwrap_or_default();
-        return Err(PickError::UnknownModel(model.to_owned()));
+        let model = request.model().unwrap_or_default().to_owned();
+        return Err(match unlisted {
+            0 => PickError::UnknownModel(model),
+            unlisted => PickError::ModelsNotListed { model, unlisted },
+        });
     }
     if candidates.is_empty() {
         return Err(PickError::NoReadyEndpoint);

@@ -145,9 +145,19 @@ pub fn is_adapter(model: &str, snapshot: &Snapshot, config: &SchedulerConfig) ->
             .is_some_and(|class| class.is_adapter())
 }
 
-/// Whether a pod may serve the model. A healthy pod whose `/v1/models` has not answered
-/// yet may: refusing it would turn a slow start into 404s. Pods usually share one model
-/// list (the store interns equal lists), so the answer is remembered per list.
+/// Whether a pod serves a model, as far as kvroute can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Serves {
+    Yes,
+    No,
+    /// The pod's `/v1/models` has not answered (yet, or ever: a timeout, a 5xx, a 401
+    /// behind vLLM's `--api-key`). It may serve the model, so the model is not unknown,
+    /// but it is not sent requests for a model it may not have: 503, not 404.
+    Unlisted,
+}
+
+/// Whether pods serve one model. Pods usually share one model list (the store interns
+/// equal lists), so the answer is remembered per list.
 pub struct ServesModel<'a> {
     model: &'a str,
     config: &'a SchedulerConfig,
@@ -163,11 +173,9 @@ impl<'a> ServesModel<'a> {
         }
     }
 
-    pub fn check(&mut self, pod: &PodView) -> bool {
-        // An unlisted pod may serve anything only while it is up: a dead pod that never
-        // answered /v1/models must not turn every unknown model's 404 into a 503.
+    pub fn check(&mut self, pod: &PodView) -> Serves {
         let Some(models) = pod.models.as_ref() else {
-            return pod.healthy;
+            return Serves::Unlisted;
         };
         let key = Arc::as_ptr(models);
         let listed = match self.last {
@@ -183,6 +191,10 @@ impl<'a> ServesModel<'a> {
                 answer
             }
         };
-        listed || pod.runs_adapter(self.model)
+        if listed || pod.runs_adapter(self.model) {
+            Serves::Yes
+        } else {
+            Serves::No
+        }
     }
 }

@@ -3,7 +3,8 @@
 //! benchmarks and offline simulations share it. Three stages, one file each:
 //!
 //! 1. [`filter`]. Hard filters, which fail the request when nothing passes: inside the
-//!    gateway's subset hint, able to serve the model (else 404), healthy (else 503). Then
+//!    gateway's subset hint, able to serve the model (else 404; 503 while some pod's model
+//!    list cannot be read, as it may serve it), healthy (else 503). Then
 //!    soft filters, each applied only when it leaves at least one pod (the decision records
 //!    every one it had to relax): fresh metrics; not saturated (queue, or KV not counting
 //!    the prompt blocks the pod caches for this request); enough free KV for the request's
@@ -11,10 +12,12 @@
 //!    ([`free_kv_tokens`]).
 //! 2. [`score`]. A weighted sum, highest wins:
 //!    `kv·headroom + queue·limit/(limit + waiting) + inflight·(1 − inflight/max) +
-//!    lora·tier + prefix·matched/blocks + prefill·scale/(scale + queued)`, where
+//!    lora·tier + prefix·matched/blocks + prefill·scale/(scale + queued + own)`, where
 //!    `matched` counts the prompt's leading blocks kvroute sent to the pod before (the
-//!    caller looks them up in its [`crate::fleet::PrefixIndex`]) and `queued` the prompt
-//!    tokens kvroute sent there that have not streamed a first token yet.
+//!    caller looks them up in its [`crate::fleet::PrefixIndex`]), `queued` the prompt
+//!    tokens kvroute sent there that have not streamed a first token yet, and `own` the
+//!    part of this request's prompt the pod does not cache. `headroom` and the KV filters
+//!    use the request's need on that pod: its uncached prompt plus its expected output.
 //! 3. [`rank`]. The winner (random among ties), the next best as fallbacks, and the few
 //!    best with their score breakdowns for the decision trace.
 
@@ -43,6 +46,11 @@ pub enum PickError {
     NoneInSubset,
     #[error("model `{0}` is not served by any endpoint")]
     UnknownModel(String),
+    #[error(
+        "model `{model}` is not listed by any endpoint whose model list could be read; \
+         {unlisted} endpoint(s) have not answered GET /v1/models"
+    )]
+    ModelsNotListed { model: String, unlisted: usize },
     #[error("no ready endpoint can serve the request")]
     NoReadyEndpoint,
 }
@@ -110,7 +118,7 @@ pub struct CandidateScore {
     pub lora_tier: Option<LoraTier>,
     /// Share of the prompt's blocks the pod likely holds, 0..=1.
     pub prefix: f64,
-    /// `scale / (scale + queued prefill tokens)`, 0..=1.
+    /// `scale / (scale + queued prefill tokens + this request's uncached prompt)`, 0..=1.
     pub prefill_queue: f64,
     /// Free KV tokens the scheduler estimated for the pod, if its capacity is known.
     pub free_kv_tokens: Option<u64>,

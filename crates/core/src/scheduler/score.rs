@@ -71,9 +71,12 @@ impl<'a> Scorer<'a> {
         }
     }
 
+    /// `scale / (scale + queued + own)`: the request's first token waits for the prompts
+    /// queued ahead of it and for its own uncached prompt, so a pod that caches most of
+    /// the prompt is worth the prefill it saves, not just the share of blocks it holds.
     fn prefill_queue(&self, c: &Candidate) -> f64 {
         let scale = f64::from(self.config.prefill_queue_tokens);
-        scale / (scale + c.prefill as f64)
+        scale / (scale + (c.prefill + c.uncached_prompt) as f64)
     }
 
     fn lora_tier(&self, c: &Candidate) -> Option<LoraTier> {

@@ -167,24 +167,39 @@ fn a_model_no_pod_serves_is_unknown() {
 }
 
 #[test]
-fn a_pod_that_has_not_listed_its_models_yet_may_serve_any_model() {
-    let mut quiet = pod(2);
-    quiet.models = None;
-    let snapshot = fleet(vec![pod(1), quiet]);
-    let decision = pick_seeded(&request("gpt-9", 10), &snapshot);
-    assert_eq!(decision.map(|d| d.endpoint), Ok(endpoint(2)));
+fn a_pod_whose_model_list_cannot_be_read_turns_404_into_503_but_is_not_sent_the_model() {
+    // Pod 2's /v1/models fails (timeout, 5xx, 401): it may serve gpt-9, so gpt-9 is not
+    // unknown, but nothing says it does, so it is not sent there either.
+    let mut unlisted = pod(2);
+    unlisted.models = None;
+    for healthy in [true, false] {
+        unlisted.healthy = healthy;
+        let snapshot = fleet(vec![pod(1), unlisted.clone()]);
+        assert_eq!(
+            pick_seeded(&request("gpt-9", 10), &snapshot),
+            Err(PickError::ModelsNotListed {
+                model: "gpt-9".into(),
+                unlisted: 1
+            }),
+            "healthy: {healthy}"
+        );
+        let decision = pick_seeded(&request("base", 10), &snapshot).expect("placed");
+        assert_eq!(
+            decision.endpoint,
+            endpoint(1),
+            "listed pods serve what they list"
+        );
+    }
 }
 
 #[test]
-fn a_down_pod_that_never_listed_its_models_does_not_hide_an_unknown_model() {
-    let mut silent_and_down = pod(2);
-    silent_and_down.models = None;
-    silent_and_down.healthy = false;
-    let snapshot = fleet(vec![pod(1), silent_and_down]);
-    assert_eq!(
-        pick_seeded(&request("gpt-9", 10), &snapshot),
-        Err(PickError::UnknownModel("gpt-9".into()))
-    );
+fn requests_without_a_model_may_go_to_a_pod_whose_model_list_cannot_be_read() {
+    let mut unlisted = pod(2);
+    unlisted.models = None;
+    let mut down = pod(1);
+    down.healthy = false;
+    let decision = pick_seeded(&Ask::default(), &fleet(vec![down, unlisted])).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2));
 }
 
 #[test]
@@ -687,7 +702,11 @@ fn a_request_counts_against_free_kv_after_the_next_scrape_until_it_ends() {
         fleet
             .pods()
             .map(|(p, l)| {
-                let view = if p.endpoint == busy { pod.clone() } else { p.clone() };
+                let view = if p.endpoint == busy {
+                    pod.clone()
+                } else {
+                    p.clone()
+                };
                 (view, Arc::clone(l))
             })
             .collect(),
@@ -697,7 +716,11 @@ fn a_request_counts_against_free_kv_after_the_next_scrape_until_it_ends() {
     let second = pick_seeded(&long, &reported).expect("placed");
     assert_ne!(second.endpoint, busy, "the burst does not herd: {second:?}");
     drop(held);
-    assert_eq!(free_kv_tokens(&pod, load), Some(60_000), "released at the end");
+    assert_eq!(
+        free_kv_tokens(&pod, load),
+        Some(60_000),
+        "released at the end"
+    );
 }
 
 #[test]
@@ -708,7 +731,11 @@ fn what_the_pod_reports_is_not_counted_twice() {
     let _held = load.reserve(10_000, 5_000, PrefillEnd::FirstToken);
     assert_eq!(free_kv_tokens(pod, load), Some(20_000), "not yet scraped");
     scrape_all(&fleet);
-    assert_eq!(free_kv_tokens(pod, load), Some(30_000), "the report covers it");
+    assert_eq!(
+        free_kv_tokens(pod, load),
+        Some(30_000),
+        "the report covers it"
+    );
 }
 
 #[test]
@@ -751,7 +778,37 @@ fn prefix_affinity_survives_when_every_pod_fails_a_filter() {
         prefix: Some(&prefix),
         ..request("base", 1_600)
     };
-    let decision = pick_seeded(&ask, &fleet(vec![queued(1), queued(2), queued(3)])).expect("placed");
+    let decision =
+        pick_seeded(&ask, &fleet(vec![queued(1), queued(2), queued(3)])).expect("placed");
     assert!(decision.relaxed.saturation);
     assert_eq!(decision.endpoint, endpoint(3), "{decision:?}");
+}
+
+#[test]
+fn the_prefill_a_cached_prompt_saves_counts_in_the_prefill_queue_score() {
+    // Only the prefill-queue term decides: pod 2 caches 3,000 of the 3,200 prompt tokens,
+    // so the request's first token there waits for 200 tokens of prefill, not 3,200.
+    let mut config = SchedulerConfig::default();
+    config.weights = Weights {
+        kv_headroom: 0.0,
+        queue: 0.0,
+        inflight: 0.0,
+        lora_affinity: 0.0,
+        prefix_affinity: 0.0,
+        prefill_queue: 1.0,
+    };
+    let prefix = matches(200, &[(2, 187)]);
+    let ask = Ask {
+        prefix: Some(&prefix),
+        ..request("base", 3_200)
+    };
+    let snapshot = fleet(vec![pod(1), pod(2)]);
+    for seed in 0..16 {
+        let decision =
+            pick(&ask, &snapshot, &config, &mut SmallRng::seed_from_u64(seed)).expect("placed");
+        assert_eq!(decision.endpoint, endpoint(2), "seed {seed}");
+        let scale = f64::from(config.prefill_queue_tokens);
+        let own = (3_200 - 187 * 16) as f64;
+        assert!((decision.ranked[0].prefill_queue - scale / (scale + own)).abs() < 1e-9);
+    }
 }

@@ -38,7 +38,11 @@ fn committed_tokens_outlive_every_scrape_until_the_request_ends() {
         load.scrape_succeeded(ticket);
     }
     assert_eq!(load.unscraped_tokens(), 0);
-    assert_eq!(load.committed_tokens(), 8_500, "vLLM does not report future output");
+    assert_eq!(
+        load.committed_tokens(),
+        8_500,
+        "vLLM does not report future output"
+    );
     drop(first);
     assert_eq!(load.committed_tokens(), 500);
     drop(second);
