@@ -788,14 +788,16 @@ fn prefix_affinity_survives_when_every_pod_fails_a_filter() {
 fn the_prefill_a_cached_prompt_saves_counts_in_the_prefill_queue_score() {
     // Only the prefill-queue term decides: pod 2 caches 3,000 of the 3,200 prompt tokens,
     // so the request's first token there waits for 200 tokens of prefill, not 3,200.
-    let mut config = SchedulerConfig::default();
-    config.weights = Weights {
-        kv_headroom: 0.0,
-        queue: 0.0,
-        inflight: 0.0,
-        lora_affinity: 0.0,
-        prefix_affinity: 0.0,
-        prefill_queue: 1.0,
+    let config = SchedulerConfig {
+        weights: Weights {
+            kv_headroom: 0.0,
+            queue: 0.0,
+            inflight: 0.0,
+            lora_affinity: 0.0,
+            prefix_affinity: 0.0,
+            prefill_queue: 1.0,
+        },
+        ..SchedulerConfig::default()
     };
     let prefix = matches(200, &[(2, 187)]);
     let ask = Ask {
