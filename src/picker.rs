@@ -174,6 +174,7 @@ impl Router for LivePicker {
                     endpoints,
                     ticket: InFlightRequest {
                         reservation,
+                        store: Arc::clone(&self.store),
                         labels,
                         routed_at: Instant::now(),
                     },
@@ -208,6 +209,8 @@ impl Router for LivePicker {
 #[derive(Debug)]
 pub struct InFlightRequest {
     reservation: Option<Reservation>,
+    /// Where the pods' counters live, should the request move to another pod.
+    store: Arc<PodStore>,
     labels: ModelLabels,
     routed_at: Instant,
 }
@@ -216,6 +219,15 @@ impl InFlight for InFlightRequest {
     fn first_token(&mut self) {
         if let Some(reservation) = self.reservation.as_mut() {
             reservation.first_token();
+        }
+    }
+
+    fn served_by(&mut self, endpoint: std::net::SocketAddr) {
+        // A pod kvroute does not know (it left the fleet meanwhile) keeps nothing.
+        if let (Some(reservation), Some(load)) =
+            (self.reservation.take(), self.store.load(endpoint))
+        {
+            self.reservation = Some(reservation.move_to(&load));
         }
     }
 

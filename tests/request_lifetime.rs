@@ -161,3 +161,55 @@ async fn fail_closed_gateway_counts_an_unstreamed_response_until_it_ends() {
 async fn fail_open_gateway_counts_an_unstreamed_response_until_it_ends() {
     unstreamed_response_is_counted_until_it_ends(Gateway::OverrideHost).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_the_fail_open_gateway_walks_the_fallbacks_the_request_counts_where_it_is_served() {
+    let picked = FakePod::start("pod-0", MODEL, &[]).await;
+    let served = FakePod::start("pod-1", MODEL, &[]).await;
+    // pod-0 looks best (empty KV), then stops listening before the request: the gateway
+    // fails to connect and retries the next endpoint kvroute listed.
+    picked.set_metrics(support::FakeMetrics {
+        kv_usage: 0.0,
+        ..support::FakeMetrics::default()
+    });
+    served.set_metrics(support::FakeMetrics {
+        kv_usage: 0.5,
+        ..support::FakeMetrics::default()
+    });
+    let pods = [picked, served];
+    let mut config = test_config(pods.iter().map(|p| p.addr).collect());
+    config.scheduler.fallbacks = 1;
+    // No scrape after the first: kvroute keeps believing pod-0 is up.
+    config.scrape.interval = Duration::from_secs(3600);
+    config.scheduler.max_metrics_age = Duration::from_secs(3600);
+    let (kvroute, envoy) = behind_envoy(&pods, config, Gateway::OverrideHost).await;
+    let [mut picked, served] = pods;
+    picked.stop();
+    served.hold_stream();
+    let mut response = http_client()
+        .post(envoy.url("/v1/completions"))
+        .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 8, "stream": true}))
+        .send()
+        .await
+        .expect("request through Envoy");
+    assert_eq!(response.status(), 200);
+    assert_eq!(served.arrivals(), 1, "the retry reached pod-1");
+    assert!(
+        response
+            .headers()
+            .get("x-gateway-destination-endpoint-served")
+            .is_none(),
+        "kvroute strips its own signal"
+    );
+    response
+        .chunk()
+        .await
+        .expect("first event")
+        .expect("a chunk");
+    // Mid-stream: the request counts on the pod that serves it, not on the pick.
+    assert_eq!(inflight(&kvroute, &picked), 0, "released from the pick");
+    assert_still_in_flight(&kvroute, &served, "served pod, mid-stream").await;
+    served.release_stream();
+    response.text().await.expect("rest of the stream");
+    assert_released(&kvroute, &served, "served pod").await;
+}

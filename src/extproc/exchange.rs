@@ -24,9 +24,10 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::value::Kind;
 
 use super::messages::{
-    self, ErrorReply, MAX_STREAMED_CHUNK, SUBSET_HINT_KEY, SUBSET_HINT_NAMESPACE,
+    self, DESTINATION_METADATA_NAMESPACE, ErrorReply, MAX_STREAMED_CHUNK, SERVED_HEADER,
+    SUBSET_HINT_KEY, SUBSET_HINT_NAMESPACE,
 };
-use tracing::warn;
+use tracing::{debug, warn};
 
 use kvroute_core::request::{
     ApiKind, EndpointSubset, InferenceRequest, RequestError, parse_request,
@@ -122,7 +123,9 @@ impl<R: Router> Exchange<R> {
             }
             Some(Request::RequestBody(body)) => self.on_request_body(body),
             Some(Request::RequestTrailers(_)) => self.on_request_trailers(),
-            Some(Request::ResponseHeaders(headers)) => self.on_response_headers(&headers),
+            Some(Request::ResponseHeaders(headers)) => {
+                self.on_response_headers(&headers, message.metadata_context.as_ref())
+            }
             Some(Request::ResponseBody(body)) => self.on_response_body(body),
             Some(Request::ResponseTrailers(_)) => {
                 self.complete();
@@ -249,16 +252,36 @@ impl<R: Router> Exchange<R> {
         }
     }
 
-    fn on_response_headers(&mut self, headers: &HttpHeaders) -> Vec<ProcessingResponse> {
-        self.response.status = headers
-            .headers
-            .as_ref()
+    fn on_response_headers(
+        &mut self,
+        headers: &HttpHeaders,
+        metadata: Option<&Metadata>,
+    ) -> Vec<ProcessingResponse> {
+        let map = headers.headers.as_ref();
+        self.response.status = map
             .and_then(|map| header_value(map, ":status"))
             .and_then(|status| status.parse().ok());
+        // Which pod served: the gateway's metadata, else the header the shipped fail-open
+        // gateway adds (its retries walk the fallbacks, so it may not be the pick).
+        let served_header = map.and_then(|map| header_value(map, SERVED_HEADER));
+        let served = metadata
+            .and_then(served_metadata)
+            .or_else(|| served_header.clone());
+        if let (Some(ticket), Some(endpoint)) = (self.ticket.as_mut(), served) {
+            match endpoint.trim().parse() {
+                Ok(endpoint) => ticket.served_by(endpoint),
+                Err(_) => debug!(%endpoint, "unreadable served endpoint"),
+            }
+        }
         if headers.end_of_stream {
             self.complete();
         }
-        vec![messages::continue_response_headers()]
+        let answer = if served_header.is_some() {
+            messages::continue_response_headers_without(&[SERVED_HEADER])
+        } else {
+            messages::continue_response_headers()
+        };
+        vec![answer]
     }
 
     fn on_response_body(&mut self, body: HttpBody) -> Vec<ProcessingResponse> {
@@ -420,6 +443,17 @@ fn subset_hint(metadata: &Metadata) -> Option<EndpointSubset> {
         _ => EndpointSubset::default(),
     };
     Some(subset)
+}
+
+/// The served endpoint in the gateway's `envoy.lb` metadata, if set.
+fn served_metadata(metadata: &Metadata) -> Option<String> {
+    let lb = metadata
+        .filter_metadata
+        .get(DESTINATION_METADATA_NAMESPACE)?;
+    match &lb.fields.get(SERVED_HEADER)?.kind {
+        Some(Kind::StringValue(endpoint)) => Some(endpoint.clone()),
+        _ => None,
+    }
 }
 
 /// Finds the last `"completion_tokens": N` in a response chunk (the usage object

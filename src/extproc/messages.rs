@@ -16,6 +16,9 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// Dynamic-metadata namespace Envoy's load balancers read the destination from.
 pub const DESTINATION_METADATA_NAMESPACE: &str = "envoy.lb";
+/// Header (and `envoy.lb` metadata key) naming the endpoint that actually served the
+/// request, per the protocol's served-endpoint proposal.
+pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
 /// Metadata namespace of the gateway's subset hint.
 pub const SUBSET_HINT_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// Key of the subset hint's endpoint list.
@@ -108,6 +111,20 @@ pub fn continue_request_trailers() -> ProcessingResponse {
 
 pub fn continue_response_headers() -> ProcessingResponse {
     wrap(Response::ResponseHeaders(HeadersResponse::default()))
+}
+
+/// Continues the response without the headers named in `remove` (kvroute's own signals,
+/// which the client must not see).
+pub fn continue_response_headers_without(remove: &[&str]) -> ProcessingResponse {
+    wrap(Response::ResponseHeaders(HeadersResponse {
+        response: Some(CommonResponse {
+            header_mutation: Some(HeaderMutation {
+                remove_headers: remove.iter().map(|&name| name.to_owned()).collect(),
+                ..HeaderMutation::default()
+            }),
+            ..CommonResponse::default()
+        }),
+    }))
 }
 
 pub fn continue_response_body() -> ProcessingResponse {

@@ -76,6 +76,9 @@ pub trait InFlight: Send + 'static {
     /// The first response body bytes passed: the pod has finished the prompt's prefill.
     /// Called at most once.
     fn first_token(&mut self);
+    /// The gateway reports the request was served by `endpoint` (it may differ from the
+    /// pick when the gateway walked the fallbacks). Called at most once.
+    fn served_by(&mut self, endpoint: std::net::SocketAddr);
     /// The response ended, or the stream did (the client went away).
     fn finish(self, response: ResponseSummary);
 }

@@ -22,6 +22,7 @@ struct TicketLog {
     open: usize,
     first_tokens: usize,
     finished: Vec<ResponseSummary>,
+    served: Vec<std::net::SocketAddr>,
 }
 
 /// Routes everything to POD_A (fallback POD_B) and remembers what it was asked.
@@ -45,6 +46,10 @@ struct StubTicket(Arc<Mutex<TicketLog>>);
 impl InFlight for StubTicket {
     fn first_token(&mut self) {
         self.0.lock().expect("lock").first_tokens += 1;
+    }
+
+    fn served_by(&mut self, endpoint: std::net::SocketAddr) {
+        self.0.lock().expect("lock").served.push(endpoint);
     }
 
     fn finish(self, response: ResponseSummary) {
@@ -506,4 +511,55 @@ fn completion_tokens_are_found_with_or_without_spaces() {
         Some(7)
     );
     assert_eq!(find_completion_tokens(b"no usage here"), None);
+}
+
+fn response_headers(pairs: &[(&str, &str)], metadata: Option<Metadata>) -> ProcessingRequest {
+    let mut message = headers(pairs, false);
+    if let Some(Request::RequestHeaders(h)) = message.request.take() {
+        message.request = Some(Request::ResponseHeaders(h));
+    }
+    message.metadata_context = metadata;
+    message
+}
+
+#[test]
+fn the_served_endpoint_moves_the_request_and_its_header_is_stripped() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    ex.handle(post("/v1/completions"));
+    ex.handle(body(COMPLETION, true));
+    let answers = ex.handle(response_headers(
+        &[(":status", "200"), (SERVED_HEADER, POD_B)],
+        None,
+    ));
+    assert_eq!(router.tickets().served, vec![POD_B.parse().expect("addr")]);
+    let Some(Response::ResponseHeaders(answer)) = &answers[0].response else {
+        panic!("headers answer: {answers:?}");
+    };
+    let mutation = answer
+        .response
+        .as_ref()
+        .and_then(|r| r.header_mutation.as_ref())
+        .expect("mutation");
+    assert_eq!(mutation.remove_headers, vec![SERVED_HEADER.to_owned()]);
+
+    // The protocol's metadata form, without the header: nothing to strip.
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    ex.handle(post("/v1/completions"));
+    ex.handle(body(COMPLETION, true));
+    let mut lb = Struct::default();
+    lb.fields.insert(
+        SERVED_HEADER.into(),
+        Value {
+            kind: Some(Kind::StringValue(POD_B.into())),
+        },
+    );
+    let mut metadata = Metadata::default();
+    metadata
+        .filter_metadata
+        .insert(DESTINATION_METADATA_NAMESPACE.into(), lb);
+    let answers = ex.handle(response_headers(&[(":status", "200")], Some(metadata)));
+    assert_eq!(router.tickets().served, vec![POD_B.parse().expect("addr")]);
+    assert_eq!(answers, vec![messages::continue_response_headers()]);
 }

@@ -282,6 +282,27 @@ impl Reservation {
     }
 }
 
+impl Reservation {
+    /// The gateway served the request from another pod than the one reserved (it walked
+    /// the fallbacks): the request counts there from now on, as if just sent, and no
+    /// longer here.
+    #[must_use]
+    pub fn move_to(self, load: &Arc<PodLoad>) -> Reservation {
+        if Arc::ptr_eq(&self.load, load) {
+            return self;
+        }
+        let prefill = self.prefill;
+        let tokens = self.tokens;
+        drop(self);
+        let (end, prompt) = prefill.unwrap_or((PrefillEnd::FirstToken, 0));
+        let mut moved = load.reserve(tokens, prompt, end);
+        if prefill.is_none() {
+            moved.prefill = None;
+        }
+        moved
+    }
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.first_token();

@@ -154,3 +154,25 @@ fn a_non_streaming_answer_before_any_scrape_ends_its_prefill_once() {
     drop(quick);
     assert_eq!(load.prefill_tokens(), 100);
 }
+
+#[test]
+fn a_reservation_moved_to_the_pod_that_served_counts_there_only() {
+    let (picked, served) = (Arc::new(PodLoad::default()), Arc::new(PodLoad::default()));
+    let reservation = picked.reserve(1_000, 600, PrefillEnd::FirstToken);
+    let mut moved = reservation.move_to(&served);
+    for (load, expected) in [(&picked, (0, 0, 0, 0)), (&served, (1, 1_000, 1_000, 600))] {
+        assert_eq!(
+            (
+                load.inflight(),
+                load.committed_tokens(),
+                load.unscraped_tokens(),
+                load.prefill_tokens()
+            ),
+            expected
+        );
+    }
+    moved.first_token();
+    assert_eq!(served.prefill_tokens(), 0);
+    drop(moved);
+    assert_eq!((served.inflight(), served.committed_tokens()), (0, 0));
+}
