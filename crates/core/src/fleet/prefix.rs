@@ -150,7 +150,10 @@ impl PrefixIndex {
             0 => DEFAULT_POD_BLOCKS,
             n => usize::try_from(n).unwrap_or(usize::MAX),
         };
-        for &block in blocks {
+        // Last block first, so a prompt's head is its most recent part and is forgotten
+        // last: vLLM frees a finished request's blocks tail first for the same reason, and
+        // a prefix whose first block is gone matches nothing at all.
+        for &block in blocks.iter().rev() {
             self.clock += 1;
             let now = self.clock;
             let holders = self.holders.entry(block).or_default();

@@ -77,7 +77,7 @@ impl Candidate {
         if is_fresh(pod, config) {
             flags |= FRESH;
         }
-        if !is_saturated(pod, cached, config) {
+        if !is_saturated(pod, cached, demand.prompt, config) {
             flags |= NOT_SATURATED;
         }
         if free_kv.is_none_or(|free| free >= needed) {
@@ -230,16 +230,15 @@ fn is_fresh(pod: &PodView, config: &SchedulerConfig) -> bool {
             .is_some_and(|age| age <= config.max_metrics_age)
 }
 
-/// A long queue, or KV use at the threshold not counting the `cached` prompt tokens this
-/// request would share (on a shared-prefix load every pod is "full" of the very context
-/// the request reuses).
-fn is_saturated(pod: &PodView, cached: u64, config: &SchedulerConfig) -> bool {
+/// A long queue, or KV use at the threshold. KV use does not make a pod saturated for a
+/// request whose prompt it mostly caches (`cached`, at least half of `prompt`): on a
+/// shared-prefix load pods run near full *because* their requests share cached contexts,
+/// and sending a request away from its context allocates the context again elsewhere and
+/// evicts others' (the filter that checks free KV still applies to what it needs anew).
+fn is_saturated(pod: &PodView, cached: u64, prompt: u64, config: &SchedulerConfig) -> bool {
     pod.signals().is_some_and(|s| {
-        let shared = match s.kv_capacity_tokens {
-            0 => 0.0,
-            capacity => cached as f64 / capacity as f64,
-        };
+        let shares_its_context = cached > 0 && cached * 2 >= prompt;
         s.waiting >= config.saturation.queue_depth
-            || f64::from(s.kv_usage) - shared >= config.saturation.kv_usage
+            || (!shares_its_context && f64::from(s.kv_usage) >= config.saturation.kv_usage)
     })
 }

@@ -6,8 +6,8 @@
 //!    gateway's subset hint, able to serve the model (else 404; 503 while some pod's model
 //!    list cannot be read, as it may serve it), healthy (else 503). Then
 //!    soft filters, each applied only when it leaves at least one pod (the decision records
-//!    every one it had to relax): fresh metrics; not saturated (queue, or KV not counting
-//!    the prompt blocks the pod caches for this request); enough free KV for the request's
+//!    every one it had to relax): fresh metrics; not saturated (queue, or KV use unless the
+//!    pod caches most of this request's prompt); enough free KV for the request's
 //!    uncached prompt plus expected output, counting what kvroute has in flight there
 //!    ([`free_kv_tokens`]).
 //! 2. [`score`]. A weighted sum, highest wins:

@@ -814,3 +814,35 @@ fn the_prefill_a_cached_prompt_saves_counts_in_the_prefill_queue_score() {
         assert!((decision.ranked[0].prefill_queue - scale / (scale + own)).abs() < 1e-9);
     }
 }
+
+#[test]
+fn kv_use_does_not_turn_a_request_away_from_the_pod_that_caches_its_context() {
+    // Pod 1 runs at 90 % KV, most of it the contexts its running requests share, among
+    // them this request's 3,000 tokens; pod 2 is cold at 50 %. Sending the request to pod
+    // 2 would allocate the context a second time there.
+    let prefix = matches(200, &[(1, 187)]);
+    let ask = Ask {
+        max_output_tokens: Some(200),
+        prefix: Some(&prefix),
+        ..request("base", 3_200)
+    };
+    let small = |n, usage| {
+        with_metrics(pod(n), |m| {
+            m.kv_capacity_tokens = Some(30_000);
+            m.kv_usage = usage;
+        })
+    };
+    let decision = pick_seeded(&ask, &fleet(vec![small(1, 0.9), small(2, 0.5)])).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+    assert!(!decision.relaxed.any(), "{decision:?}");
+    assert_eq!(decision.candidates, 2, "both pods pass the filters");
+
+    // A request that shares nothing with pod 1 still finds it saturated.
+    let cold = pick_seeded(
+        &request("base", 3_200),
+        &fleet(vec![small(1, 0.9), small(2, 0.5)]),
+    )
+    .expect("placed");
+    assert_eq!(cold.endpoint, endpoint(2));
+    assert_eq!(cold.candidates, 1);
+}
