@@ -72,7 +72,7 @@ impl App {
     pub async fn bind(config: ServeConfig) -> anyhow::Result<App> {
         config.validate()?;
         let discovery = Discovery::connect(&config.discovery()).await?;
-        let prometheus = telemetry::install()?;
+        let prometheus = telemetry::install(config.idle_gauge_timeout)?;
         let grpc = bind(config.grpc_addr, "--grpc-addr").await?;
         let health = match config.health_addr {
             Some(addr) => Some(bind(addr, "--health-addr").await?),

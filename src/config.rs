@@ -136,6 +136,10 @@ pub struct ServeArgs {
     /// On shutdown, let open request streams finish for up to this long.
     #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
+    /// A gauge no one has set for this long leaves /metrics: the per-pod series of a pod
+    /// that left the fleet (set at every scrape while it is there).
+    #[arg(long, env = "KVROUTE_IDLE_GAUGE_TIMEOUT", default_value = "2m", value_parser = humantime::parse_duration)]
+    pub idle_gauge_timeout: Duration,
     /// HTTP/2 ping interval on gRPC connections (ext_proc, health, admin); also the TCP
     /// keepalive time. A gateway that vanishes without closing its connection is noticed
     /// within this plus --grpc-keepalive-timeout, and its requests' accounting released.
@@ -304,6 +308,8 @@ pub struct ServeConfig {
     pub max_body_bytes: usize,
     pub debug_decisions: usize,
     pub drain_timeout: Duration,
+    /// See [`ServeArgs::idle_gauge_timeout`].
+    pub idle_gauge_timeout: Duration,
     pub grpc_keepalive: GrpcKeepalive,
 }
 
@@ -341,6 +347,7 @@ impl ServeConfig {
             max_body_bytes: 16 << 20,
             debug_decisions: 0,
             drain_timeout: Duration::from_secs(10),
+            idle_gauge_timeout: crate::telemetry::GAUGE_IDLE_TIMEOUT,
             grpc_keepalive: GrpcKeepalive::default(),
         }
     }
@@ -413,6 +420,7 @@ impl ServeConfig {
             max_body_bytes: args.max_body_bytes,
             debug_decisions: args.debug_decisions,
             drain_timeout: args.drain_timeout,
+            idle_gauge_timeout: args.idle_gauge_timeout,
             grpc_keepalive: GrpcKeepalive {
                 interval: args.grpc_keepalive_interval,
                 timeout: args.grpc_keepalive_timeout,

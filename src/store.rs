@@ -6,10 +6,10 @@
 //! snapshot's model index is built once here rather than per request). Readers take the
 //! current fleet without locking the writers out.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use kvroute_core::fleet::{
@@ -34,6 +34,10 @@ struct PodRecord {
 #[derive(Debug)]
 pub struct PodStore {
     pods: Mutex<BTreeMap<SocketAddr, PodRecord>>,
+    /// Load counters of endpoints that left while requests routed there were still open.
+    /// An endpoint that comes back (a readiness flap, a discovery blip) gets its counters
+    /// back, so those requests still count; entries die with the last such request.
+    departed: Mutex<HashMap<SocketAddr, Weak<PodLoad>>>,
     health_policy: HealthPolicy,
     published: watch::Sender<Arc<Fleet>>,
     dirty: Notify,
@@ -44,6 +48,7 @@ impl PodStore {
     pub fn new(health_policy: HealthPolicy) -> Self {
         PodStore {
             pods: Mutex::new(BTreeMap::new()),
+            departed: Mutex::new(HashMap::new()),
             health_policy,
             published: watch::Sender::new(Arc::new(Fleet::default())),
             dirty: Notify::new(),
@@ -60,27 +65,44 @@ impl PodStore {
     }
 
     /// Replaces the endpoint set. New endpoints start down until their first scrape
-    /// succeeds; removed ones vanish from the next snapshot together with their
-    /// in-flight accounting. Returns whether anything changed.
+    /// succeeds; removed ones vanish from the next snapshot. A removed endpoint's in-flight
+    /// accounting lives on while its requests are open, and is taken up again if the
+    /// endpoint returns meanwhile. Returns whether anything changed.
     pub fn set_endpoints(&self, endpoints: &[SocketAddr]) -> bool {
         let wanted: HashSet<&SocketAddr> = endpoints.iter().collect();
         let mut pods = self.lock();
+        let mut departed = self
+            .departed
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let before = pods.len();
-        pods.retain(|endpoint, _| wanted.contains(endpoint));
+        pods.retain(|endpoint, record| {
+            let keep = wanted.contains(endpoint);
+            if !keep && record.load.inflight() > 0 {
+                departed.insert(*endpoint, Arc::downgrade(&record.load));
+            }
+            keep
+        });
+        departed.retain(|_, load| load.strong_count() > 0);
         let mut changed = pods.len() != before;
         for endpoint in endpoints {
             pods.entry(*endpoint).or_insert_with(|| {
                 changed = true;
+                let load = departed
+                    .remove(endpoint)
+                    .and_then(|load| load.upgrade())
+                    .unwrap_or_default();
                 PodRecord {
                     metrics: None,
                     scraped_at: None,
                     models: None,
                     health: HealthTracker::default(),
-                    load: Arc::new(PodLoad::default()),
+                    load,
                     unpublished: None,
                 }
             });
         }
+        drop(departed);
         if changed {
             // Bumped under the lock, so a publish that sees the new set sees the new version.
             self.endpoints_version.fetch_add(1, Ordering::Relaxed);

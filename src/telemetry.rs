@@ -13,9 +13,14 @@ use metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_util::MetricKindMask;
 
 use kvroute_core::fleet::PodMetrics;
 use kvroute_core::scheduler::Reason;
+
+/// How long a gauge no one sets stays exported by default: a departed pod's gauges leave
+/// with it.
+pub const GAUGE_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 
 pub const REQUESTS: &str = "kvroute_requests_total";
 pub const PICK_DURATION: &str = "kvroute_pick_duration_seconds";
@@ -98,12 +103,15 @@ pub enum TelemetryError {
 static HANDLE: OnceLock<Result<PrometheusHandle, TelemetryError>> = OnceLock::new();
 
 /// Installs the process-wide recorder once and returns its handle (later calls, e.g.
-/// several servers in one test process, share it).
-pub fn install() -> Result<PrometheusHandle, TelemetryError> {
-    HANDLE.get_or_init(build_and_install).clone()
+/// several servers in one test process, share it, with the first call's settings).
+/// Gauges no one sets for `idle_gauge_timeout` leave the exposition.
+pub fn install(idle_gauge_timeout: Duration) -> Result<PrometheusHandle, TelemetryError> {
+    HANDLE
+        .get_or_init(|| build_and_install(idle_gauge_timeout))
+        .clone()
 }
 
-fn build_and_install() -> Result<PrometheusHandle, TelemetryError> {
+fn build_and_install(idle_gauge_timeout: Duration) -> Result<PrometheusHandle, TelemetryError> {
     let latency_buckets = [
         0.000_001, 0.000_002, 0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_2, 0.000_5,
         0.001, 0.005, 0.01,
@@ -115,6 +123,10 @@ fn build_and_install() -> Result<PrometheusHandle, TelemetryError> {
         0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
     ];
     let recorder = PrometheusBuilder::new()
+        // Per-pod gauges are set at every scrape; a pod that left the fleet sets them no
+        // more, and its series go after this long. Counters and histograms never expire:
+        // a counter at zero must stay visible (dashboards read "no data" otherwise).
+        .idle_timeout(MetricKindMask::GAUGE, Some(idle_gauge_timeout))
         .set_buckets_for_metric(Matcher::Full(PICK_DURATION.into()), &latency_buckets)
         .and_then(|b| {
             b.set_buckets_for_metric(Matcher::Full(REQUEST_DURATION.into()), &request_buckets)

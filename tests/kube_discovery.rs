@@ -200,7 +200,10 @@ async fn deleted_and_terminating_pods_leave_with_their_in_flight_accounting() {
     fake.apply(Resource::Pods, NS, terminating);
     wait_endpoints(&kvroute, "b terminating", vec![ep("127.0.0.4", PORT)]).await;
 
-    // A pod at the same address later starts from a clean ledger.
+    // The deleted pod's request ends (its connections went with it); a pod at the same
+    // address later starts from a clean ledger.
+    drop(request);
+    drop(load);
     fake.apply(Resource::Pods, NS, pod("a", Some("127.0.0.2"), true, VLLM));
     wait_endpoints(&kvroute, "a back", vec![a, ep("127.0.0.4", PORT)]).await;
     let fresh = kvroute.store.load(a).expect("a is known again");
@@ -209,7 +212,37 @@ async fn deleted_and_terminating_pods_leave_with_their_in_flight_accounting() {
         0,
         "the old in-flight count went with the pod"
     );
+}
+
+#[tokio::test]
+async fn a_pod_briefly_not_ready_keeps_the_requests_still_open_on_it() {
+    let fake = FakeKube::start().await;
+    for (name, ip) in [("a", "127.0.0.2"), ("b", "127.0.0.3")] {
+        fake.apply(Resource::Pods, NS, pod(name, Some(ip), true, VLLM));
+    }
+    let kvroute = Kvroute::start(config(&fake, selector("app=vllm", &[PORT]))).await;
+    let (a, b) = (ep("127.0.0.2", PORT), ep("127.0.0.3", PORT));
+    wait_endpoints(&kvroute, "two pods", vec![a, b]).await;
+    let request =
+        kvroute
+            .store
+            .load(a)
+            .expect("a is known")
+            .reserve(1_000, 0, PrefillEnd::FirstToken);
+
+    // A readiness probe fails once: the endpoint leaves, its streams go on.
+    fake.apply(Resource::Pods, NS, pod("a", Some("127.0.0.2"), false, VLLM));
+    wait_endpoints(&kvroute, "a not ready", vec![b]).await;
+    fake.apply(Resource::Pods, NS, pod("a", Some("127.0.0.2"), true, VLLM));
+    wait_endpoints(&kvroute, "a ready again", vec![a, b]).await;
+    let back = kvroute.store.load(a).expect("a is known again");
+    assert_eq!(
+        (back.inflight(), back.committed_tokens()),
+        (1, 1_000),
+        "the request still running there counts"
+    );
     drop(request);
+    assert_eq!(back.inflight(), 0);
 }
 
 #[tokio::test]

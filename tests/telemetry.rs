@@ -1,6 +1,7 @@
-//! kvroute's own `/metrics` on a healthy fleet before any request: every counter the
+//! kvroute's own `/metrics`: on a healthy fleet before any request, every counter the
 //! shipped Grafana dashboard rates is already a series (at 0), so its panels show 0, not
-//! "no data". Its own process, so no other test's traffic has created the series first.
+//! "no data"; a pod that leaves the fleet takes its gauges with it. Each test runs in its
+//! own process (nextest), so no other test's series or settings are in the recorder.
 
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -8,6 +9,7 @@
 mod support;
 
 use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
 
 use support::{FakePod, Kvroute, http_client, project_file, test_config};
 
@@ -87,5 +89,56 @@ async fn every_counter_the_dashboard_rates_exists_at_zero_before_its_first_event
                 .any(|s| s.name == "kvroute_decisions_total" && s.label("reason") == Some(reason)),
             "no decisions series for {reason}"
         );
+    }
+}
+
+async fn scrape_kvroute(kvroute: &Kvroute) -> String {
+    http_client()
+        .get(format!("http://{}/metrics", kvroute.addrs.metrics))
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("text")
+}
+
+fn has_pod_gauge(text: &str, pod: &str) -> bool {
+    let samples = kvroute_core::exposition::parse(text).expect("valid exposition");
+    samples
+        .iter()
+        .any(|s| s.name == "kvroute_pod_kv_cache_usage_ratio" && s.label("pod") == Some(pod))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_leaves_the_fleet_takes_its_gauges_with_it() {
+    let pods = [
+        FakePod::start("pod-0", "llama", &[]).await,
+        FakePod::start("pod-1", "llama", &[]).await,
+    ];
+    let mut config = test_config(pods.iter().map(|p| p.addr).collect());
+    config.idle_gauge_timeout = Duration::from_millis(500);
+    let kvroute = Kvroute::start(config).await;
+    kvroute.wait_until_scraped(2).await;
+    let (staying, leaving) = (pods[0].addr.to_string(), pods[1].addr.to_string());
+    let text = scrape_kvroute(&kvroute).await;
+    assert!(has_pod_gauge(&text, &leaving), "{text}");
+
+    kvroute.store.set_endpoints(&[pods[0].addr]);
+    let started = Instant::now();
+    loop {
+        let text = scrape_kvroute(&kvroute).await;
+        assert!(
+            has_pod_gauge(&text, &staying),
+            "the pod still here keeps its series"
+        );
+        if !has_pod_gauge(&text, &leaving) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the departed pod's gauges are still exported:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

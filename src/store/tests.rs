@@ -100,3 +100,30 @@ fn pods_are_sorted_by_endpoint_and_found_by_lookup() {
     assert_eq!(snapshot.pod(addr(2)).map(|p| p.endpoint), Some(addr(2)));
     assert!(snapshot.pod(addr(9)).is_none());
 }
+
+#[test]
+fn an_endpoint_that_leaves_and_returns_keeps_the_requests_still_open_there() {
+    let store = PodStore::new(HealthPolicy::default());
+    store.set_endpoints(&[addr(1), addr(2)]);
+    let open = store
+        .load(addr(1))
+        .expect("known")
+        .reserve(700, 100, PrefillEnd::FirstToken);
+    store.set_endpoints(&[addr(2)]);
+    assert!(store.load(addr(1)).is_none(), "gone from the fleet");
+    store.set_endpoints(&[addr(1), addr(2)]);
+    let back = store.load(addr(1)).expect("back");
+    assert_eq!(
+        (back.inflight(), back.committed_tokens()),
+        (1, 700),
+        "the open request still counts"
+    );
+    drop(open);
+    assert_eq!(back.inflight(), 0);
+
+    // Once nothing is open there, leaving forgets it and returning starts afresh.
+    store.set_endpoints(&[addr(2)]);
+    store.set_endpoints(&[addr(1), addr(2)]);
+    assert!(!Arc::ptr_eq(&back, &store.load(addr(1)).expect("back")));
+    assert!(store.departed.lock().expect("lock").is_empty());
+}
