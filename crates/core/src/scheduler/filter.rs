@@ -31,12 +31,10 @@ pub(super) struct Candidate {
     pub(super) prefill: u64,
     pub(super) kv_usage: f32,
     pub(super) capacity: u64,
-    /// Prompt tokens the pod likely holds in its prefix cache for this request.
-    pub(super) cached: u64,
-    /// New KV the request needs here: its uncached prompt plus its expected output.
-    pub(super) needed: u64,
-    /// Prompt tokens the pod would have to prefill for this request.
-    pub(super) uncached_prompt: u64,
+    /// Prompt tokens the pod likely holds in its prefix cache for this request (a prompt
+    /// estimate fits in 32 bits; kept small, as every pass over thousands of candidates
+    /// streams this record).
+    pub(super) cached: u32,
     /// Estimated free KV tokens, or [`UNKNOWN`].
     free_kv: u64,
 }
@@ -52,10 +50,22 @@ pub(super) struct Demand<'a> {
 
 impl Demand<'_> {
     /// Prompt tokens `pod` likely caches (kvroute sent it the same leading blocks).
-    fn cached_at(&self, pod: &PodView) -> u64 {
+    fn cached_at(&self, pod: &PodView) -> u32 {
         self.prefix.map_or(0, |prefix| {
-            (u64::from(prefix.blocks_at(pod.endpoint)) * BLOCK_TOKENS).min(self.prompt)
+            let tokens =
+                (u64::from(prefix.blocks_at(pod.endpoint)) * BLOCK_TOKENS).min(self.prompt);
+            u32::try_from(tokens).unwrap_or(u32::MAX)
         })
+    }
+
+    /// New KV the request needs on a pod caching `cached` of its prompt tokens.
+    pub(super) fn needed(&self, cached: u32) -> u64 {
+        self.tokens.saturating_sub(u64::from(cached))
+    }
+
+    /// Prompt tokens a pod caching `cached` of them must prefill.
+    pub(super) fn uncached_prompt(&self, cached: u32) -> u64 {
+        self.prompt.saturating_sub(u64::from(cached))
     }
 }
 
@@ -72,12 +82,12 @@ impl Candidate {
         // Cached blocks are shared, not allocated again: the request needs only the rest
         // of its prompt, and the blocks it shares do not make the pod full for it.
         let cached = demand.cached_at(pod);
-        let needed = demand.tokens - cached;
+        let needed = demand.needed(cached);
         let mut flags = 0;
         if is_fresh(pod, config) {
             flags |= FRESH;
         }
-        if !is_saturated(pod, cached, demand.prompt, config) {
+        if !is_saturated(pod, u64::from(cached), demand.prompt, config) {
             flags |= NOT_SATURATED;
         }
         if free_kv.is_none_or(|free| free >= needed) {
@@ -95,8 +105,6 @@ impl Candidate {
             kv_usage: signals.map_or(0.0, |s| s.kv_usage),
             capacity: signals.map_or(0, |s| s.kv_capacity_tokens),
             cached,
-            needed,
-            uncached_prompt: demand.prompt - cached,
             free_kv: free_kv.unwrap_or(UNKNOWN),
         }
     }

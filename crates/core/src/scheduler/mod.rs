@@ -168,7 +168,7 @@ pub fn pick<R: Rng + ?Sized>(
     let adapter = request
         .model()
         .filter(|model| lora::is_adapter(model, fleet.snapshot(), config));
-    let scorer = score::Scorer::new(&filtered, fleet, prefix, adapter, config);
+    let scorer = score::Scorer::new(&filtered, fleet, prefix, demand, adapter, config);
     let ranking = rank::rank(&filtered, &scorer, config, rng);
     Ok(decide(request, &filtered, ranking, tokens_needed, config))
 }
@@ -236,7 +236,8 @@ pub fn tokens_needed(request: &RouteRequest<'_>, config: &SchedulerConfig) -> u6
 pub fn free_kv_tokens(pod: &PodView, load: &PodLoad) -> Option<u64> {
     let signals = pod.signals()?;
     let capacity = Some(signals.kv_capacity_tokens).filter(|c| *c > 0)?;
-    let reported = (capacity as f64 * f64::from(signals.kv_usage)).round() as u64;
+    // Rounded to the nearest token (`+ 0.5`, not `round()`, a library call on x86-64).
+    let reported = (capacity as f64 * f64::from(signals.kv_usage) + 0.5) as u64;
     let used = reported
         .saturating_add(load.unscraped_tokens())
         .max(load.committed_tokens());

@@ -1,7 +1,7 @@
 //! Stage 2: the score of each accepted pod, a weighted sum of terms that each lie in
 //! 0..=1 (the formula is in the module docs of [`super`]).
 
-use super::filter::{Candidate, Filtered};
+use super::filter::{Candidate, Demand, Filtered};
 use super::lora::LoraTier;
 use super::{CandidateScore, SchedulerConfig};
 use crate::fleet::{Fleet, PodView, PrefixMatches, adapter_key};
@@ -10,6 +10,7 @@ use crate::fleet::{Fleet, PodView, PrefixMatches, adapter_key};
 pub(super) struct Scorer<'a> {
     fleet: &'a Fleet,
     prefix: Option<&'a PrefixMatches>,
+    demand: Demand<'a>,
     adapter: Option<&'a str>,
     /// [`adapter_key`] of `adapter`.
     adapter_key: u64,
@@ -23,6 +24,7 @@ impl<'a> Scorer<'a> {
         filtered: &Filtered,
         fleet: &'a Fleet,
         prefix: Option<&'a PrefixMatches>,
+        demand: Demand<'a>,
         adapter: Option<&'a str>,
         config: &'a SchedulerConfig,
     ) -> Self {
@@ -34,6 +36,7 @@ impl<'a> Scorer<'a> {
         Scorer {
             fleet,
             prefix: prefix.filter(|p| p.any() && p.request_blocks > 0),
+            demand,
             adapter,
             adapter_key: adapter.map_or(0, adapter_key),
             max_inflight,
@@ -47,7 +50,7 @@ impl<'a> Scorer<'a> {
 
     fn kv_headroom(&self, c: &Candidate) -> f64 {
         match (c.has_metrics(), c.free_kv()) {
-            (true, Some(free)) => kv_headroom_score(free, c.needed, c.capacity),
+            (true, Some(free)) => kv_headroom_score(free, self.demand.needed(c.cached), c.capacity),
             (true, None) => 1.0 - f64::from(c.kv_usage),
             (false, _) => 0.0,
         }
@@ -76,7 +79,7 @@ impl<'a> Scorer<'a> {
     /// the prompt is worth the prefill it saves, not just the share of blocks it holds.
     fn prefill_queue(&self, c: &Candidate) -> f64 {
         let scale = f64::from(self.config.prefill_queue_tokens);
-        scale / (scale + (c.prefill + c.uncached_prompt) as f64)
+        scale / (scale + (c.prefill + self.demand.uncached_prompt(c.cached)) as f64)
     }
 
     fn lora_tier(&self, c: &Candidate) -> Option<LoraTier> {
@@ -117,7 +120,7 @@ impl<'a> Scorer<'a> {
             prefix: self.prefix(c),
             prefill_queue: self.prefill_queue(c),
             free_kv_tokens: c.free_kv(),
-            cached_tokens: c.cached,
+            cached_tokens: u64::from(c.cached),
         }
     }
 }
