@@ -60,14 +60,7 @@ async fn every_counter_the_dashboard_rates_exists_at_zero_before_its_first_event
     let pod = FakePod::start("pod-0", "llama", &[]).await;
     let kvroute = Kvroute::start(test_config(vec![pod.addr])).await;
     kvroute.wait_until_scraped(1).await;
-    let text = http_client()
-        .get(format!("http://{}/metrics", kvroute.addrs.metrics))
-        .send()
-        .await
-        .expect("GET /metrics")
-        .text()
-        .await
-        .expect("text");
+    let text = scrape_kvroute(&kvroute).await;
     let samples = kvroute_core::exposition::parse(&text).expect("valid exposition");
     for counter in &counters {
         assert!(
