@@ -222,6 +222,12 @@ impl InFlight for InFlightRequest {
         }
     }
 
+    fn streamed(&mut self, events: u64) {
+        if let Some(reservation) = self.reservation.as_mut() {
+            reservation.streamed(events);
+        }
+    }
+
     fn served_by(&mut self, endpoint: std::net::SocketAddr) {
         // A pod kvroute does not know (it left the fleet meanwhile) keeps nothing.
         if let (Some(reservation), Some(load)) =

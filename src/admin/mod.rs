@@ -235,6 +235,7 @@ fn endpoint(pod: &PodView, load: &PodLoad) -> pb::Endpoint {
         unscraped_tokens: load.unscraped_tokens(),
         committed_tokens: load.committed_tokens(),
         prefill_tokens: load.prefill_tokens(),
+        growth_tokens: load.growth_tokens(),
     }
 }
 

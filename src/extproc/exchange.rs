@@ -295,6 +295,12 @@ impl<R: Router> Exchange<R> {
             ticket.first_token();
             self.first_token_seen = true;
         }
+        if let Some(ticket) = self.ticket.as_mut() {
+            let events = count_events(&body.body);
+            if events > 0 {
+                ticket.streamed(events);
+            }
+        }
         if let Some(tokens) = find_completion_tokens(&body.body) {
             self.response.completion_tokens = Some(tokens);
         }
@@ -454,6 +460,18 @@ fn served_metadata(metadata: &Metadata) -> Option<String> {
         Some(Kind::StringValue(endpoint)) => Some(endpoint.clone()),
         _ => None,
     }
+}
+
+/// Server-sent events that start in `chunk` (`data:` at the start of a line; an event
+/// split across chunks at exactly that prefix is missed, which only delays the count).
+fn count_events(chunk: &[u8]) -> u64 {
+    const FIELD: &[u8] = b"data:";
+    let starts = chunk
+        .windows(FIELD.len())
+        .enumerate()
+        .filter(|(at, window)| *window == FIELD && (*at == 0 || chunk[at - 1] == b'\n'))
+        .count();
+    starts as u64
 }
 
 /// Finds the last `"completion_tokens": N` in a response chunk (the usage object

@@ -76,6 +76,9 @@ pub trait InFlight: Send + 'static {
     /// The first response body bytes passed: the pod has finished the prompt's prefill.
     /// Called at most once.
     fn first_token(&mut self);
+    /// `events` more server-sent events of the response passed (vLLM streams about one
+    /// output token in each).
+    fn streamed(&mut self, events: u64);
     /// The gateway reports the request was served by `endpoint` (it may differ from the
     /// pick when the gateway walked the fallbacks). Called at most once.
     fn served_by(&mut self, endpoint: std::net::SocketAddr);

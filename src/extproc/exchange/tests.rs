@@ -23,6 +23,7 @@ struct TicketLog {
     first_tokens: usize,
     finished: Vec<ResponseSummary>,
     served: Vec<std::net::SocketAddr>,
+    streamed: u64,
 }
 
 /// Routes everything to POD_A (fallback POD_B) and remembers what it was asked.
@@ -50,6 +51,10 @@ impl InFlight for StubTicket {
 
     fn served_by(&mut self, endpoint: std::net::SocketAddr) {
         self.0.lock().expect("lock").served.push(endpoint);
+    }
+
+    fn streamed(&mut self, events: u64) {
+        self.0.lock().expect("lock").streamed += events;
     }
 
     fn finish(self, response: ResponseSummary) {
@@ -562,4 +567,26 @@ fn the_served_endpoint_moves_the_request_and_its_header_is_stripped() {
     let answers = ex.handle(response_headers(&[(":status", "200")], Some(metadata)));
     assert_eq!(router.tickets().served, vec![POD_B.parse().expect("addr")]);
     assert_eq!(answers, vec![messages::continue_response_headers()]);
+}
+
+#[test]
+fn streamed_events_are_counted_as_they_pass() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::FullDuplexStreamed);
+    ex.handle(post("/v1/completions"));
+    ex.handle(body(COMPLETION, true));
+    ex.handle(response_body(
+        b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n",
+        false,
+    ));
+    ex.handle(response_body(
+        b"data: {\"choices\":[{\"text\":\"b data: c\"}]}\n\ndata: {\"choices\":[]}\n\n",
+        false,
+    ));
+    assert_eq!(
+        router.tickets().streamed,
+        3,
+        "a `data:` inside a text is not an event"
+    );
+    assert_eq!(router.tickets().first_tokens, 1);
 }

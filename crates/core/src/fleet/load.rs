@@ -12,8 +12,14 @@
 //!   blocks as it goes and preempts when they run out, so the pod's peak need is what
 //!   kvroute sent it, not what it reports now.
 //!
-//! The scheduler takes the larger of `reported + unscraped` and `committed` as the pod's
-//! use, so a request the pod already reports is never counted twice (see
+//! - **growth**: for streaming requests whose response kvroute sees, the output they will
+//!   still add: their expected output less the tokens streamed so far. What they hold
+//!   already is in the pod's report (their prompts, once running, are in it too; a queued
+//!   request's prompt is in `committed`).
+//!
+//! The scheduler takes the largest of `reported + unscraped`, `committed` and
+//! `reported + growth` as the pod's use: each is a lower bound of what the pod will need,
+//! and none counts a request the pod already reports twice (see
 //! [`crate::scheduler::free_kv_tokens`]). The in-flight request count is held until the
 //! request finishes.
 //!
@@ -33,6 +39,8 @@ pub struct PodLoad {
     unscraped_tokens: AtomicU64,
     /// KV tokens of every request in flight here (uncached prompt + expected output).
     committed_tokens: AtomicU64,
+    /// Output tokens the observed streaming requests here have yet to generate.
+    growth_tokens: AtomicU64,
     /// Prompt tokens of streaming requests sent here that have not yet streamed a first
     /// token: the prefill work queued ahead of a new request, known without a scrape.
     prefill_tokens: AtomicU64,
@@ -131,6 +139,12 @@ impl PodLoad {
         self.committed_tokens.load(Ordering::Relaxed)
     }
 
+    /// Output tokens the streaming requests kvroute watches here have yet to generate:
+    /// KV the pod will allocate that its report cannot show.
+    pub fn growth_tokens(&self) -> u64 {
+        self.growth_tokens.load(Ordering::Relaxed)
+    }
+
     /// Prompt tokens of requests sent here whose prefill the pod has not shown yet.
     pub fn prefill_tokens(&self) -> u64 {
         self.prefill_tokens.load(Ordering::Relaxed) + self.prefill_unscraped.load(Ordering::Relaxed)
@@ -168,15 +182,23 @@ impl PodLoad {
         };
         self.inflight.fetch_add(1, Ordering::Relaxed);
         self.committed_tokens.fetch_add(tokens, Ordering::Relaxed);
-        if prefill_end == PrefillEnd::FirstToken {
+        // Only a request whose first token and streamed tokens kvroute sees can say how
+        // much it has yet to allocate.
+        let growth = if prefill_end == PrefillEnd::FirstToken {
             self.prefill_tokens
                 .fetch_add(prompt_tokens, Ordering::Relaxed);
-        }
+            let output = tokens.saturating_sub(prompt_tokens);
+            self.growth_tokens.fetch_add(output, Ordering::Relaxed);
+            Some(output)
+        } else {
+            None
+        };
         Reservation {
             load: Arc::clone(self),
             tag,
             tokens,
             prefill: Some((prefill_end, prompt_tokens)),
+            growth,
         }
     }
 
@@ -261,6 +283,8 @@ pub struct Reservation {
     /// Prompt tokens still counted as waiting for prefill, and until when; `None` after
     /// the first token.
     prefill: Option<(PrefillEnd, u64)>,
+    /// What this request still counts in the pod's growth (`None`: not observed).
+    growth: Option<u64>,
 }
 
 impl Reservation {
@@ -280,6 +304,20 @@ impl Reservation {
             None => {}
         }
     }
+
+    /// `tokens` more output tokens streamed (each SSE event of vLLM carries about one):
+    /// the pod has allocated them. A no-op for requests kvroute does not observe.
+    pub fn streamed(&mut self, tokens: u64) {
+        self.shrink_growth(tokens);
+    }
+
+    fn shrink_growth(&mut self, tokens: u64) {
+        if let Some(left) = self.growth.as_mut() {
+            let taken = tokens.min(*left);
+            *left -= taken;
+            self.load.growth_tokens.fetch_sub(taken, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Reservation {
@@ -291,13 +329,17 @@ impl Reservation {
         if Arc::ptr_eq(&self.load, load) {
             return self;
         }
-        let prefill = self.prefill;
+        let (prefill, growth) = (self.prefill, self.growth);
         let tokens = self.tokens;
         drop(self);
         let (end, prompt) = prefill.unwrap_or((PrefillEnd::FirstToken, 0));
         let mut moved = load.reserve(tokens, prompt, end);
         if prefill.is_none() {
             moved.prefill = None;
+        }
+        // Carry over what is left to grow, not the whole request again.
+        if let (Some(now), Some(left)) = (moved.growth, growth) {
+            moved.shrink_growth(now.saturating_sub(left));
         }
         moved
     }
@@ -306,6 +348,9 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.first_token();
+        if let Some(left) = self.growth.take() {
+            self.load.growth_tokens.fetch_sub(left, Ordering::Relaxed);
+        }
         self.load.release(self.tag, self.tokens);
     }
 }

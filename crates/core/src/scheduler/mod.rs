@@ -228,11 +228,14 @@ pub fn tokens_needed(request: &RouteRequest<'_>, config: &SchedulerConfig) -> u6
     u64::from(request.prompt_tokens()) + u64::from(output)
 }
 
-/// Free KV tokens: capacity minus the larger of what the pod reports in use plus what
-/// kvroute sent since the last scrape, and what the requests kvroute has in flight there
-/// will need at their peak. Either alone undercounts: the report misses queued requests
-/// and output still to come, the commitments miss other gateways' traffic. Their sum
-/// would count a running request twice. `None` when the pod did not report its capacity.
+/// Free KV tokens: capacity minus the largest of three lower bounds of what the pod will
+/// use (see [`crate::fleet::PodLoad`]): what it reports in use plus what kvroute sent since
+/// the last scrape; what the requests kvroute has in flight there need at their peak; and
+/// what it reports plus the output the streaming requests kvroute watches have yet to
+/// generate.
+/// The report alone misses queued requests and output still to come, the commitments miss
+/// other gateways' traffic and the prompt blocks shared with other requests; adding them
+/// would count running requests twice. `None` when the pod did not report its capacity.
 pub fn free_kv_tokens(pod: &PodView, load: &PodLoad) -> Option<u64> {
     let signals = pod.signals()?;
     let capacity = Some(signals.kv_capacity_tokens).filter(|c| *c > 0)?;
@@ -240,7 +243,8 @@ pub fn free_kv_tokens(pod: &PodView, load: &PodLoad) -> Option<u64> {
     let reported = (capacity as f64 * f64::from(signals.kv_usage) + 0.5) as u64;
     let used = reported
         .saturating_add(load.unscraped_tokens())
-        .max(load.committed_tokens());
+        .max(load.committed_tokens())
+        .max(reported.saturating_add(load.growth_tokens()));
     Some(capacity.saturating_sub(used))
 }
 

@@ -725,17 +725,41 @@ fn a_request_counts_against_free_kv_after_the_next_scrape_until_it_ends() {
 
 #[test]
 fn what_the_pod_reports_is_not_counted_twice() {
-    // Other gateways' traffic fills 70 %; kvroute's own request (10,000 tokens) is running.
+    // Other gateways' traffic fills 70 %; kvroute's own request (5,000 prompt tokens, up to
+    // 5,000 out) is running, watched by kvroute as it streams.
     let fleet = fleet(vec![with_metrics(pod(1), |m| m.kv_usage = 0.7)]);
     let (pod, load) = fleet.pod(endpoint(1)).expect("known");
-    let _held = load.reserve(10_000, 5_000, PrefillEnd::FirstToken);
+    let mut running = load.reserve(10_000, 5_000, PrefillEnd::FirstToken);
     assert_eq!(free_kv_tokens(pod, load), Some(20_000), "not yet scraped");
     scrape_all(&fleet);
+    running.first_token();
     assert_eq!(
         free_kv_tokens(pod, load),
-        Some(30_000),
-        "the report covers it"
+        Some(25_000),
+        "the report covers its prompt; its output is still to come"
     );
+    running.streamed(2_000);
+    let reported = with_metrics(pod.clone(), |m| m.kv_usage = 0.72);
+    assert_eq!(
+        free_kv_tokens(&reported, load),
+        Some(25_000),
+        "what it streamed moved from the ledger into the report"
+    );
+}
+
+#[test]
+fn output_still_to_come_counts_where_shared_contexts_fill_the_report() {
+    // 90 % of the pod is contexts its running requests share; kvroute's 20 watched streams
+    // there each have 200 output tokens to go, none of it in the report yet.
+    let fleet = fleet(vec![with_metrics(pod(1), |m| m.kv_usage = 0.9)]);
+    let (pod, load) = fleet.pod(endpoint(1)).expect("known");
+    let mut streams: Vec<_> = (0..20)
+        .map(|_| load.reserve(400, 200, PrefillEnd::FirstToken))
+        .collect();
+    scrape_all(&fleet);
+    streams.iter_mut().for_each(|s| s.first_token());
+    assert_eq!(load.committed_tokens(), 8_000, "far below the report");
+    assert_eq!(free_kv_tokens(pod, load), Some(6_000), "not 10,000");
 }
 
 #[test]

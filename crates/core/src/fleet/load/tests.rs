@@ -176,3 +176,30 @@ fn a_reservation_moved_to_the_pod_that_served_counts_there_only() {
     drop(moved);
     assert_eq!((served.inflight(), served.committed_tokens()), (0, 0));
 }
+
+#[test]
+fn a_watched_stream_counts_the_output_it_has_yet_to_generate() {
+    let load = Arc::new(PodLoad::default());
+    let mut watched = load.reserve(1_200, 1_000, PrefillEnd::FirstToken);
+    let unwatched = load.reserve(500, 300, PrefillEnd::NextScrape);
+    assert_eq!(
+        load.growth_tokens(),
+        200,
+        "only the watched stream says how it grows"
+    );
+    watched.first_token();
+    assert_eq!(load.growth_tokens(), 200);
+    watched.streamed(150);
+    assert_eq!(load.growth_tokens(), 50);
+    watched.streamed(400);
+    assert_eq!(load.growth_tokens(), 0, "never below zero");
+    drop(unwatched);
+    let mut another = load.reserve(600, 100, PrefillEnd::FirstToken);
+    another.first_token();
+    another.streamed(100);
+    let moved = another.move_to(&Arc::new(PodLoad::default()));
+    assert_eq!(load.growth_tokens(), 0, "moved away with its request");
+    assert_eq!(moved.load.growth_tokens(), 400, "the output still to come");
+    drop((watched, moved));
+    assert_eq!(load.growth_tokens(), 0);
+}
