@@ -2,8 +2,8 @@
 //!
 //! A scrape tells us the pod's KV use *as of when the scrape started*, and only the blocks
 //! allocated then: not requests still in the pod's queue, nor the output a running request
-//! has yet to generate. kvroute therefore keeps two token sums per pod for the KV a request
-//! will need there (its uncached prompt plus its expected output):
+//! has yet to generate. kvroute therefore keeps three token sums per pod, from the KV each
+//! request will need there (its uncached prompt plus its expected output):
 //!
 //! - **unscraped**: requests sent since the last scrape that started after them. A burst
 //!   between two scrapes sees these at once instead of herding onto the same pod. They
@@ -11,7 +11,6 @@
 //! - **committed**: every request in flight, until it finishes. vLLM allocates a request's
 //!   blocks as it goes and preempts when they run out, so the pod's peak need is what
 //!   kvroute sent it, not what it reports now.
-//!
 //! - **growth**: for streaming requests whose response kvroute sees, the output they will
 //!   still add: their expected output less the tokens streamed so far. What they hold
 //!   already is in the pod's report (their prompts, once running, are in it too; a queued
@@ -159,8 +158,9 @@ impl PodLoad {
     }
 
     /// Counts a request needing `tokens` of KV (uncached prompt + expected output),
-    /// `prompt_tokens` of which wait for prefill until `prefill_end`, as sent to this pod. Dropping the returned
-    /// reservation releases it; [`Reservation::first_token`] ends its prefill earlier.
+    /// `prompt_tokens` of which wait for prefill until `prefill_end`, as sent to this pod.
+    /// Dropping the returned reservation releases it; [`Reservation::first_token`] ends its
+    /// prefill earlier.
     pub fn reserve(
         self: &Arc<Self>,
         tokens: u64,
@@ -318,9 +318,7 @@ impl Reservation {
             self.load.growth_tokens.fetch_sub(taken, Ordering::Relaxed);
         }
     }
-}
 
-impl Reservation {
     /// The gateway served the request from another pod than the one reserved (it walked
     /// the fallbacks): the request counts there from now on, as if just sent, and no
     /// longer here.
@@ -332,12 +330,19 @@ impl Reservation {
         let (prefill, growth) = (self.prefill, self.growth);
         let tokens = self.tokens;
         drop(self);
-        let (end, prompt) = prefill.unwrap_or((PrefillEnd::FirstToken, 0));
+        // A request kvroute watches (it has a growth) ends its prefill at its first token;
+        // the others at the next scrape. Past its prefill, it moves without a prompt.
+        let end = if growth.is_some() {
+            PrefillEnd::FirstToken
+        } else {
+            PrefillEnd::NextScrape
+        };
+        let prompt = prefill.map_or(0, |(_, prompt)| prompt);
         let mut moved = load.reserve(tokens, prompt, end);
         if prefill.is_none() {
-            moved.prefill = None;
+            moved.first_token();
         }
-        // Carry over what is left to grow, not the whole request again.
+        // Carry over what is left to grow, not the whole output again.
         if let (Some(now), Some(left)) = (moved.growth, growth) {
             moved.shrink_growth(now.saturating_sub(left));
         }

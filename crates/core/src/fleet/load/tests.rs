@@ -202,4 +202,17 @@ fn a_watched_stream_counts_the_output_it_has_yet_to_generate() {
     assert_eq!(moved.load.growth_tokens(), 400, "the output still to come");
     drop((watched, moved));
     assert_eq!(load.growth_tokens(), 0);
+
+    // A request kvroute does not watch, past its prefill, moves without growth or prompt.
+    let mut unwatched = load.reserve(700, 300, PrefillEnd::NextScrape);
+    unwatched.first_token();
+    let elsewhere = Arc::new(PodLoad::default());
+    let moved = unwatched.move_to(&elsewhere);
+    assert_eq!(
+        (elsewhere.growth_tokens(), elsewhere.prefill_tokens()),
+        (0, 0)
+    );
+    assert_eq!(elsewhere.committed_tokens(), 700);
+    drop(moved);
+    assert_eq!(elsewhere.committed_tokens(), 0);
 }
