@@ -129,9 +129,12 @@ impl LivePicker {
                 PrefillEnd::NextScrape
             };
             // Cached prompt blocks are neither recomputed nor allocated again.
-            let cached = decision.ranked.first().map_or(0, |c| c.cached_tokens);
+            let winner = decision.ranked.first();
+            let cached = winner.map_or(0, |c| c.cached_tokens);
             let prompt = u64::from(request.prompt_tokens()).saturating_sub(cached);
-            let tokens = decision.tokens_needed.saturating_sub(cached);
+            let tokens = winner.map_or(decision.tokens_needed, |c| {
+                c.kv_tokens_needed(decision.tokens_needed)
+            });
             load.reserve(tokens, prompt, prefill_end)
         });
         Ok((decision, reservation))
