@@ -417,15 +417,7 @@ async fn prometheus_metrics_count_requests_and_show_each_pods_scraped_state() {
     kvroute.wait_until_scraped(1).await;
     kvroute.wait_for_pod(pod.addr, 0.25, 2).await;
     route_one_buffered(&kvroute).await;
-    let url = format!("http://{}/metrics", kvroute.addrs.metrics);
-    let text = support::http_client()
-        .get(url)
-        .send()
-        .await
-        .expect("get")
-        .text()
-        .await
-        .expect("text");
+    let text = kvroute.metrics_text().await;
     let samples = kvroute_core::exposition::parse(&text).expect("valid exposition");
     let value = |name: &str, label: (&str, &str)| {
         samples

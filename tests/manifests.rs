@@ -1498,14 +1498,7 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus_scraping_kvro
     let _ = tokio::time::timeout(Duration::from_secs(10), background).await;
 
     // The metric families kvroute actually exposes.
-    let exposition = client
-        .get(format!("http://{}/metrics", kvroute.addrs.metrics))
-        .send()
-        .await
-        .expect("kvroute /metrics")
-        .text()
-        .await
-        .expect("body");
+    let exposition = kvroute.metrics_text().await;
     let exposed: BTreeSet<String> = exposition
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))

@@ -11,7 +11,7 @@ mod support;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use support::{FakePod, Kvroute, http_client, project_file, test_config};
+use support::{FakePod, Kvroute, project_file, test_config};
 
 /// The `kvroute_*_total` names the dashboard's queries use.
 fn dashboard_counters() -> BTreeSet<String> {
@@ -60,7 +60,7 @@ async fn every_counter_the_dashboard_rates_exists_at_zero_before_its_first_event
     let pod = FakePod::start("pod-0", "llama", &[]).await;
     let kvroute = Kvroute::start(test_config(vec![pod.addr])).await;
     kvroute.wait_until_scraped(1).await;
-    let text = scrape_kvroute(&kvroute).await;
+    let text = kvroute.metrics_text().await;
     let samples = kvroute_core::exposition::parse(&text).expect("valid exposition");
     for counter in &counters {
         assert!(
@@ -85,17 +85,6 @@ async fn every_counter_the_dashboard_rates_exists_at_zero_before_its_first_event
     }
 }
 
-async fn scrape_kvroute(kvroute: &Kvroute) -> String {
-    http_client()
-        .get(format!("http://{}/metrics", kvroute.addrs.metrics))
-        .send()
-        .await
-        .expect("GET /metrics")
-        .text()
-        .await
-        .expect("text")
-}
-
 fn has_pod_gauge(text: &str, pod: &str) -> bool {
     let samples = kvroute_core::exposition::parse(text).expect("valid exposition");
     samples
@@ -114,13 +103,13 @@ async fn a_pod_that_leaves_the_fleet_takes_its_gauges_with_it() {
     let kvroute = Kvroute::start(config).await;
     kvroute.wait_until_scraped(2).await;
     let (staying, leaving) = (pods[0].addr.to_string(), pods[1].addr.to_string());
-    let text = scrape_kvroute(&kvroute).await;
+    let text = kvroute.metrics_text().await;
     assert!(has_pod_gauge(&text, &leaving), "{text}");
 
     kvroute.store.set_endpoints(&[pods[0].addr]);
     let started = Instant::now();
     loop {
-        let text = scrape_kvroute(&kvroute).await;
+        let text = kvroute.metrics_text().await;
         assert!(
             has_pod_gauge(&text, &staying),
             "the pod still here keeps its series"

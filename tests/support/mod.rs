@@ -405,6 +405,18 @@ impl Kvroute {
         .await;
     }
 
+    /// kvroute's own `/metrics` exposition.
+    pub async fn metrics_text(&self) -> String {
+        http_client()
+            .get(format!("http://{}/metrics", self.addrs.metrics))
+            .send()
+            .await
+            .expect("GET kvroute /metrics")
+            .text()
+            .await
+            .expect("kvroute /metrics body")
+    }
+
     pub async fn stop(&mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
