@@ -1,7 +1,7 @@
 //! Wiring of `kvroute serve`: binds every listener first (so a bad address fails
 //! before anything runs, and tests can bind port 0), then runs discovery, scraping,
 //! snapshot publishing, the ext_proc and health gRPC services, the gRPC admin API
-//! (decision tap) and the metrics/debug HTTP server until shutdown, letting open
+//! (decision tap), the metrics and the debug HTTP servers until shutdown, letting open
 //! request streams drain.
 
 use std::future::Future;
@@ -27,7 +27,7 @@ use crate::admin::AdminService;
 use crate::admin::pb::ListEndpointsResponse;
 use crate::config::{GrpcKeepalive, ServeConfig};
 use crate::discovery::Discovery;
-use crate::extproc::ExtProcService;
+use crate::extproc::{ExtProcService, RequestPolicy};
 use crate::picker::LivePicker;
 use crate::scrape::ScrapeManager;
 use crate::shutdown;
@@ -47,6 +47,8 @@ pub struct BoundAddrs {
     /// The gRPC admin API, unless switched off.
     pub admin: Option<SocketAddr>,
     pub metrics: SocketAddr,
+    /// The debug pages, unless switched off.
+    pub debug: Option<SocketAddr>,
 }
 
 /// A bound, not yet running, kvroute server.
@@ -56,6 +58,7 @@ pub struct App {
     health: Option<TcpListener>,
     admin: Option<TcpListener>,
     metrics: TcpListener,
+    debug: Option<TcpListener>,
     store: Arc<PodStore>,
     picker: Arc<LivePicker>,
     prometheus: PrometheusHandle,
@@ -83,6 +86,10 @@ impl App {
             None => None,
         };
         let metrics = bind(config.metrics_addr, "--metrics-addr").await?;
+        let debug = match config.debug_addr {
+            Some(addr) => Some(bind(addr, "--debug-addr").await?),
+            None => None,
+        };
         let store = Arc::new(PodStore::new(config.health));
         let picker = Arc::new(LivePicker::new(
             Arc::clone(&store),
@@ -95,6 +102,7 @@ impl App {
             health,
             admin,
             metrics,
+            debug,
             store,
             picker,
             prometheus,
@@ -116,6 +124,11 @@ impl App {
                 .map(TcpListener::local_addr)
                 .transpose()?,
             metrics: self.metrics.local_addr()?,
+            debug: self
+                .debug
+                .as_ref()
+                .map(TcpListener::local_addr)
+                .transpose()?,
         })
     }
 
@@ -135,6 +148,7 @@ impl App {
             health,
             admin,
             metrics,
+            debug,
             store,
             picker,
             prometheus,
@@ -172,12 +186,11 @@ impl App {
             config.drain_timeout,
         ));
 
-        let extproc =
-            ExtProcService::new(Arc::clone(&picker), config.max_body_bytes, aborting.clone());
+        let policy = RequestPolicy::new(config.max_body_bytes, &config.allowed_paths);
+        let extproc = ExtProcService::new(Arc::clone(&picker), policy, aborting.clone());
         let admin_api =
             AdminService::new(Arc::clone(&picker), Arc::clone(&store), stopping.clone());
-        let http = HttpState {
-            prometheus,
+        let debug_state = DebugState {
             picker,
             store: Arc::clone(&store),
         };
@@ -194,7 +207,8 @@ impl App {
             // Watch streams end on the stop signal, so this server drains at once.
             serve_optional_grpc(admin, "admin API", &stopping, keepalive, |server| server
                 .add_service(admin_api.into_server())),
-            serve_http(metrics, http, &stopping),
+            serve_http(metrics, "metrics", metrics_router(prometheus), &stopping),
+            serve_optional_http(debug, "debug pages", debug_router(debug_state), &stopping),
         );
         publisher.abort();
         readiness.abort();
@@ -263,17 +277,31 @@ async fn serve_optional_grpc(
     }
 }
 
-/// Serves `/metrics` and the debug pages until `stop` fires.
+/// Serves `router` until `stop` fires.
 async fn serve_http(
     listener: TcpListener,
-    state: HttpState,
+    what: &str,
+    router: axum::Router,
     stop: &shutdown::Phase,
 ) -> anyhow::Result<()> {
-    info!(addr = %listener.local_addr()?, "metrics and debug HTTP listening");
-    axum::serve(listener, http_router(state))
+    info!(addr = %listener.local_addr()?, "{what} HTTP listening");
+    axum::serve(listener, router)
         .with_graceful_shutdown(stop.clone().into_fired())
         .await
-        .context("metrics server failed")
+        .with_context(|| format!("{what} server failed"))
+}
+
+/// [`serve_http`] for a listener that may be switched off.
+async fn serve_optional_http(
+    listener: Option<TcpListener>,
+    what: &str,
+    router: axum::Router,
+    stop: &shutdown::Phase,
+) -> anyhow::Result<()> {
+    match listener {
+        Some(listener) => serve_http(listener, what, router, stop).await,
+        None => Ok(()),
+    }
 }
 
 /// Applies every endpoint set that discovery sends: the store drops removed endpoints
@@ -343,30 +371,35 @@ async fn track_readiness(store: Arc<PodStore>, reporter: HealthReporter) {
     }
 }
 
-/// What the metrics and debug HTTP server reads.
+/// What the debug pages read.
 #[derive(Clone)]
-struct HttpState {
-    prometheus: PrometheusHandle,
+struct DebugState {
     picker: Arc<LivePicker>,
     store: Arc<PodStore>,
 }
 
-fn http_router(state: HttpState) -> axum::Router {
+/// `/metrics` only: this port is scraped from anywhere in the cluster.
+fn metrics_router(prometheus: PrometheusHandle) -> axum::Router {
     axum::Router::new()
         .route("/metrics", get(render_metrics))
+        .with_state(prometheus)
+}
+
+fn debug_router(state: DebugState) -> axum::Router {
+    axum::Router::new()
         .route("/debug/decisions", get(recent_decisions))
         .route("/debug/endpoints", get(current_endpoints))
         .with_state(state)
 }
 
-async fn render_metrics(State(state): State<HttpState>) -> impl IntoResponse {
+async fn render_metrics(State(prometheus): State<PrometheusHandle>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.prometheus.render(),
+        prometheus.render(),
     )
 }
 
-async fn recent_decisions(State(state): State<HttpState>) -> axum::response::Response {
+async fn recent_decisions(State(state): State<DebugState>) -> axum::response::Response {
     let log = state.picker.decisions();
     if !log.enabled() {
         let message = serde_json::json!({"error": {
@@ -378,7 +411,7 @@ async fn recent_decisions(State(state): State<HttpState>) -> axum::response::Res
 }
 
 /// The same projection of the fleet as the admin API's `ListEndpoints`.
-async fn current_endpoints(State(state): State<HttpState>) -> axum::Json<ListEndpointsResponse> {
+async fn current_endpoints(State(state): State<DebugState>) -> axum::Json<ListEndpointsResponse> {
     axum::Json(crate::admin::endpoints(&state.store.fleet()))
 }
 

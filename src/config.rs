@@ -17,6 +17,7 @@ use crate::discovery::{
 use kvroute_core::fleet::HealthPolicy;
 use kvroute_core::scheduler::{Saturation, SchedulerConfig, Weights};
 
+use crate::extproc::policy::DEFAULT_ALLOWED_PATHS;
 use crate::scrape::{ApiKey, ScrapeConfig};
 
 #[derive(Debug, thiserror::Error)]
@@ -89,9 +90,20 @@ pub struct ServeArgs {
     /// by default, as decisions name models and pods ("off" to disable).
     #[arg(long, env = "KVROUTE_ADMIN_ADDR", default_value = "127.0.0.1:9004", value_parser = parse_optional_addr)]
     pub admin_addr: OptionalAddr,
-    /// Address of the Prometheus exposition (/metrics) and debug endpoints.
+    /// Address of the Prometheus exposition (/metrics).
     #[arg(long, env = "KVROUTE_METRICS_ADDR", default_value = "0.0.0.0:9090")]
     pub metrics_addr: SocketAddr,
+    /// Address of the debug pages (/debug/decisions, /debug/endpoints); loopback by
+    /// default, as they name pods, models and token counts (`kubectl port-forward`
+    /// reaches it), "off" to disable.
+    #[arg(long, env = "KVROUTE_DEBUG_ADDR", default_value = "127.0.0.1:9091", value_parser = parse_optional_addr)]
+    pub debug_addr: OptionalAddr,
+    /// Request paths routed to pods, exact (a query string aside), comma-separated; any
+    /// other path is answered 404 by kvroute, so clients cannot reach a pod's management
+    /// API (LoRA loading, /metrics, profiling) through the gateway.
+    #[arg(long, env = "KVROUTE_ALLOWED_PATHS", value_delimiter = ',',
+          default_values_t = DEFAULT_ALLOWED_PATHS.map(String::from))]
+    pub allowed_paths: Vec<String>,
     /// How often each pod's /metrics is polled.
     #[arg(long, env = "KVROUTE_REFRESH_METRICS_INTERVAL", default_value = "50ms", value_parser = humantime::parse_duration)]
     pub refresh_metrics_interval: Duration,
@@ -298,6 +310,10 @@ pub struct ServeConfig {
     /// The gRPC admin API (decision tap, endpoint list); `None`: off.
     pub admin_addr: Option<SocketAddr>,
     pub metrics_addr: SocketAddr,
+    /// The debug pages; `None`: off.
+    pub debug_addr: Option<SocketAddr>,
+    /// See [`ServeArgs::allowed_paths`].
+    pub allowed_paths: Vec<String>,
     /// Static discovery: the endpoints (empty with Kubernetes discovery).
     pub endpoints: Vec<SocketAddr>,
     /// Kubernetes discovery, instead of `endpoints`.
@@ -339,6 +355,8 @@ impl ServeConfig {
             health_addr: None,
             admin_addr: None,
             metrics_addr: loopback,
+            debug_addr: Some(loopback),
+            allowed_paths: DEFAULT_ALLOWED_PATHS.map(String::from).to_vec(),
             endpoints,
             kubernetes: None,
             scrape: ScrapeConfig::default(),
@@ -402,6 +420,8 @@ impl ServeConfig {
             health_addr: args.health_addr.0,
             admin_addr: args.admin_addr.0,
             metrics_addr: args.metrics_addr,
+            debug_addr: args.debug_addr.0,
+            allowed_paths: args.allowed_paths.clone(),
             endpoints,
             kubernetes,
             scrape: ScrapeConfig {
@@ -481,6 +501,18 @@ impl ServeConfig {
         }
         if self.scrape.concurrency == 0 {
             return invalid("--scrape-concurrency must be at least 1");
+        }
+        if self.allowed_paths.is_empty() {
+            return invalid("--allowed-paths must list at least one path");
+        }
+        if let Some(path) = self
+            .allowed_paths
+            .iter()
+            .find(|p| !p.starts_with('/') || p.contains('?'))
+        {
+            return Err(ConfigError::Invalid(format!(
+                "--allowed-paths: `{path}` is not a path (expected /v1/..., without a query)"
+            )));
         }
         if self.max_body_bytes == 0 {
             return invalid("--max-body-bytes must be above zero");

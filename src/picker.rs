@@ -3,6 +3,7 @@
 //! the live decision tap that the admin API's watchers subscribe to).
 
 use std::collections::VecDeque;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -13,7 +14,7 @@ use kvroute_core::request::RouteRequest;
 use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
 use serde::Serialize;
 use tokio::sync::broadcast;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::extproc::{InFlight, ResponseSummary, Routed, Router, Unrouted, UnroutedKind};
 use crate::store::PodStore;
@@ -176,6 +177,7 @@ impl Router for LivePicker {
                 Ok(Routed {
                     endpoints,
                     ticket: InFlightRequest {
+                        endpoint: decision.endpoint,
                         reservation,
                         store: Arc::clone(&self.store),
                         labels,
@@ -211,6 +213,8 @@ impl Router for LivePicker {
 /// reservation and records the request's outcome when it finishes.
 #[derive(Debug)]
 pub struct InFlightRequest {
+    /// The pod the request went to: the pick, or where the gateway says it was served.
+    endpoint: SocketAddr,
     reservation: Option<Reservation>,
     /// Where the pods' counters live, should the request move to another pod.
     store: Arc<PodStore>,
@@ -233,10 +237,18 @@ impl InFlight for InFlightRequest {
 
     fn served_by(&mut self, endpoint: std::net::SocketAddr) {
         // A pod kvroute does not know (it left the fleet meanwhile) keeps nothing.
+        self.endpoint = endpoint;
         if let (Some(reservation), Some(load)) =
             (self.reservation.take(), self.store.load(endpoint))
         {
             self.reservation = Some(reservation.move_to(&load));
+        }
+    }
+
+    fn unreachable(&mut self) {
+        telemetry::record_unreachable(self.endpoint);
+        if self.store.record_unreachable(self.endpoint) {
+            warn!(endpoint = %self.endpoint, "the gateway cannot connect to this pod: out of rotation until it scrapes well again");
         }
     }
 

@@ -154,6 +154,21 @@ impl PodStore {
         Some(healthy)
     }
 
+    /// The gateway failed to connect to `endpoint` (passive health): the pod leaves
+    /// rotation now rather than after its scrapes fail, and returns once they succeed
+    /// again. Returns whether it was up (false also for an unknown endpoint).
+    pub fn record_unreachable(&self, endpoint: SocketAddr) -> bool {
+        let mut pods = self.lock();
+        let Some(record) = pods.get_mut(&endpoint) else {
+            return false;
+        };
+        let was_up = record.health.is_up();
+        record.health.record_unreachable(&self.health_policy);
+        drop(pods);
+        self.dirty.notify_one();
+        was_up
+    }
+
     /// Records what the pod's `/v1/models` said.
     /// Pods serving the same models share one `Arc`, which lets the scheduler check
     /// a model once per distinct list rather than once per pod.

@@ -39,6 +39,7 @@ pub const SCRAPE_ERRORS: &str = "kvroute_scrape_errors_total";
 pub const SCRAPE_DURATION: &str = "kvroute_scrape_duration_seconds";
 pub const SNAPSHOT_AGE: &str = "kvroute_snapshot_metrics_age_seconds";
 pub const ENDPOINTS: &str = "kvroute_endpoints";
+pub const UPSTREAM_UNREACHABLE: &str = "kvroute_pod_unreachable_total";
 
 /// Request outcomes, the `outcome` label of [`REQUESTS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,16 +51,19 @@ pub enum Outcome {
     NoCapacity,
     /// The gateway is configured in a way kvroute cannot route with.
     Misconfigured,
+    /// A path outside the routed inference API.
+    NotFound,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 6] = [
+    pub const ALL: [Outcome; 7] = [
         Outcome::Routed,
         Outcome::BadRequest,
         Outcome::UnknownModel,
         Outcome::TooLarge,
         Outcome::NoCapacity,
         Outcome::Misconfigured,
+        Outcome::NotFound,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -70,6 +74,7 @@ impl Outcome {
             Outcome::TooLarge => "too_large",
             Outcome::NoCapacity => "no_capacity",
             Outcome::Misconfigured => "misconfigured_gateway",
+            Outcome::NotFound => "not_found",
         }
     }
 }
@@ -207,6 +212,10 @@ fn describe() {
         "Age of the oldest healthy pod's metrics in the current snapshot."
     );
     describe_gauge!(ENDPOINTS, "Endpoints known to kvroute, by health.");
+    describe_counter!(
+        UPSTREAM_UNREACHABLE,
+        "Requests the gateway could not connect to their pod for; the pod leaves rotation at once."
+    );
 }
 
 /// The counters dashboards rate exist from the start, at 0: a rate over no series shows
@@ -224,11 +233,12 @@ fn register_counters() {
     }
 }
 
-/// A pod's scrape counters, at 0, as it joins: every kind of scrape error is a series
-/// from the start.
+/// A pod's scrape and failure counters, at 0, as it joins: every kind of scrape error is
+/// a series from the start.
 pub fn register_pod(endpoint: SocketAddr, error_kinds: &[&'static str]) {
     let pod = pod_label(endpoint);
     counter!(SCRAPES, "pod" => pod.clone()).increment(0);
+    counter!(UPSTREAM_UNREACHABLE, "pod" => pod.clone()).increment(0);
     for &kind in error_kinds {
         counter!(SCRAPE_ERRORS, "pod" => pod.clone(), "kind" => kind).increment(0);
     }
@@ -288,6 +298,11 @@ pub fn record_scrape(
 }
 
 /// A pod's `/v1/models` could not be listed (any cause: its kind label is "models").
+/// The gateway reported a connect failure to `endpoint` (passive health).
+pub fn record_unreachable(endpoint: SocketAddr) {
+    counter!(UPSTREAM_UNREACHABLE, "pod" => pod_label(endpoint)).increment(1);
+}
+
 pub fn record_models_error(endpoint: SocketAddr) {
     counter!(SCRAPE_ERRORS, "pod" => pod_label(endpoint), "kind" => "models").increment(1);
 }

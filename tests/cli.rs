@@ -77,7 +77,14 @@ async fn the_binary_serves_metrics_and_stops_cleanly_on_sigterm() {
             "--health-addr",
             "off",
         ])
-        .args(["--admin-addr", "off", "--drain-timeout", "1s"])
+        .args([
+            "--admin-addr",
+            "off",
+            "--debug-addr",
+            "off",
+            "--drain-timeout",
+            "1s",
+        ])
         .env("RUST_LOG", "info")
         .stderr(Stdio::piped())
         .spawn()
@@ -89,7 +96,7 @@ async fn the_binary_serves_metrics_and_stops_cleanly_on_sigterm() {
         // Either line may come first.
         let (mut metrics_addr, mut ready) = (None, false);
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains("metrics and debug HTTP listening") {
+            if line.contains("metrics HTTP listening") {
                 metrics_addr = line.split("addr=").nth(1).map(|a| a.trim().to_owned());
             }
             ready |= line.contains("ready: endpoint metrics available");

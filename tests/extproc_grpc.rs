@@ -371,7 +371,10 @@ async fn the_decision_log_shows_every_top_candidates_scores_when_enabled() {
     let answer = route_one_buffered(&kvroute).await;
     assert_eq!(destination(&answer), Some(pods[1].addr.to_string()));
 
-    let url = format!("http://{}/debug/decisions", kvroute.addrs.metrics);
+    let url = format!(
+        "http://{}/debug/decisions",
+        kvroute.addrs.debug.expect("debug pages on")
+    );
     let log: serde_json::Value = support::http_client()
         .get(url)
         .send()
@@ -394,7 +397,10 @@ async fn the_decision_log_shows_every_top_candidates_scores_when_enabled() {
 async fn the_decision_log_is_off_by_default_and_says_how_to_enable_it() {
     let pod = FakePod::start("pod-0", "llama", &[]).await;
     let kvroute = Kvroute::start(test_config(vec![pod.addr])).await;
-    let url = format!("http://{}/debug/decisions", kvroute.addrs.metrics);
+    let url = format!(
+        "http://{}/debug/decisions",
+        kvroute.addrs.debug.expect("debug pages on")
+    );
     let response = support::http_client().get(url).send().await.expect("get");
     assert_eq!(response.status(), 404);
     let body: serde_json::Value = response.json().await.expect("json");
@@ -677,4 +683,85 @@ async fn a_non_streaming_requests_queued_prefill_ends_without_any_response_bytes
         "still in flight: only its prefill ended"
     );
     drop(stream);
+}
+
+/// Passes raw bytes as gRPC messages, to send what no protobuf encoder would.
+#[derive(Debug, Clone, Copy, Default)]
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+
+    fn encoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+
+    fn decoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Vec<u8>>, tonic::Status> {
+        let mut bytes = vec![0; bytes::Buf::remaining(src)];
+        bytes::Buf::copy_to_slice(src, &mut bytes);
+        Ok(Some(bytes))
+    }
+}
+
+/// A message that is not a `ProcessingRequest` ends the stream with a gRPC error, not
+/// with `grpc-status: 0` (which would read as a clean end to the peer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_message_ends_the_stream_with_a_grpc_error() {
+    let pod = FakePod::start("pod-0", "llama", &[]).await;
+    let kvroute = Kvroute::start(test_config(vec![pod.addr])).await;
+    kvroute.wait_until_scraped(1).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", kvroute.addrs.grpc))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    // Field 1 with wire type 7, which protobuf does not have.
+    let junk = tokio_stream::iter(vec![vec![0x0f, 0xff, 0xff]]);
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+    );
+    let ended = match grpc
+        .streaming(tonic::Request::new(junk), path, RawCodec)
+        .await
+    {
+        Ok(response) => match response.into_inner().message().await {
+            Ok(Some(answer)) => panic!("an answer to junk: {answer:?}"),
+            Ok(None) => Ok(()),
+            Err(status) => Err(status),
+        },
+        Err(status) => Err(status),
+    };
+    let status = ended.expect_err("the stream ends with an error status");
+    assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
 }

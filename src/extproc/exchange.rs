@@ -25,8 +25,9 @@ use envoy_types::pb::google::protobuf::value::Kind;
 
 use super::messages::{
     self, DESTINATION_METADATA_NAMESPACE, ErrorReply, MAX_STREAMED_CHUNK, SERVED_HEADER,
-    SUBSET_HINT_KEY, SUBSET_HINT_NAMESPACE,
+    SUBSET_HINT_KEY, SUBSET_HINT_NAMESPACE, UPSTREAM_FAILURE_HEADER,
 };
+use super::policy::{RequestPolicy, needs_body};
 use tracing::{debug, warn};
 
 use kvroute_core::request::{
@@ -81,7 +82,7 @@ enum Phase {
 /// State of one ext_proc stream.
 pub struct Exchange<R: Router> {
     router: Arc<R>,
-    max_body_bytes: usize,
+    policy: Arc<RequestPolicy>,
     request_mode: BodyMode,
     response_mode: BodyMode,
     path: String,
@@ -95,10 +96,10 @@ pub struct Exchange<R: Router> {
 }
 
 impl<R: Router> Exchange<R> {
-    pub fn new(router: Arc<R>, max_body_bytes: usize) -> Self {
+    pub fn new(router: Arc<R>, policy: Arc<RequestPolicy>) -> Self {
         Exchange {
             router,
-            max_body_bytes,
+            policy,
             // Envoy always sends protocol_config first; buffered is the safe guess if not.
             request_mode: BodyMode::Buffered,
             response_mode: BodyMode::None,
@@ -163,7 +164,7 @@ impl<R: Router> Exchange<R> {
             Phase::Rejected | Phase::Forwarded => Vec::new(),
             Phase::Start | Phase::ReadingBody => {
                 self.body = Vec::new();
-                vec![self.refuse(too_large(self.max_body_bytes), Outcome::TooLarge)]
+                vec![self.refuse(too_large(self.policy.max_body_bytes), Outcome::TooLarge)]
             }
         }
     }
@@ -192,6 +193,15 @@ impl<R: Router> Exchange<R> {
         if let Some(map) = &headers.headers {
             self.path = header_value(map, ":path").unwrap_or_default();
         }
+        // Before anything else reads the request: a path outside the inference API never
+        // reaches a pod, and an inference request without a body is the client's error,
+        // not a model-less request any pod may take.
+        if !self.policy.allows(&self.path) {
+            return vec![self.refuse(unknown_path(&self.path), Outcome::NotFound)];
+        }
+        if headers.end_of_stream && needs_body(&self.path) {
+            return vec![self.refuse(bad_request(&RequestError::EmptyBody), Outcome::BadRequest)];
+        }
         self.subset = metadata.as_ref().and_then(subset_hint);
         if headers.end_of_stream || self.request_mode == BodyMode::None {
             // Nothing to read (GET /v1/models, or a filter that sends no body): any
@@ -213,9 +223,9 @@ impl<R: Router> Exchange<R> {
                 _ => vec![messages::continue_request_body()],
             };
         }
-        if self.body.len().saturating_add(body.body.len()) > self.max_body_bytes {
+        if self.body.len().saturating_add(body.body.len()) > self.policy.max_body_bytes {
             self.body = Vec::new();
-            return vec![self.refuse(too_large(self.max_body_bytes), Outcome::TooLarge)];
+            return vec![self.refuse(too_large(self.policy.max_body_bytes), Outcome::TooLarge)];
         }
         self.body.extend_from_slice(&body.body);
         let ended = body.end_of_stream || body.end_of_stream_without_message;
@@ -273,13 +283,29 @@ impl<R: Router> Exchange<R> {
                 Err(_) => debug!(%endpoint, "unreadable served endpoint"),
             }
         }
+        // The gateway's own error reply for a pod it could not connect to: passive
+        // health, so the next requests go elsewhere before any scrape fails.
+        let failure = map.and_then(|map| header_value(map, UPSTREAM_FAILURE_HEADER));
+        if let (Some(ticket), Some(flags)) = (self.ticket.as_mut(), &failure)
+            && flags.split(',').any(|flag| flag.trim() == "UF")
+        {
+            ticket.unreachable();
+        }
         if headers.end_of_stream {
             self.complete();
         }
-        let answer = if served_header.is_some() {
-            messages::continue_response_headers_without(&[SERVED_HEADER])
-        } else {
+        // Both headers are between the gateway and kvroute, not for the client.
+        let mut strip = Vec::new();
+        if served_header.is_some() {
+            strip.push(SERVED_HEADER);
+        }
+        if failure.is_some() {
+            strip.push(UPSTREAM_FAILURE_HEADER);
+        }
+        let answer = if strip.is_empty() {
             messages::continue_response_headers()
+        } else {
+            messages::continue_response_headers_without(&strip)
         };
         vec![answer]
     }
@@ -345,6 +371,9 @@ impl<R: Router> Exchange<R> {
     /// parse is the client's error; for other paths it is routed without a model.
     fn parse_body(&self) -> Result<Option<InferenceRequest>, RequestError> {
         let api = ApiKind::from_path(&self.path);
+        if self.body.is_empty() && needs_body(&self.path) {
+            return Err(RequestError::EmptyBody);
+        }
         match parse_request(api, &self.body) {
             Ok(request) => Ok(Some(request)),
             Err(_) if matches!(api, ApiKind::Other) => Ok(None),
@@ -497,6 +526,25 @@ fn bad_request(error: &RequestError) -> ErrorReply {
         error_type: error.openai_type(),
         code: error.code(),
         message: error.to_string(),
+        retry_after: None,
+    }
+}
+
+fn unknown_path(path: &str) -> ErrorReply {
+    // The path is the client's own input: echo a bounded, printable part of it.
+    let shown: String = path
+        .chars()
+        .take(200)
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect();
+    ErrorReply {
+        status: 404,
+        error_type: "invalid_request_error",
+        code: "unknown_path",
+        message: format!(
+            "`{shown}` is not served by this gateway; it serves the inference API \
+             (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, ...)"
+        ),
         retry_after: None,
     }
 }

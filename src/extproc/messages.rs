@@ -19,6 +19,9 @@ pub const DESTINATION_METADATA_NAMESPACE: &str = "envoy.lb";
 /// Header (and `envoy.lb` metadata key) naming the endpoint that actually served the
 /// request, per the protocol's served-endpoint proposal.
 pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
+/// Header the shipped gateways add to their own error replies, with Envoy's response
+/// flags (`%RESPONSE_FLAGS%`): `UF` says the pod could not be connected to.
+pub const UPSTREAM_FAILURE_HEADER: &str = "x-gateway-upstream-failure";
 /// Metadata namespace of the gateway's subset hint.
 pub const SUBSET_HINT_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// Key of the subset hint's endpoint list.

@@ -4,6 +4,7 @@
 
 mod exchange;
 pub mod messages;
+pub mod policy;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use crate::shutdown::Phase;
 
 pub use exchange::Exchange;
 pub use kvroute_core::request::RouteRequest;
+pub use policy::RequestPolicy;
 
 /// A routed request: where it goes, and what it holds until its response ends.
 #[derive(Debug)]
@@ -82,6 +84,9 @@ pub trait InFlight: Send + 'static {
     /// The gateway reports the request was served by `endpoint` (it may differ from the
     /// pick when the gateway walked the fallbacks). Called at most once.
     fn served_by(&mut self, endpoint: std::net::SocketAddr);
+    /// The gateway could not connect to the pod the request went to (its local reply
+    /// carries the upstream-failure flag): the pod should leave rotation now.
+    fn unreachable(&mut self);
     /// The response ended, or the stream did (the client went away).
     fn finish(self, response: ResponseSummary);
 }
@@ -109,17 +114,17 @@ fn is_message_too_large(status: &Status) -> bool {
 /// The gRPC service: one [`Exchange`] per stream.
 pub struct ExtProcService<R: Router> {
     router: Arc<R>,
-    max_body_bytes: usize,
+    policy: Arc<RequestPolicy>,
     /// Fires when open streams must end (the drain deadline passed); held requests are
     /// answered 503 first.
     abort_streams: Phase,
 }
 
 impl<R: Router> ExtProcService<R> {
-    pub fn new(router: Arc<R>, max_body_bytes: usize, abort_streams: Phase) -> Self {
+    pub fn new(router: Arc<R>, policy: RequestPolicy, abort_streams: Phase) -> Self {
         ExtProcService {
             router,
-            max_body_bytes,
+            policy: Arc::new(policy),
             abort_streams,
         }
     }
@@ -127,7 +132,7 @@ impl<R: Router> ExtProcService<R> {
     /// The tonic server, with the message limit raised so a body of `max_body_bytes`
     /// (plus protobuf framing) is not refused by gRPC before kvroute can answer 413.
     pub fn into_server(self) -> ExternalProcessorServer<Self> {
-        let limit = self.max_body_bytes.saturating_add(64 * 1024);
+        let limit = self.policy.max_body_bytes.saturating_add(64 * 1024);
         ExternalProcessorServer::new(self)
             .max_decoding_message_size(limit)
             .max_encoding_message_size(limit)
@@ -144,7 +149,7 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let mut inbound = request.into_inner();
         let (answers, stream) = mpsc::channel(32);
-        let mut exchange = Exchange::new(Arc::clone(&self.router), self.max_body_bytes);
+        let mut exchange = Exchange::new(Arc::clone(&self.router), Arc::clone(&self.policy));
         let abort = self.abort_streams.clone();
         tokio::spawn(async move {
             'stream: loop {
@@ -175,9 +180,12 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
                         }
                         break;
                     }
-                    // Envoy resets finished streams; that is the normal end, not an error.
+                    // A message that does not decode, or a stream broken below gRPC (an
+                    // Envoy that cancels a finished stream ends it cleanly instead). The
+                    // status goes back so the peer sees a failure, not an OK ending.
                     Err(status) => {
-                        debug!(%status, "ext_proc stream ended by the client");
+                        debug!(%status, "ext_proc stream failed");
+                        let _ = answers.send(Err(status)).await;
                         break;
                     }
                 }

@@ -24,6 +24,7 @@ struct TicketLog {
     finished: Vec<ResponseSummary>,
     served: Vec<std::net::SocketAddr>,
     streamed: u64,
+    unreachable: usize,
 }
 
 /// Routes everything to POD_A (fallback POD_B) and remembers what it was asked.
@@ -55,6 +56,10 @@ impl InFlight for StubTicket {
 
     fn streamed(&mut self, events: u64) {
         self.0.lock().expect("lock").streamed += events;
+    }
+
+    fn unreachable(&mut self) {
+        self.0.lock().expect("lock").unreachable += 1;
     }
 
     fn finish(self, response: ResponseSummary) {
@@ -94,8 +99,12 @@ impl Router for StubRouter {
     }
 }
 
+fn policy(max_body_bytes: usize) -> Arc<RequestPolicy> {
+    Arc::new(RequestPolicy::with_default_paths(max_body_bytes))
+}
+
 fn exchange(router: &Arc<StubRouter>, mode: BodySendMode) -> Exchange<StubRouter> {
-    let mut exchange = Exchange::new(Arc::clone(router), 1 << 20);
+    let mut exchange = Exchange::new(Arc::clone(router), policy(1 << 20));
     exchange.apply_protocol_config(ProtocolConfiguration {
         request_body_mode: mode as i32,
         response_body_mode: mode as i32,
@@ -305,9 +314,64 @@ fn a_request_without_a_body_is_routed_in_the_headers_answer() {
 }
 
 #[test]
+fn a_path_outside_the_inference_api_is_answered_404_and_never_routed() {
+    for mode in [BodySendMode::FullDuplexStreamed, BodySendMode::Buffered] {
+        let router = Arc::new(StubRouter::default());
+        for (method, path, ends) in [
+            ("POST", "/v1/load_lora_adapter", false),
+            ("POST", "/v1/unload_lora_adapter", false),
+            ("GET", "/metrics", true),
+            ("POST", "/v1/completions/../load_lora_adapter", false),
+        ] {
+            let mut ex = exchange(&router, mode);
+            let answers = ex.handle(headers(&[(":method", method), (":path", path)], ends));
+            assert_eq!(answers.len(), 1, "{path}");
+            let (status, error) = immediate_status(&answers[0]).expect("immediate answer");
+            assert_eq!(status, 404, "{path}");
+            assert_eq!(error["error"]["code"], "unknown_path", "{path}");
+            // Whatever body chunks Envoy had in flight get no answer.
+            assert!(ex.handle(body(br#"{"lora_name":"x"}"#, true)).is_empty());
+        }
+        assert!(router.seen.lock().expect("lock").is_empty());
+    }
+}
+
+#[test]
+fn an_inference_request_without_a_body_is_answered_400() {
+    let router = Arc::new(StubRouter::default());
+    for (path, mode) in [
+        ("/v1/completions", BodySendMode::FullDuplexStreamed),
+        ("/v1/chat/completions", BodySendMode::Buffered),
+        ("/v1/embeddings", BodySendMode::FullDuplexStreamed),
+    ] {
+        // No body at all: the headers end the request.
+        let mut ex = exchange(&router, mode);
+        let answers = ex.handle(headers(&[(":method", "POST"), (":path", path)], true));
+        let (status, error) = immediate_status(&answers[0]).expect("immediate answer");
+        assert_eq!(
+            (status, &error["error"]["code"]),
+            (400, &"empty_body".into()),
+            "{path}"
+        );
+        // A body that ends empty (chunked, no data).
+        let mut ex = exchange(&router, mode);
+        ex.handle(post(path));
+        let answers = ex.handle(body(b"", true));
+        assert_eq!(answers.len(), 1, "{path}");
+        let (status, error) = immediate_status(&answers[0]).expect("immediate answer");
+        assert_eq!(
+            (status, &error["error"]["code"]),
+            (400, &"empty_body".into()),
+            "{path}"
+        );
+    }
+    assert!(router.seen.lock().expect("lock").is_empty());
+}
+
+#[test]
 fn a_body_over_the_limit_is_answered_413_without_keeping_it() {
     let router = Arc::new(StubRouter::default());
-    let mut ex = Exchange::new(Arc::clone(&router), 1_000);
+    let mut ex = Exchange::new(Arc::clone(&router), policy(1_000));
     ex.apply_protocol_config(ProtocolConfiguration {
         request_body_mode: BodySendMode::FullDuplexStreamed as i32,
         ..ProtocolConfiguration::default()
@@ -411,7 +475,7 @@ fn the_router_learns_whether_the_first_token_will_be_seen() {
         (BodySendMode::Buffered, false),
     ] {
         let router = Arc::new(StubRouter::default());
-        let mut ex = Exchange::new(Arc::clone(&router), 1 << 20);
+        let mut ex = Exchange::new(Arc::clone(&router), policy(1 << 20));
         ex.apply_protocol_config(ProtocolConfiguration {
             request_body_mode: BodySendMode::Buffered as i32,
             response_body_mode: response_mode as i32,
@@ -496,9 +560,13 @@ fn when_response_phases_are_not_sent_the_end_of_the_stream_releases_the_request(
 }
 
 #[test]
-fn other_paths_with_a_non_json_body_are_routed_without_a_model() {
+fn other_allowed_paths_with_a_non_json_body_are_routed_without_a_model() {
     let router = Arc::new(StubRouter::default());
-    let mut ex = exchange(&router, BodySendMode::Buffered);
+    let paths = ["/v1/audio/transcriptions".to_owned()];
+    let mut ex = Exchange::new(
+        Arc::clone(&router),
+        Arc::new(RequestPolicy::new(1 << 20, &paths)),
+    );
     ex.handle(post("/v1/audio/transcriptions"));
     let answers = ex.handle(body(b"\x00\x01binary", true));
     assert!(destination_of(&answers[0]).is_some());
@@ -589,4 +657,45 @@ fn streamed_events_are_counted_as_they_pass() {
         "a `data:` inside a text is not an event"
     );
     assert_eq!(router.tickets().first_tokens, 1);
+}
+
+#[test]
+fn a_gateway_reply_for_a_pod_it_could_not_reach_takes_the_pod_out() {
+    for (flags, unreachable) in [
+        ("UF", 1),
+        ("UF,URX", 1),
+        ("URX, UF", 1),
+        ("UC", 0),
+        ("-", 0),
+    ] {
+        let router = Arc::new(StubRouter::default());
+        let mut ex = exchange(&router, BodySendMode::Buffered);
+        ex.handle(post("/v1/completions"));
+        ex.handle(body(COMPLETION, true));
+        let answers = ex.handle(response_headers(
+            &[(":status", "503"), (UPSTREAM_FAILURE_HEADER, flags)],
+            None,
+        ));
+        assert_eq!(router.tickets().unreachable, unreachable, "flags {flags}");
+        let Some(Response::ResponseHeaders(answer)) = &answers[0].response else {
+            panic!("headers answer: {answers:?}");
+        };
+        let mutation = answer
+            .response
+            .as_ref()
+            .and_then(|r| r.header_mutation.as_ref())
+            .expect("mutation");
+        assert_eq!(
+            mutation.remove_headers,
+            vec![UPSTREAM_FAILURE_HEADER.to_owned()],
+            "the flags are not the client's"
+        );
+    }
+    // A pod's own 503 says nothing about reaching it.
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    ex.handle(post("/v1/completions"));
+    ex.handle(body(COMPLETION, true));
+    ex.handle(response_headers(&[(":status", "503")], None));
+    assert_eq!(router.tickets().unreachable, 0);
 }

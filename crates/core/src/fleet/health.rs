@@ -45,6 +45,14 @@ impl HealthTracker {
         }
     }
 
+    /// The gateway could not connect to the pod: out at once, without waiting for
+    /// scrapes to fail, and back like any pod that went down.
+    pub fn record_unreachable(&mut self, policy: &HealthPolicy) {
+        self.consecutive_successes = 0;
+        self.consecutive_failures = self.consecutive_failures.max(policy.failures_to_mark_down);
+        self.up = false;
+    }
+
     pub fn record_failure(&mut self, policy: &HealthPolicy) {
         self.consecutive_successes = 0;
         self.consecutive_failures = self.consecutive_failures.saturating_add(1);
@@ -84,6 +92,18 @@ mod tests {
         assert!(tracker.is_up(), "a success in between resets the count");
         tracker.record_failure(&POLICY);
         assert!(!tracker.is_up());
+    }
+
+    #[test]
+    fn an_unreachable_pod_goes_down_at_once_and_returns_like_any_down_pod() {
+        let mut tracker = HealthTracker::default();
+        tracker.record_success(&POLICY);
+        tracker.record_unreachable(&POLICY);
+        assert!(!tracker.is_up());
+        tracker.record_success(&POLICY);
+        assert!(!tracker.is_up(), "one scrape is not enough to return");
+        tracker.record_success(&POLICY);
+        assert!(tracker.is_up());
     }
 
     #[test]

@@ -231,7 +231,8 @@ async fn start_kvroute(
 ) -> anyhow::Result<(Guard, String)> {
     let exe = &tools.kvroute;
     let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-    let http = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let debug = SocketAddr::from(([127, 0, 0, 1], free_port()?));
     let endpoints: Vec<String> = pods.iter().map(ToString::to_string).collect();
     let log = tools.log_dir.join("kvroute.log");
     let log_file =
@@ -247,7 +248,8 @@ async fn start_kvroute(
     };
     cmd.args(["serve", "--endpoints", &endpoints.join(",")])
         .args(["--grpc-addr", &grpc.to_string()])
-        .args(["--metrics-addr", &http.to_string()])
+        .args(["--metrics-addr", &metrics.to_string()])
+        .args(["--debug-addr", &debug.to_string()])
         .args(["--health-addr", "off", "--admin-addr", "off"])
         .args([
             "--refresh-metrics-interval",
@@ -263,7 +265,7 @@ async fn start_kvroute(
         cmd.spawn()
             .with_context(|| format!("cannot run {} serve", exe.display()))?,
     );
-    wait_scraped(http, pods.len(), Duration::from_secs(20))
+    wait_scraped(debug, pods.len(), Duration::from_secs(20))
         .await
         .with_context(|| format!("kvroute did not scrape every pod; see {}", log.display()))?;
     let envoy = EnvoyProcess::start(
@@ -285,9 +287,9 @@ async fn start_kvroute(
 
 /// Waits until kvroute's `/debug/endpoints` shows `pods` healthy pods that listed their
 /// models.
-async fn wait_scraped(http: SocketAddr, pods: usize, limit: Duration) -> anyhow::Result<()> {
+async fn wait_scraped(debug: SocketAddr, pods: usize, limit: Duration) -> anyhow::Result<()> {
     let client = reqwest::Client::new();
-    let url = format!("http://{http}/debug/endpoints");
+    let url = format!("http://{debug}/debug/endpoints");
     let deadline = Instant::now() + limit;
     let mut last = String::from("no answer");
     while Instant::now() < deadline {
