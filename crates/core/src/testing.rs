@@ -1,4 +1,5 @@
-//! What the parsers' property tests share: the case-count policy, text and JSON generators.
+//! What the parsers' property tests share: the case-count policy, text and JSON generators,
+//! and a writer of Prometheus sample lines.
 
 use proptest::prelude::*;
 use serde_json::Value;
@@ -74,4 +75,35 @@ pub(crate) fn json_value(depth: u32) -> impl Strategy<Value = Value> {
                 .prop_map(|entries| Value::Object(entries.into_iter().collect())),
         ]
     })
+}
+
+/// A label value as the exposition format writes it: `\`, `"` and newline escaped.
+pub(crate) fn escape_label_value(value: &str) -> String {
+    let mut escaped = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\\' => escaped.push_str(r"\\"),
+            '"' => escaped.push_str(r#"\""#),
+            '\n' => escaped.push_str(r"\n"),
+            other => escaped.push(other),
+        }
+    }
+    escaped
+}
+
+/// One sample line, without its line ending: `name{a="1",b="2"} value`.
+pub(crate) fn sample_line(name: &str, labels: &[(String, String)], value: &str) -> String {
+    let mut line = name.to_owned();
+    if !labels.is_empty() {
+        let rendered: Vec<String> = labels
+            .iter()
+            .map(|(label, value)| format!("{label}=\"{}\"", escape_label_value(value)))
+            .collect();
+        line.push('{');
+        line.push_str(&rendered.join(","));
+        line.push('}');
+    }
+    line.push(' ');
+    line.push_str(value);
+    line
 }
