@@ -625,6 +625,23 @@ fn check_answer(body: &[u8], answer: &Result<InferenceRequest, RequestError>) {
     }
 }
 
+/// `value` with each float replaced by an integer: floats are the one kind whose printed
+/// length [`JsonLen`] only approximates. (Filtering them out instead would reject too many
+/// cases for a long run.)
+fn without_floats(value: Value) -> Value {
+    match value {
+        Value::Number(n) if n.is_f64() => Value::from(n.as_f64().map_or(0, f64::to_bits)),
+        Value::Array(items) => Value::Array(items.into_iter().map(without_floats).collect()),
+        Value::Object(entries) => Value::Object(
+            entries
+                .into_iter()
+                .map(|(key, value)| (key, without_floats(value)))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
 /// The body as serde_json reads it back, which the rules are then applied to: serde_json's
 /// float parsing may land one ulp away from what its printer wrote, and the digests of
 /// `tools` see the number read, not the one generated.
@@ -709,16 +726,9 @@ proptest! {
     }
 
     #[test]
-    fn json_len_is_the_compact_serialization_length_of_values_without_floats(value in json_value(5)) {
-        fn has_float(value: &Value) -> bool {
-            match value {
-                Value::Number(n) => n.is_f64(),
-                Value::Array(items) => items.iter().any(has_float),
-                Value::Object(entries) => entries.values().any(has_float),
-                _ => false,
-            }
-        }
-        prop_assume!(!has_float(&value));
+    fn json_len_is_the_compact_serialization_length_of_values_without_floats(
+        value in json_value(5).prop_map(without_floats),
+    ) {
         let text = serde_json::to_string(&value).expect("serializes");
         let streamed: JsonLen = serde_json::from_str(&text).expect("valid JSON");
         let top_null = value.is_null();
