@@ -327,4 +327,6 @@ impl<'a> Cursor<'a> {
 }
 
 #[cfg(test)]
+mod properties;
+#[cfg(test)]
 mod tests;

@@ -16,3 +16,6 @@ pub mod fleet;
 pub mod request;
 pub mod scheduler;
 pub mod vllm;
+
+#[cfg(test)]
+mod testing;

@@ -258,4 +258,6 @@ fn required(field: &'static str) -> RequestError {
 }
 
 #[cfg(test)]
+mod properties;
+#[cfg(test)]
 mod tests;

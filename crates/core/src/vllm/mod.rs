@@ -435,4 +435,6 @@ fn adapter_list(label: Option<&str>) -> Vec<String> {
 }
 
 #[cfg(test)]
+mod properties;
+#[cfg(test)]
 mod tests;
