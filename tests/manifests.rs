@@ -698,14 +698,38 @@ fn envoy_filter() -> Value {
     find(&documents(), "EnvoyFilter", "kvroute-ext-proc")
 }
 
-fn patch_for(filter: &Value, apply_to: &str) -> Value {
-    let patches: Vec<&Value> = filter["spec"]["configPatches"]
+/// The EnvoyFilter's patches of one kind, in order.
+fn patches_of(filter: &Value, apply_to: &str) -> Vec<Value> {
+    filter["spec"]["configPatches"]
         .as_array()
         .expect("configPatches")
         .iter()
         .filter(|p| p["applyTo"] == apply_to)
+        .cloned()
+        .collect()
+}
+
+/// The one HTTP_FILTER patch that inserts the filter `name`.
+fn filter_patch(filter: &Value, name: &str) -> Value {
+    let patches: Vec<Value> = patches_of(filter, "HTTP_FILTER")
+        .into_iter()
+        .filter(|p| p["patch"]["value"]["name"] == name)
         .collect();
-    assert_eq!(patches.len(), 1, "one {apply_to} patch");
+    assert_eq!(patches.len(), 1, "one patch inserting {name}");
+    patches[0].clone()
+}
+
+/// The one CLUSTER patch of the Service `service_prefix`.<namespace>.svc...
+fn cluster_patch(filter: &Value, service_prefix: &str) -> Value {
+    let patches: Vec<Value> = patches_of(filter, "CLUSTER")
+        .into_iter()
+        .filter(|p| {
+            p["match"]["cluster"]["service"]
+                .as_str()
+                .is_some_and(|s| s.starts_with(&format!("{service_prefix}.")))
+        })
+        .collect();
+    assert_eq!(patches.len(), 1, "one CLUSTER patch for {service_prefix}");
     patches[0].clone()
 }
 
@@ -726,7 +750,24 @@ fn the_istio_envoy_filter_inserts_full_duplex_ext_proc_and_honours_the_pick() {
         "applies to the ingress gateway only"
     );
 
-    let http = patch_for(&filter, "HTTP_FILTER");
+    // The client's destination header is removed first, then the picker runs.
+    let filters: Vec<Value> = patches_of(&filter, "HTTP_FILTER")
+        .iter()
+        .map(|p| p["patch"]["value"]["name"].clone())
+        .collect();
+    assert_eq!(
+        filters,
+        [
+            "envoy.filters.http.header_mutation",
+            "envoy.filters.http.ext_proc"
+        ]
+    );
+    let strip = filter_patch(&filter, "envoy.filters.http.header_mutation");
+    assert_eq!(
+        strip["patch"]["value"]["typed_config"]["mutations"]["request_mutations"][0]["remove"],
+        "x-gateway-destination-endpoint"
+    );
+    let http = filter_patch(&filter, "envoy.filters.http.ext_proc");
     assert_eq!(http["match"]["context"], "GATEWAY");
     assert_eq!(
         http["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"],
@@ -765,7 +806,21 @@ fn the_istio_envoy_filter_inserts_full_duplex_ext_proc_and_honours_the_pick() {
         istio_cluster(&kvroute_host, 9002)
     );
 
-    let cluster = patch_for(&filter, "CLUSTER");
+    assert_eq!(config["status_on_error"]["code"], "ServiceUnavailable");
+    // kvroute's cluster: a frozen or draining picker leaves rotation.
+    let picker = cluster_patch(&filter, "kvroute");
+    assert_eq!(picker["match"]["cluster"]["portNumber"], 9002);
+    let checks = &picker["patch"]["value"]["health_checks"][0];
+    assert_eq!(
+        checks["grpc_health_check"]["service_name"],
+        "envoy.service.ext_proc.v3.ExternalProcessor"
+    );
+    assert_eq!(
+        picker["patch"]["value"]["common_lb_config"]["healthy_panic_threshold"]["value"],
+        0
+    );
+
+    let cluster = cluster_patch(&filter, "vllm-llama3");
     assert_eq!(cluster["match"]["context"], "GATEWAY");
     assert_eq!(cluster["patch"]["operation"], "MERGE");
     let vllm = find(&docs, "Service", "vllm-llama3");
@@ -804,8 +859,11 @@ fn the_istio_envoy_filter_inserts_full_duplex_ext_proc_and_honours_the_pick() {
 /// chain gets the EnvoyFilter's HTTP_FILTER patch, the model's cluster (as Istio builds
 /// it, with round robin) with the CLUSTER patch merged in, and kvroute's cluster.
 fn istio_gateway_bootstrap(filter: &Value) -> Value {
-    let http = patch_for(filter, "HTTP_FILTER");
-    let cluster_patch = patch_for(filter, "CLUSTER");
+    let strip =
+        filter_patch(filter, "envoy.filters.http.header_mutation")["patch"]["value"].clone();
+    let http = filter_patch(filter, "envoy.filters.http.ext_proc");
+    let picker_patch = cluster_patch(filter, "kvroute");
+    let cluster_patch = cluster_patch(filter, "vllm-llama3");
     let ext_proc = http["patch"]["value"].clone();
     let ext_proc_cluster = ext_proc["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
         .as_str()
@@ -826,8 +884,8 @@ fn istio_gateway_bootstrap(filter: &Value) -> Value {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
         }
     });
-    // INSERT_BEFORE the router.
-    let http_filters = json!([ext_proc, router]);
+    // Each INSERT_BEFORE the router, in order.
+    let http_filters = json!([strip, ext_proc, router]);
 
     let mut model = json!({
         "name": model_cluster,
@@ -843,6 +901,24 @@ fn istio_gateway_bootstrap(filter: &Value) -> Value {
         }
     });
     merge(&mut model, &cluster_patch["patch"]["value"]);
+    let mut picker = json!({
+        "name": ext_proc_cluster,
+        "type": "STATIC",
+        "connect_timeout": "10s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}
+            }
+        },
+        "load_assignment": {
+            "cluster_name": ext_proc_cluster,
+            "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": "10.0.0.2", "port_value": 9002}}}}
+            ]}]
+        }
+    });
+    merge(&mut picker, &picker_patch["patch"]["value"]);
 
     json!({
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 15000}}},
@@ -872,23 +948,7 @@ fn istio_gateway_bootstrap(filter: &Value) -> Value {
             }],
             "clusters": [
                 model,
-                {
-                    "name": ext_proc_cluster,
-                    "type": "STATIC",
-                    "connect_timeout": "10s",
-                    "typed_extension_protocol_options": {
-                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {}}
-                        }
-                    },
-                    "load_assignment": {
-                        "cluster_name": ext_proc_cluster,
-                        "endpoints": [{"lb_endpoints": [
-                            {"endpoint": {"address": {"socket_address": {"address": "10.0.0.2", "port_value": 9002}}}}
-                        ]}]
-                    }
-                }
+                picker
             ]
         }
     })
@@ -1546,5 +1606,21 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus_scraping_kvro
         failures.len(),
         queries.len(),
         failures.join("\n")
+    );
+}
+
+#[test]
+fn the_istio_route_admits_exactly_the_paths_kvroute_routes_by_default() {
+    let route = find(&documents(), "VirtualService", "vllm-llama3");
+    let admitted: Vec<&str> = route["spec"]["http"][0]["match"]
+        .as_array()
+        .expect("matches")
+        .iter()
+        .map(|m| m["uri"]["exact"].as_str().expect("exact paths only"))
+        .collect();
+    assert_eq!(
+        admitted,
+        kvroute::extproc::policy::DEFAULT_ALLOWED_PATHS,
+        "a pod's management API must stay out of reach"
     );
 }
