@@ -186,7 +186,9 @@ impl App {
             config.drain_timeout,
         ));
 
-        let policy = RequestPolicy::new(config.max_body_bytes, &config.allowed_paths);
+        let policy = RequestPolicy::new(config.max_body_bytes, &config.allowed_paths)
+            .with_held_body_budget(config.max_held_body_bytes)
+            .with_read_timeout(config.request_read_timeout);
         let extproc = ExtProcService::new(Arc::clone(&picker), policy, aborting.clone());
         let admin_api =
             AdminService::new(Arc::clone(&picker), Arc::clone(&store), stopping.clone());
@@ -194,7 +196,10 @@ impl App {
             picker,
             store: Arc::clone(&store),
         };
-        let keepalive = config.grpc_keepalive;
+        let keepalive = GrpcConnections {
+            keepalive: config.grpc_keepalive,
+            max_streams: config.grpc_max_streams_per_connection,
+        };
         let result = tokio::try_join!(
             // The ext_proc port keeps accepting until the drain deadline: readiness is
             // already off, so gateways stop opening streams, and any that still arrive
@@ -242,20 +247,31 @@ async fn drive_shutdown(
     abort.fire();
 }
 
+/// What every accepted gRPC connection gets.
+#[derive(Debug, Clone, Copy)]
+struct GrpcConnections {
+    keepalive: GrpcKeepalive,
+    /// Streams open at once on one connection.
+    max_streams: u32,
+}
+
 /// Serves the gRPC services `add` puts on a server, until `stop` fires.
 async fn serve_grpc(
     listener: TcpListener,
     what: &str,
     stop: &shutdown::Phase,
-    keepalive: GrpcKeepalive,
+    connections: GrpcConnections,
     add: impl FnOnce(&mut tonic::transport::Server) -> tonic::transport::server::Router,
 ) -> anyhow::Result<()> {
     info!(addr = %listener.local_addr()?, "{what} gRPC listening");
+    let keepalive = connections.keepalive;
     // Pings close the connection of a peer that vanished without a FIN (a node lost, a
-    // path black-holed); its streams end and release their requests' accounting.
+    // path black-holed); its streams end and release their requests' accounting. The
+    // stream limit bounds what one connection can hold open.
     let mut server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(keepalive.interval))
-        .http2_keepalive_timeout(Some(keepalive.timeout));
+        .http2_keepalive_timeout(Some(keepalive.timeout))
+        .max_concurrent_streams(connections.max_streams);
     let incoming = incoming(listener).with_keepalive(Some(keepalive.interval));
     add(&mut server)
         .serve_with_incoming_shutdown(incoming, stop.clone().into_fired())
@@ -268,11 +284,11 @@ async fn serve_optional_grpc(
     listener: Option<TcpListener>,
     what: &str,
     stop: &shutdown::Phase,
-    keepalive: GrpcKeepalive,
+    connections: GrpcConnections,
     add: impl FnOnce(&mut tonic::transport::Server) -> tonic::transport::server::Router,
 ) -> anyhow::Result<()> {
     match listener {
-        Some(listener) => serve_grpc(listener, what, stop, keepalive, add).await,
+        Some(listener) => serve_grpc(listener, what, stop, connections, add).await,
         None => Ok(()),
     }
 }

@@ -123,6 +123,24 @@ pub struct ServeArgs {
     /// Largest request body accepted (bytes; suffixes KiB, MiB, GiB); above it: 413.
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value = "16MiB", value_parser = parse_byte_size)]
     pub max_body_bytes: usize,
+    /// Request bodies held at once across all streams while kvroute reads them; a request
+    /// that would pass it gets 503 with retry-after, so a wave of large bodies cannot
+    /// exhaust kvroute's memory.
+    #[arg(long, env = "KVROUTE_MAX_HELD_BODY_BYTES", default_value = "1GiB", value_parser = parse_byte_size)]
+    pub max_held_body_bytes: usize,
+    /// A stream must deliver its whole request within this long of opening (Envoy sends
+    /// the headers at once): then a request is answered 408, a silent stream closed.
+    #[arg(long, env = "KVROUTE_REQUEST_READ_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub request_read_timeout: Duration,
+    /// Most ext_proc streams open at once on one gateway connection (HTTP/2
+    /// SETTINGS_MAX_CONCURRENT_STREAMS); Envoy opens another connection beyond it, a
+    /// client that floods one connection gets the rest refused.
+    #[arg(
+        long,
+        env = "KVROUTE_GRPC_MAX_STREAMS_PER_CONNECTION",
+        default_value_t = 1024
+    )]
+    pub grpc_max_streams_per_connection: u32,
     /// Consecutive failed scrapes that take a pod out of rotation.
     #[arg(long, env = "KVROUTE_UNHEALTHY_AFTER", default_value_t = 3)]
     pub unhealthy_after: u32,
@@ -322,6 +340,12 @@ pub struct ServeConfig {
     pub scheduler: SchedulerConfig,
     pub health: HealthPolicy,
     pub max_body_bytes: usize,
+    /// See [`ServeArgs::max_held_body_bytes`].
+    pub max_held_body_bytes: usize,
+    /// See [`ServeArgs::request_read_timeout`].
+    pub request_read_timeout: Duration,
+    /// See [`ServeArgs::grpc_max_streams_per_connection`].
+    pub grpc_max_streams_per_connection: u32,
     pub debug_decisions: usize,
     pub drain_timeout: Duration,
     /// See [`ServeArgs::idle_gauge_timeout`].
@@ -363,6 +387,9 @@ impl ServeConfig {
             scheduler: SchedulerConfig::default(),
             health: HealthPolicy::default(),
             max_body_bytes: 16 << 20,
+            max_held_body_bytes: crate::extproc::policy::DEFAULT_HELD_BODY_BUDGET,
+            request_read_timeout: crate::extproc::policy::DEFAULT_READ_TIMEOUT,
+            grpc_max_streams_per_connection: 1024,
             debug_decisions: 0,
             drain_timeout: Duration::from_secs(10),
             idle_gauge_timeout: crate::telemetry::GAUGE_IDLE_TIMEOUT,
@@ -438,6 +465,9 @@ impl ServeConfig {
                 successes_to_mark_up: args.healthy_after,
             },
             max_body_bytes: args.max_body_bytes,
+            max_held_body_bytes: args.max_held_body_bytes,
+            request_read_timeout: args.request_read_timeout,
+            grpc_max_streams_per_connection: args.grpc_max_streams_per_connection,
             debug_decisions: args.debug_decisions,
             drain_timeout: args.drain_timeout,
             idle_gauge_timeout: args.idle_gauge_timeout,
@@ -516,6 +546,15 @@ impl ServeConfig {
         }
         if self.max_body_bytes == 0 {
             return invalid("--max-body-bytes must be above zero");
+        }
+        if self.max_held_body_bytes < self.max_body_bytes {
+            return invalid("--max-held-body-bytes must be at least --max-body-bytes");
+        }
+        if self.request_read_timeout.is_zero() {
+            return invalid("--request-read-timeout must be above zero");
+        }
+        if self.grpc_max_streams_per_connection == 0 {
+            return invalid("--grpc-max-streams-per-connection must be at least 1");
         }
         if self.grpc_keepalive.interval.is_zero() || self.grpc_keepalive.timeout.is_zero() {
             return invalid(

@@ -40,6 +40,7 @@ pub const SCRAPE_DURATION: &str = "kvroute_scrape_duration_seconds";
 pub const SNAPSHOT_AGE: &str = "kvroute_snapshot_metrics_age_seconds";
 pub const ENDPOINTS: &str = "kvroute_endpoints";
 pub const UPSTREAM_UNREACHABLE: &str = "kvroute_pod_unreachable_total";
+pub const EXTPROC_STREAMS: &str = "kvroute_extproc_streams";
 
 /// Request outcomes, the `outcome` label of [`REQUESTS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -212,6 +213,10 @@ fn describe() {
         "Age of the oldest healthy pod's metrics in the current snapshot."
     );
     describe_gauge!(ENDPOINTS, "Endpoints known to kvroute, by health.");
+    describe_gauge!(
+        EXTPROC_STREAMS,
+        "ext_proc streams open now (one per request between the gateway and its response's end)."
+    );
     describe_counter!(
         UPSTREAM_UNREACHABLE,
         "Requests the gateway could not connect to their pod for; the pod leaves rotation at once."
@@ -298,6 +303,22 @@ pub fn record_scrape(
 }
 
 /// A pod's `/v1/models` could not be listed (any cause: its kind label is "models").
+/// One open ext_proc stream, counted in [`EXTPROC_STREAMS`] until dropped.
+pub struct OpenStream(());
+
+impl OpenStream {
+    pub fn open() -> OpenStream {
+        gauge!(EXTPROC_STREAMS).increment(1.0);
+        OpenStream(())
+    }
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        gauge!(EXTPROC_STREAMS).decrement(1.0);
+    }
+}
+
 /// The gateway reported a connect failure to `endpoint` (passive health).
 pub fn record_unreachable(endpoint: SocketAddr) {
     counter!(UPSTREAM_UNREACHABLE, "pod" => pod_label(endpoint)).increment(1);

@@ -765,3 +765,39 @@ async fn an_undecodable_message_ends_the_stream_with_a_grpc_error() {
     let status = ended.expect_err("the stream ends with an error status");
     assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
 }
+
+/// A stream may not sit on kvroute's memory: one that never speaks is closed with
+/// DEADLINE_EXCEEDED once the read timeout passes, and a request whose body stalls is
+/// answered 408; a request read in time is routed as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_that_do_not_deliver_their_request_in_time_are_ended() {
+    let pod = FakePod::start("pod-0", "llama", &[]).await;
+    let mut config = test_config(vec![pod.addr]);
+    config.request_read_timeout = Duration::from_millis(300);
+    let kvroute = Kvroute::start(config).await;
+    kvroute.wait_until_scraped(1).await;
+
+    let mut silent = Stream::open(&kvroute).await;
+    let ended = tokio::time::timeout(Duration::from_secs(5), silent.answers.message())
+        .await
+        .expect("ended in time");
+    let status = ended.expect_err("an error status");
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+
+    let mut stalled = Stream::open(&kvroute).await;
+    stalled
+        .send(headers_message(
+            "/v1/completions",
+            false,
+            BodySendMode::FullDuplexStreamed,
+        ))
+        .await;
+    stalled.send(body_message(b"{\"model\":", false)).await;
+    let answer = stalled.next().await;
+    let Some(Response::ImmediateResponse(reply)) = answer.response else {
+        panic!("an immediate answer: {answer:?}");
+    };
+    assert_eq!(reply.status.map(|s| s.code), Some(408));
+
+    assert!(destination(&route_one_buffered(&kvroute).await).is_some());
+}

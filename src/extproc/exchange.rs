@@ -150,11 +150,35 @@ impl<R: Router> Exchange<R> {
     pub fn abort(&mut self) -> Vec<ProcessingResponse> {
         match self.phase {
             Phase::Start | Phase::ReadingBody => {
-                self.body = Vec::new();
+                self.drop_body();
                 vec![self.refuse(shutting_down(), Outcome::NoCapacity)]
             }
             Phase::Forwarded | Phase::Rejected => Vec::new(),
         }
+    }
+
+    /// Whether the request is still being read (nothing has answered it yet).
+    pub fn awaiting_request(&self) -> bool {
+        matches!(self.phase, Phase::Start | Phase::ReadingBody)
+    }
+
+    /// The request took longer to arrive than the read timeout allows. A request whose
+    /// headers came is answered 408; for a stream that sent nothing there is no request
+    /// to answer (empty: the caller ends the stream with an error status).
+    pub fn read_timed_out(&mut self) -> Vec<ProcessingResponse> {
+        match self.phase {
+            Phase::ReadingBody => {
+                self.drop_body();
+                vec![self.refuse(read_timeout(), Outcome::BadRequest)]
+            }
+            Phase::Start | Phase::Forwarded | Phase::Rejected => Vec::new(),
+        }
+    }
+
+    /// Lets go of the body read so far and gives its bytes back to the budget.
+    fn drop_body(&mut self) {
+        self.policy.held_body_budget.give_back(self.body.len());
+        self.body = Vec::new();
     }
 
     /// A body chunk was refused by the gRPC layer for its size: answers 413 unless the
@@ -163,7 +187,7 @@ impl<R: Router> Exchange<R> {
         match self.phase {
             Phase::Rejected | Phase::Forwarded => Vec::new(),
             Phase::Start | Phase::ReadingBody => {
-                self.body = Vec::new();
+                self.drop_body();
                 vec![self.refuse(too_large(self.policy.max_body_bytes), Outcome::TooLarge)]
             }
         }
@@ -224,8 +248,12 @@ impl<R: Router> Exchange<R> {
             };
         }
         if self.body.len().saturating_add(body.body.len()) > self.policy.max_body_bytes {
-            self.body = Vec::new();
+            self.drop_body();
             return vec![self.refuse(too_large(self.policy.max_body_bytes), Outcome::TooLarge)];
+        }
+        if !self.policy.held_body_budget.try_take(body.body.len()) {
+            self.drop_body();
+            return vec![self.refuse(overloaded(), Outcome::NoCapacity)];
         }
         self.body.extend_from_slice(&body.body);
         let ended = body.end_of_stream || body.end_of_stream_without_message;
@@ -235,13 +263,16 @@ impl<R: Router> Exchange<R> {
             // BUFFERED_PARTIAL sends what fits in Envoy's buffer without the end of the
             // stream: not a whole request to parse.
             BodyMode::Buffered if !ended => {
-                self.body = Vec::new();
+                self.drop_body();
                 vec![self.refuse(partial_body(), Outcome::TooLarge)]
             }
-            // Buffered modes deliver the whole body at once.
+            // Buffered modes deliver the whole body at once; once routed, Envoy holds
+            // it, not kvroute.
             _ => {
                 let parsed = self.parse_body();
-                vec![self.route_parsed(parsed, AnswerIn::Body)]
+                let answer = self.route_parsed(parsed, AnswerIn::Body);
+                self.drop_body();
+                vec![answer]
             }
         }
     }
@@ -345,9 +376,11 @@ impl<R: Router> Exchange<R> {
         let parsed = self.parse_body();
         let first = self.route_parsed(parsed, AnswerIn::Headers);
         if self.phase != Phase::Forwarded {
+            self.drop_body();
             return vec![first];
         }
         let body = std::mem::take(&mut self.body);
+        self.policy.held_body_budget.give_back(body.len());
         let mut answers = Vec::with_capacity(2 + body.len() / MAX_STREAMED_CHUNK);
         answers.push(first);
         if body.is_empty() {
@@ -436,6 +469,12 @@ impl<R: Router> Exchange<R> {
         if let Some(ticket) = self.ticket.take() {
             ticket.finish(self.response);
         }
+    }
+}
+
+impl<R: Router> Drop for Exchange<R> {
+    fn drop(&mut self) {
+        self.policy.held_body_budget.give_back(self.body.len());
     }
 }
 
@@ -569,6 +608,26 @@ fn shutting_down() -> ErrorReply {
         code: "shutting_down",
         message: "the endpoint picker is shutting down; retry".into(),
         retry_after: Some(1),
+    }
+}
+
+fn overloaded() -> ErrorReply {
+    ErrorReply {
+        status: 503,
+        error_type: "service_unavailable",
+        code: "overloaded",
+        message: "the endpoint picker holds as many request bodies as it may; retry".into(),
+        retry_after: Some(1),
+    }
+}
+
+fn read_timeout() -> ErrorReply {
+    ErrorReply {
+        status: 408,
+        error_type: "invalid_request_error",
+        code: "request_timeout",
+        message: "the request body did not arrive in time".into(),
+        retry_after: None,
     }
 }
 

@@ -13,12 +13,14 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
 use crate::shutdown::Phase;
+use crate::telemetry;
 
 pub use exchange::Exchange;
 pub use kvroute_core::request::RouteRequest;
@@ -111,6 +113,18 @@ fn is_message_too_large(status: &Status) -> bool {
     ) && status.message().contains("too large")
 }
 
+/// An answer on its way to the gateway, boxed: the channel's storage holds 32 of them
+/// per open stream, and a `ProcessingResponse` inline is hundreds of bytes.
+type Answer = Box<Result<ProcessingResponse, Status>>;
+
+/// The answers of one stream, as tonic sends them.
+pub type AnswerStream =
+    futures::stream::Map<ReceiverStream<Answer>, fn(Answer) -> Result<ProcessingResponse, Status>>;
+
+fn unbox(answer: Answer) -> Result<ProcessingResponse, Status> {
+    *answer
+}
+
 /// The gRPC service: one [`Exchange`] per stream.
 pub struct ExtProcService<R: Router> {
     router: Arc<R>,
@@ -141,23 +155,42 @@ impl<R: Router> ExtProcService<R> {
 
 #[tonic::async_trait]
 impl<R: Router> ExternalProcessor for ExtProcService<R> {
-    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+    type ProcessStream = AnswerStream;
 
     async fn process(
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let mut inbound = request.into_inner();
-        let (answers, stream) = mpsc::channel(32);
+        let (answers, stream) = mpsc::channel::<Answer>(32);
         let mut exchange = Exchange::new(Arc::clone(&self.router), Arc::clone(&self.policy));
         let abort = self.abort_streams.clone();
+        let open = telemetry::OpenStream::open();
+        let read_by = tokio::time::Instant::now() + self.policy.read_timeout;
         tokio::spawn(async move {
+            let _open = open;
+            // One timer for the stream's life, not one per message.
+            let read_deadline = tokio::time::sleep_until(read_by);
+            tokio::pin!(read_deadline);
             'stream: loop {
                 let message = tokio::select! {
                     message = inbound.message() => message,
+                    // A stream that never sends, or a request that never ends, does not
+                    // hold its memory (and its body) for longer than the read timeout.
+                    () = &mut read_deadline, if exchange.awaiting_request() => {
+                        let answers_left = exchange.read_timed_out();
+                        if answers_left.is_empty() {
+                            let status = Status::deadline_exceeded("no request within the read timeout");
+                            let _ = answers.send(Box::new(Err(status))).await;
+                        }
+                        for answer in answers_left {
+                            let _ = answers.send(Box::new(Ok(answer))).await;
+                        }
+                        break;
+                    }
                     () = abort.fired() => {
                         for answer in exchange.abort() {
-                            let _ = answers.send(Ok(answer)).await;
+                            let _ = answers.send(Box::new(Ok(answer))).await;
                         }
                         break;
                     }
@@ -165,7 +198,7 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
                 match message {
                     Ok(Some(message)) => {
                         for answer in exchange.handle(message) {
-                            if answers.send(Ok(answer)).await.is_err() {
+                            if answers.send(Box::new(Ok(answer))).await.is_err() {
                                 break 'stream;
                             }
                         }
@@ -176,7 +209,7 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
                     // ending the stream, which Envoy would take as "continue unrouted".
                     Err(status) if is_message_too_large(&status) => {
                         for answer in exchange.body_too_large() {
-                            let _ = answers.send(Ok(answer)).await;
+                            let _ = answers.send(Box::new(Ok(answer))).await;
                         }
                         break;
                     }
@@ -185,13 +218,13 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
                     // status goes back so the peer sees a failure, not an OK ending.
                     Err(status) => {
                         debug!(%status, "ext_proc stream failed");
-                        let _ = answers.send(Err(status)).await;
+                        let _ = answers.send(Box::new(Err(status))).await;
                         break;
                     }
                 }
             }
             exchange.finish();
         });
-        Ok(Response::new(ReceiverStream::new(stream)))
+        Ok(Response::new(ReceiverStream::new(stream).map(unbox)))
     }
 }

@@ -4,6 +4,8 @@
 //! path lets every client drive it.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use kvroute_core::request::ApiKind;
 
@@ -20,13 +22,28 @@ pub const DEFAULT_ALLOWED_PATHS: [&str; 4] = [
     "/v1/embeddings",
 ];
 
+/// Default of [`RequestPolicy::read_timeout`]: Envoy sends a request's headers at once
+/// and its body as it arrives, so only a stalled client or a stream that never speaks
+/// takes this long.
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Default of [`RequestPolicy::held_body_budget`]: 64 bodies of the default 16 MiB limit.
+pub const DEFAULT_HELD_BODY_BUDGET: usize = 1 << 30;
+
 /// What the exchange accepts from a client before routing.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct RequestPolicy {
     /// Largest request body read; above it: 413.
     pub max_body_bytes: usize,
     /// Exact paths (query string aside) that are routed; anything else: 404.
     pub allowed_paths: Arc<[String]>,
+    /// Request bodies held at once, across all streams, while kvroute reads them;
+    /// beyond it a request gets 503 with `retry-after` rather than kvroute running out
+    /// of memory.
+    pub held_body_budget: BodyBudget,
+    /// How long a stream may take, from its start, to deliver its whole request; then a
+    /// request is answered 408 and a stream that sent nothing is closed.
+    pub read_timeout: Duration,
 }
 
 impl RequestPolicy {
@@ -34,7 +51,21 @@ impl RequestPolicy {
         RequestPolicy {
             max_body_bytes,
             allowed_paths: allowed_paths.into(),
+            held_body_budget: BodyBudget::new(DEFAULT_HELD_BODY_BUDGET),
+            read_timeout: DEFAULT_READ_TIMEOUT,
         }
+    }
+
+    /// The same policy with another read timeout.
+    pub fn with_read_timeout(mut self, timeout: Duration) -> Self {
+        self.read_timeout = timeout;
+        self
+    }
+
+    /// The same policy with a budget of `bytes` for held bodies.
+    pub fn with_held_body_budget(mut self, bytes: usize) -> Self {
+        self.held_body_budget = BodyBudget::new(bytes);
+        self
     }
 
     /// The default paths and `max_body_bytes`.
@@ -47,6 +78,41 @@ impl RequestPolicy {
     pub fn allows(&self, path: &str) -> bool {
         let path = path_only(path);
         self.allowed_paths.iter().any(|allowed| allowed == path)
+    }
+}
+
+/// Bytes of request bodies held across all streams, against a limit.
+#[derive(Debug)]
+pub struct BodyBudget {
+    held: AtomicUsize,
+    limit: usize,
+}
+
+impl BodyBudget {
+    pub fn new(limit: usize) -> Self {
+        BodyBudget {
+            held: AtomicUsize::new(0),
+            limit,
+        }
+    }
+
+    /// Takes `bytes` from the budget, unless that would pass the limit.
+    pub fn try_take(&self, bytes: usize) -> bool {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|&total| total <= self.limit)
+            })
+            .is_ok()
+    }
+
+    /// Returns what [`BodyBudget::try_take`] took.
+    pub fn give_back(&self, bytes: usize) {
+        self.held.fetch_sub(bytes, Ordering::AcqRel);
+    }
+
+    /// Bytes held now.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Acquire)
     }
 }
 
@@ -84,6 +150,18 @@ mod tests {
         ] {
             assert!(!policy.allows(refused), "{refused} must be refused");
         }
+    }
+
+    #[test]
+    fn the_body_budget_refuses_what_would_pass_its_limit_and_takes_back_returns() {
+        let budget = BodyBudget::new(100);
+        assert!(budget.try_take(60));
+        assert!(!budget.try_take(41), "161 > 100");
+        assert!(budget.try_take(40));
+        assert_eq!(budget.held(), 100);
+        budget.give_back(60);
+        assert!(budget.try_take(60));
+        assert!(!budget.try_take(usize::MAX), "no overflow");
     }
 
     #[test]

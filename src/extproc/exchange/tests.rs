@@ -699,3 +699,66 @@ fn a_gateway_reply_for_a_pod_it_could_not_reach_takes_the_pod_out() {
     ex.handle(response_headers(&[(":status", "503")], None));
     assert_eq!(router.tickets().unreachable, 0);
 }
+
+#[test]
+fn bodies_held_across_streams_stay_within_the_budget_and_are_given_back() {
+    let router = Arc::new(StubRouter::default());
+    let policy = Arc::new(RequestPolicy::with_default_paths(1 << 20).with_held_body_budget(200));
+    // A stream holding 100 bytes of an unfinished body...
+    let mut first = Exchange::new(Arc::clone(&router), Arc::clone(&policy));
+    first.apply_protocol_config(ProtocolConfiguration {
+        request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+        ..ProtocolConfiguration::default()
+    });
+    first.handle(post("/v1/completions"));
+    assert!(first.handle(body(&[b' '; 100], false)).is_empty());
+    assert_eq!(policy.held_body_budget.held(), 100);
+    // ...leaves 100 for the next: 150 more is refused 503, retryable, and nothing kept.
+    let mut second = Exchange::new(Arc::clone(&router), Arc::clone(&policy));
+    second.apply_protocol_config(ProtocolConfiguration {
+        request_body_mode: BodySendMode::Buffered as i32,
+        ..ProtocolConfiguration::default()
+    });
+    second.handle(post("/v1/completions"));
+    let answers = second.handle(body(&[b' '; 150], true));
+    let (status, error) = immediate_status(&answers[0]).expect("immediate answer");
+    assert_eq!(
+        (status, &error["error"]["code"]),
+        (503, &"overloaded".into())
+    );
+    assert_eq!(policy.held_body_budget.held(), 100);
+    // A buffered request that fits is routed and lets go of its body at once.
+    let mut third = Exchange::new(Arc::clone(&router), Arc::clone(&policy));
+    third.apply_protocol_config(ProtocolConfiguration {
+        request_body_mode: BodySendMode::Buffered as i32,
+        ..ProtocolConfiguration::default()
+    });
+    third.handle(post("/v1/completions"));
+    assert!(COMPLETION.len() <= 100);
+    let answers = third.handle(body(COMPLETION, true));
+    assert!(destination_of(&answers[0]).is_some());
+    assert_eq!(policy.held_body_budget.held(), 100);
+    // The first stream's body goes back when it is routed, or when the stream dies.
+    drop(first);
+    assert_eq!(policy.held_body_budget.held(), 0);
+}
+
+#[test]
+fn a_request_that_does_not_arrive_in_time_is_answered_408_once_its_headers_came() {
+    let router = Arc::new(StubRouter::default());
+    let mut silent = exchange(&router, BodySendMode::FullDuplexStreamed);
+    assert!(silent.awaiting_request());
+    assert!(silent.read_timed_out().is_empty(), "no request to answer");
+
+    let mut stalled = exchange(&router, BodySendMode::FullDuplexStreamed);
+    stalled.handle(post("/v1/completions"));
+    stalled.handle(body(b"{\"model\":", false));
+    let answers = stalled.read_timed_out();
+    let (status, error) = immediate_status(&answers[0]).expect("immediate answer");
+    assert_eq!(
+        (status, &error["error"]["code"]),
+        (408, &"request_timeout".into())
+    );
+    assert!(!stalled.awaiting_request());
+    assert!(router.seen.lock().expect("lock").is_empty());
+}
