@@ -19,13 +19,14 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 use tracing::{info, warn};
 
 use crate::admin::AdminService;
 use crate::admin::pb::ListEndpointsResponse;
-use crate::config::{GrpcKeepalive, ServeConfig};
+use crate::config::{GrpcKeepalive, GrpcTls, ServeConfig};
 use crate::discovery::Discovery;
 use crate::extproc::{ExtProcService, RequestPolicy};
 use crate::picker::LivePicker;
@@ -155,6 +156,7 @@ impl App {
             discovery,
         } = self;
 
+        let grpc_tls = config.grpc_tls.as_ref().map(server_tls).transpose()?;
         let scrapers = ScrapeManager::new(Arc::clone(&store), config.scrape.clone())
             .context("cannot build the HTTP client for scraping")?;
         let reconciler = tokio::spawn(apply_endpoints(
@@ -199,19 +201,28 @@ impl App {
         let keepalive = GrpcConnections {
             keepalive: config.grpc_keepalive,
             max_streams: config.grpc_max_streams_per_connection,
+            tls: None,
         };
         let result = tokio::try_join!(
             // The ext_proc port keeps accepting until the drain deadline: readiness is
             // already off, so gateways stop opening streams, and any that still arrive
             // are routed rather than refused (which a fail-closed gateway turns into 500).
-            serve_grpc(grpc, "ext_proc", &aborting, keepalive, |server| server
-                .add_service(health_service.clone())
-                .add_service(extproc.into_server())),
-            serve_optional_grpc(health, "health", &stopping, keepalive, |server| server
-                .add_service(health_service.clone())),
+            serve_grpc(
+                grpc,
+                "ext_proc",
+                &aborting,
+                keepalive.with_tls(grpc_tls),
+                |server| server
+                    .add_service(health_service.clone())
+                    .add_service(extproc.into_server())
+            ),
+            serve_optional_grpc(health, "health", &stopping, keepalive.clone(), |server| {
+                server.add_service(health_service.clone())
+            }),
             // Watch streams end on the stop signal, so this server drains at once.
-            serve_optional_grpc(admin, "admin API", &stopping, keepalive, |server| server
-                .add_service(admin_api.into_server())),
+            serve_optional_grpc(admin, "admin API", &stopping, keepalive.clone(), |server| {
+                server.add_service(admin_api.into_server())
+            }),
             serve_http(metrics, "metrics", metrics_router(prometheus), &stopping),
             serve_optional_http(debug, "debug pages", debug_router(debug_state), &stopping),
         );
@@ -248,11 +259,37 @@ async fn drive_shutdown(
 }
 
 /// What every accepted gRPC connection gets.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct GrpcConnections {
     keepalive: GrpcKeepalive,
     /// Streams open at once on one connection.
     max_streams: u32,
+    tls: Option<ServerTlsConfig>,
+}
+
+impl GrpcConnections {
+    fn with_tls(&self, tls: Option<ServerTlsConfig>) -> GrpcConnections {
+        GrpcConnections {
+            tls,
+            ..self.clone()
+        }
+    }
+}
+
+/// The ext_proc port's TLS settings, read from the files `tls` names.
+fn server_tls(tls: &GrpcTls) -> anyhow::Result<ServerTlsConfig> {
+    let read = |path: &std::path::Path, flag: &str| {
+        std::fs::read(path).with_context(|| format!("cannot read {flag} {}", path.display()))
+    };
+    let identity = Identity::from_pem(
+        read(&tls.cert, "--grpc-tls-cert")?,
+        read(&tls.key, "--grpc-tls-key")?,
+    );
+    let mut config = ServerTlsConfig::new().identity(identity);
+    if let Some(ca) = &tls.client_ca {
+        config = config.client_ca_root(Certificate::from_pem(read(ca, "--grpc-tls-client-ca")?));
+    }
+    Ok(config)
 }
 
 /// Serves the gRPC services `add` puts on a server, until `stop` fires.
@@ -268,7 +305,13 @@ async fn serve_grpc(
     // Pings close the connection of a peer that vanished without a FIN (a node lost, a
     // path black-holed); its streams end and release their requests' accounting. The
     // stream limit bounds what one connection can hold open.
-    let mut server = tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = connections.tls {
+        server = server
+            .tls_config(tls)
+            .with_context(|| format!("{what}: invalid TLS certificate or key"))?;
+    }
+    let mut server = server
         .http2_keepalive_interval(Some(keepalive.interval))
         .http2_keepalive_timeout(Some(keepalive.timeout))
         .max_concurrent_streams(connections.max_streams);

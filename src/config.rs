@@ -120,6 +120,20 @@ pub struct ServeArgs {
     /// environment variable, from a Secret, to the flag).
     #[arg(long, env = "KVROUTE_POD_API_KEY", hide_env_values = true)]
     pub pod_api_key: Option<String>,
+    /// PEM certificate chain of the ext_proc gRPC port: with --grpc-tls-key, gateways
+    /// connect over TLS (the separate --health-addr port stays plain, for kubelet probes).
+    #[arg(long, env = "KVROUTE_GRPC_TLS_CERT", requires = "grpc_tls_key")]
+    pub grpc_tls_cert: Option<PathBuf>,
+    /// PEM private key of --grpc-tls-cert.
+    #[arg(long, env = "KVROUTE_GRPC_TLS_KEY", requires = "grpc_tls_cert")]
+    pub grpc_tls_key: Option<PathBuf>,
+    /// PEM CA bundle: gateways must present a client certificate it signed (mutual TLS).
+    #[arg(long, env = "KVROUTE_GRPC_TLS_CLIENT_CA", requires = "grpc_tls_cert")]
+    pub grpc_tls_client_ca: Option<PathBuf>,
+    /// PEM CA bundle: scrape pods over HTTPS (vLLM started with --ssl-certfile), trusting
+    /// only these CAs.
+    #[arg(long, env = "KVROUTE_POD_CA_BUNDLE")]
+    pub pod_ca_bundle: Option<PathBuf>,
     /// Largest request body accepted (bytes; suffixes KiB, MiB, GiB); above it: 413.
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value = "16MiB", value_parser = parse_byte_size)]
     pub max_body_bytes: usize,
@@ -351,6 +365,17 @@ pub struct ServeConfig {
     /// See [`ServeArgs::idle_gauge_timeout`].
     pub idle_gauge_timeout: Duration,
     pub grpc_keepalive: GrpcKeepalive,
+    /// TLS on the ext_proc port; `None`: plain HTTP/2.
+    pub grpc_tls: Option<GrpcTls>,
+}
+
+/// The ext_proc port's TLS: its certificate, and the CA that signs gateways' client
+/// certificates when they must present one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrpcTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
 }
 
 /// Liveness checks on accepted gRPC connections: no request's accounting outlives its
@@ -394,6 +419,7 @@ impl ServeConfig {
             drain_timeout: Duration::from_secs(10),
             idle_gauge_timeout: crate::telemetry::GAUGE_IDLE_TIMEOUT,
             grpc_keepalive: GrpcKeepalive::default(),
+            grpc_tls: None,
         }
     }
 
@@ -457,6 +483,7 @@ impl ServeConfig {
                 models_interval: args.refresh_models_interval,
                 concurrency: args.scrape_concurrency,
                 pod_api_key: args.pod_api_key.clone().map(ApiKey),
+                pod_ca_bundle: args.pod_ca_bundle.clone(),
                 ..ScrapeConfig::default()
             },
             scheduler,
@@ -474,6 +501,14 @@ impl ServeConfig {
             grpc_keepalive: GrpcKeepalive {
                 interval: args.grpc_keepalive_interval,
                 timeout: args.grpc_keepalive_timeout,
+            },
+            grpc_tls: match (&args.grpc_tls_cert, &args.grpc_tls_key) {
+                (Some(cert), Some(key)) => Some(GrpcTls {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    client_ca: args.grpc_tls_client_ca.clone(),
+                }),
+                _ => None,
             },
         };
         config.validate()?;

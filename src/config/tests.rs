@@ -223,3 +223,62 @@ fn negative_weights_are_rejected() {
     let error = parse(&["--config", path.to_str().expect("utf-8")]).expect_err("invalid");
     assert!(error.contains("queue"), "{error}");
 }
+
+#[test]
+fn tls_flags_go_together_and_reach_the_config() {
+    let endpoints = ["--endpoints", "10.0.0.1:8000"];
+    let with = |extra: &[&str]| {
+        let args: Vec<&str> = endpoints.iter().chain(extra).copied().collect();
+        parse(&args)
+    };
+    assert!(
+        with(&["--grpc-tls-cert", "c.pem"]).is_err(),
+        "a cert needs its key"
+    );
+    assert!(
+        with(&["--grpc-tls-client-ca", "ca.pem"]).is_err(),
+        "mTLS needs TLS"
+    );
+    let config = with(&[
+        "--grpc-tls-cert",
+        "c.pem",
+        "--grpc-tls-key",
+        "k.pem",
+        "--grpc-tls-client-ca",
+        "ca.pem",
+        "--pod-ca-bundle",
+        "pods.pem",
+    ])
+    .expect("valid");
+    let tls = config.grpc_tls.expect("TLS on");
+    assert_eq!(tls.cert, PathBuf::from("c.pem"));
+    assert_eq!(tls.client_ca, Some(PathBuf::from("ca.pem")));
+    assert_eq!(config.scrape.pod_ca_bundle, Some(PathBuf::from("pods.pem")));
+    assert!(with(&[]).expect("valid").grpc_tls.is_none());
+}
+
+#[test]
+fn resource_bounds_have_documented_defaults_and_refuse_nonsense() {
+    let config = parse(&["--endpoints", "10.0.0.1:8000"]).expect("valid");
+    assert_eq!(config.request_read_timeout, Duration::from_secs(30));
+    assert_eq!(config.max_held_body_bytes, 1 << 30);
+    assert_eq!(config.grpc_max_streams_per_connection, 1024);
+    assert_eq!(
+        config.debug_addr,
+        Some("127.0.0.1:9091".parse().expect("addr"))
+    );
+    for bad in [
+        &["--max-held-body-bytes", "1MiB"][..],
+        &["--request-read-timeout", "0s"],
+        &["--grpc-max-streams-per-connection", "0"],
+        &["--allowed-paths", "v1/completions"],
+        &["--allowed-paths", "/v1/completions?x=1"],
+    ] {
+        let args: Vec<&str> = ["--endpoints", "10.0.0.1:8000"]
+            .iter()
+            .chain(bad)
+            .copied()
+            .collect();
+        assert!(parse(&args).is_err(), "{bad:?} must be refused");
+    }
+}

@@ -4,6 +4,7 @@
 
 mod poller;
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 pub use poller::{ScrapeError, ScrapeManager};
@@ -20,6 +21,8 @@ pub struct ScrapeConfig {
     /// Bearer token for `/v1/models` on pods started with vLLM's `--api-key` (which
     /// guards `/v1/*`, not `/metrics`).
     pub pod_api_key: Option<ApiKey>,
+    /// Scrape over HTTPS, trusting only the CAs in this PEM bundle; `None`: plain HTTP.
+    pub pod_ca_bundle: Option<PathBuf>,
 }
 
 /// A secret that never appears in logs or debug output.
@@ -41,6 +44,7 @@ impl Default for ScrapeConfig {
             concurrency: 64,
             max_response_bytes: 8 << 20,
             pod_api_key: None,
+            pod_ca_bundle: None,
         }
     }
 }

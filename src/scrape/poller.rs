@@ -2,6 +2,7 @@
 //! pod: a slow scrape delays the next tick instead of stacking), bounded overall by
 //! a semaphore. Results go to the pod store, which publishes snapshots.
 
+use anyhow::Context;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -72,14 +73,35 @@ pub struct ScrapeManager {
 }
 
 impl ScrapeManager {
-    pub fn new(store: Arc<PodStore>, config: ScrapeConfig) -> Result<Self, reqwest::Error> {
-        let client = reqwest::Client::builder()
+    pub fn new(store: Arc<PodStore>, config: ScrapeConfig) -> anyhow::Result<Self> {
+        let mut builder = reqwest::Client::builder()
             // Pods are addressed by IP on the cluster network: a proxy from the
             // environment would be wrong here.
             .no_proxy()
             .connect_timeout(config.timeout)
-            .pool_max_idle_per_host(2)
-            .build()?;
+            .pool_max_idle_per_host(2);
+        if let Some(path) = &config.pod_ca_bundle {
+            // HTTPS to pods, trusting the given CAs only; a pod's certificate must name
+            // its IP address (pods are scraped by IP).
+            let pem = std::fs::read(path)
+                .with_context(|| format!("cannot read --pod-ca-bundle {}", path.display()))?;
+            let cas = reqwest::Certificate::from_pem_bundle(&pem).with_context(|| {
+                format!(
+                    "--pod-ca-bundle {} holds no PEM certificate",
+                    path.display()
+                )
+            })?;
+            anyhow::ensure!(
+                !cas.is_empty(),
+                "--pod-ca-bundle {} holds no PEM certificate",
+                path.display()
+            );
+            builder = builder.tls_built_in_root_certs(false).https_only(true);
+            for ca in cas {
+                builder = builder.add_root_certificate(ca);
+            }
+        }
+        let client = builder.build()?;
         Ok(ScrapeManager {
             permits: Arc::new(Semaphore::new(config.concurrency)),
             store,
@@ -135,8 +157,13 @@ struct PodPoller {
 
 impl PodPoller {
     async fn run(self) {
-        let metrics_url = format!("http://{}/metrics", self.endpoint);
-        let models_url = format!("http://{}/v1/models", self.endpoint);
+        let scheme = if self.config.pod_ca_bundle.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        let metrics_url = format!("{scheme}://{}/metrics", self.endpoint);
+        let models_url = format!("{scheme}://{}/v1/models", self.endpoint);
         let mut ticker = tokio::time::interval(self.config.interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut models_due = Instant::now();

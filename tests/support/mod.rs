@@ -474,6 +474,9 @@ pub enum Gateway {
     OverrideHost,
     /// The fail-closed config with another `request_body_mode`.
     OriginalDstWithRequestBodyMode(&'static str),
+    /// The fail-closed config reaching kvroute over mutual TLS, with the certificates in
+    /// this directory (see `kvroute_lab::envoy::Gateway::OriginalDstOverTls`).
+    OriginalDstOverTls(&'static str),
 }
 
 /// A real Envoy running a shipped config, rewritten for this test's ports.
@@ -488,6 +491,9 @@ impl Envoy {
             Gateway::OverrideHost => kvroute_lab::envoy::Gateway::OverrideHost { kvroute },
             Gateway::OriginalDstWithRequestBodyMode(mode) => {
                 kvroute_lab::envoy::Gateway::OriginalDstWithRequestBodyMode { kvroute, mode }
+            }
+            Gateway::OriginalDstOverTls(certs) => {
+                kvroute_lab::envoy::Gateway::OriginalDstOverTls { kvroute, certs }
             }
         };
         let level = std::env::var("ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into());

@@ -25,6 +25,26 @@ pub enum GatewayError {
     NotReady(Duration, String),
 }
 
+/// The start of the kvroute cluster in the shipped configs.
+const KVROUTE_CLUSTER_HEAD: &str =
+    "    - name: kvroute\n      type: STATIC\n      connect_timeout: 1s\n";
+
+/// What the kvroute cluster of a shipped gateway needs to reach a kvroute started with
+/// `--grpc-tls-cert/--grpc-tls-key/--grpc-tls-client-ca` (README, "TLS"): HTTP/2 over TLS,
+/// the gateway's client certificate, kvroute's CA.
+pub const KVROUTE_TLS_TRANSPORT_SOCKET: &str = "      transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+          common_tls_context:
+            alpn_protocols: [h2]
+            tls_certificates:
+              - certificate_chain: { filename: /etc/kvroute-gateway/gateway.pem }
+                private_key: { filename: /etc/kvroute-gateway/gateway-key.pem }
+            validation_context:
+              trusted_ca: { filename: /etc/kvroute-gateway/ca.pem }
+";
+
 /// Which gateway to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Gateway {
@@ -37,6 +57,13 @@ pub enum Gateway {
     OriginalDstWithRequestBodyMode {
         kvroute: SocketAddr,
         mode: &'static str,
+    },
+    /// The fail-closed gateway reaching kvroute over mutual TLS: `certs` is a directory
+    /// holding `ca.pem` (signs kvroute's certificate), `gateway.pem` and
+    /// `gateway-key.pem` (the gateway's client certificate).
+    OriginalDstOverTls {
+        kvroute: SocketAddr,
+        certs: &'static str,
     },
     /// No picker: Envoy's own ROUND_ROBIN over the pods.
     RoundRobin,
@@ -191,6 +218,14 @@ impl EnvoyProcess {
                 let template = ORIGINAL_DST_CONFIG.replace(
                     "request_body_mode: FULL_DUPLEX_STREAMED",
                     &format!("request_body_mode: {mode}"),
+                );
+                rewrite_shipped(&template, port, admin_port, kvroute, pods)
+            }
+            Gateway::OriginalDstOverTls { kvroute, certs } => {
+                let tls = KVROUTE_TLS_TRANSPORT_SOCKET.replace("/etc/kvroute-gateway", certs);
+                let template = ORIGINAL_DST_CONFIG.replace(
+                    KVROUTE_CLUSTER_HEAD,
+                    &format!("{KVROUTE_CLUSTER_HEAD}{tls}"),
                 );
                 rewrite_shipped(&template, port, admin_port, kvroute, pods)
             }
