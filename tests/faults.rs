@@ -193,14 +193,22 @@ async fn two_pods() -> [FakePod; 2] {
     ]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frozen_or_dead_picker_costs_a_fail_closed_client_a_prompt_503_never_a_hang() {
+/// Two pods, kvroute as a process, `gateway` in front, one request served.
+async fn picker_process_behind(
+    gateway: Gateway,
+) -> ([FakePod; 2], PickerProcess, Envoy, reqwest::Client) {
     let pods = two_pods().await;
     let addrs: Vec<SocketAddr> = pods.iter().map(|p| p.addr).collect();
-    let mut picker = PickerProcess::start(loopback_port(), &addrs);
-    let envoy = Envoy::start(Gateway::OriginalDst, picker.grpc, &addrs).await;
+    let picker = PickerProcess::start(loopback_port(), &addrs);
+    let envoy = Envoy::start(gateway, picker.grpc, &addrs).await;
     let client = impatient_client();
     assert_eq!(complete(&client, &envoy).await.status, 200);
+    (pods, picker, envoy, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_or_dead_picker_costs_a_fail_closed_client_a_prompt_503_never_a_hang() {
+    let (_pods, mut picker, envoy, client) = picker_process_behind(Gateway::OriginalDst).await;
 
     // Frozen: a deadlock, a starved node, a black-holed path look the same.
     picker.signal("STOP");
@@ -237,12 +245,7 @@ async fn a_frozen_or_dead_picker_costs_a_fail_closed_client_a_prompt_503_never_a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_or_dead_picker_lets_the_fail_open_gateway_forward_promptly() {
-    let pods = two_pods().await;
-    let addrs: Vec<SocketAddr> = pods.iter().map(|p| p.addr).collect();
-    let mut picker = PickerProcess::start(loopback_port(), &addrs);
-    let envoy = Envoy::start(Gateway::OverrideHost, picker.grpc, &addrs).await;
-    let client = impatient_client();
-    assert_eq!(complete(&client, &envoy).await.status, 200);
+    let (_pods, mut picker, envoy, client) = picker_process_behind(Gateway::OverrideHost).await;
 
     picker.signal("STOP");
     let mut waits = Vec::new();

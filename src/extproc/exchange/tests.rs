@@ -595,6 +595,20 @@ fn response_headers(pairs: &[(&str, &str)], metadata: Option<Metadata>) -> Proce
     message
 }
 
+/// The headers an answer to the response headers removes.
+fn removed_headers(answer: &ProcessingResponse) -> Vec<String> {
+    let Some(Response::ResponseHeaders(headers)) = &answer.response else {
+        panic!("headers answer: {answer:?}");
+    };
+    headers
+        .response
+        .as_ref()
+        .and_then(|r| r.header_mutation.as_ref())
+        .expect("mutation")
+        .remove_headers
+        .clone()
+}
+
 #[test]
 fn the_served_endpoint_moves_the_request_and_its_header_is_stripped() {
     let router = Arc::new(StubRouter::default());
@@ -606,15 +620,7 @@ fn the_served_endpoint_moves_the_request_and_its_header_is_stripped() {
         None,
     ));
     assert_eq!(router.tickets().served, vec![POD_B.parse().expect("addr")]);
-    let Some(Response::ResponseHeaders(answer)) = &answers[0].response else {
-        panic!("headers answer: {answers:?}");
-    };
-    let mutation = answer
-        .response
-        .as_ref()
-        .and_then(|r| r.header_mutation.as_ref())
-        .expect("mutation");
-    assert_eq!(mutation.remove_headers, vec![SERVED_HEADER.to_owned()]);
+    assert_eq!(removed_headers(&answers[0]), vec![SERVED_HEADER.to_owned()]);
 
     // The protocol's metadata form, without the header: nothing to strip.
     let router = Arc::new(StubRouter::default());
@@ -677,16 +683,8 @@ fn a_gateway_reply_for_a_pod_it_could_not_reach_takes_the_pod_out() {
             None,
         ));
         assert_eq!(router.tickets().unreachable, unreachable, "flags {flags}");
-        let Some(Response::ResponseHeaders(answer)) = &answers[0].response else {
-            panic!("headers answer: {answers:?}");
-        };
-        let mutation = answer
-            .response
-            .as_ref()
-            .and_then(|r| r.header_mutation.as_ref())
-            .expect("mutation");
         assert_eq!(
-            mutation.remove_headers,
+            removed_headers(&answers[0]),
             vec![UPSTREAM_FAILURE_HEADER.to_owned()],
             "the flags are not the client's"
         );
