@@ -129,8 +129,17 @@ async fn start_noop(destination: SocketAddr) -> SocketAddr {
     let service = ExternalProcessorServer::new(NoopProcessor {
         destination: destination.to_string(),
     });
+    // The shipped gateway health-checks its picker: the no-op one answers SERVING.
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status(
+            kvroute::app::EXTPROC_SERVICE,
+            tonic_health::ServingStatus::Serving,
+        )
+        .await;
     tokio::spawn(
         tonic::transport::Server::builder()
+            .add_service(health)
             .add_service(service)
             .serve_with_incoming(TcpIncoming::from(listener).with_nodelay(Some(true))),
     );
