@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -170,7 +170,7 @@ async fn send(
 }
 
 /// Counts of what became of the requests.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Tally {
     /// Requests sent.
     pub sent: u64,
@@ -179,7 +179,7 @@ pub struct Tally {
     /// Outcomes by key (see [`Outcome::key`]).
     pub outcomes: BTreeMap<String, u64>,
     /// Outcomes by request kind, then key.
-    pub by_kind: BTreeMap<&'static str, BTreeMap<String, u64>>,
+    pub by_kind: BTreeMap<String, BTreeMap<String, u64>>,
     /// Requests that did not complete, by the second (since the start) their answer ended,
     /// then key; requests not sent count as `skipped` at the second they were due.
     pub failures_per_s: BTreeMap<u64, BTreeMap<String, u64>>,
@@ -211,7 +211,7 @@ impl Tally {
         }
         *self
             .by_kind
-            .entry(kind.name())
+            .entry(kind.name().to_string())
             .or_default()
             .entry(key.clone())
             .or_default() += 1;

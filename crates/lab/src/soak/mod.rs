@@ -108,6 +108,9 @@ pub struct SoakArgs {
     /// The simulator binary [default: `kvroute-sim` beside this program].
     #[arg(long, env = "KVROUTE_SIM_BIN")]
     pub sim: Option<PathBuf>,
+    /// Run nothing: redraw soak.md and the plot into --output-dir from this soak.json.
+    #[arg(long)]
+    pub replot: Option<PathBuf>,
 }
 
 impl SoakArgs {
@@ -241,8 +244,39 @@ impl Running {
     }
 }
 
+/// Writes the plot and soak.md into `out`, prints the Markdown; returns soak.md's path.
+fn write_summary(report: &SoakReport, out: &std::path::Path) -> anyhow::Result<PathBuf> {
+    let plot = match report::plot(report, out) {
+        Ok(()) => Some(report::PLOT),
+        Err(e) => {
+            eprintln!("kvroute-lab soak: the plot failed: {e}");
+            None
+        }
+    };
+    let markdown = report.markdown(plot);
+    let md_path = out.join("soak.md");
+    std::fs::write(&md_path, &markdown)
+        .with_context(|| format!("cannot write {}", md_path.display()))?;
+    println!("{markdown}");
+    Ok(md_path)
+}
+
+/// `--replot`: soak.md and the plot again from a run's soak.json.
+fn replot(file: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let report: SoakReport = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a soak report", file.display()))?;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    write_summary(&report, out)?;
+    Ok(())
+}
+
 /// `kvroute-lab soak`: runs, writes the report, fails if a request was lost.
 pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
+    if let Some(file) = &args.replot {
+        return replot(file, &args.output_dir);
+    }
     args.validate()?;
     let wall = std::time::Instant::now();
     let out = &args.output_dir;
@@ -380,7 +414,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         version: report::REPORT_VERSION,
         command: std::env::args().collect::<Vec<_>>().join(" "),
         machine: crate::compare::machine(),
-        gateway: args.gateway.name(),
+        gateway: args.gateway.name().to_string(),
         duration_s,
         rate: args.rate,
         sent_rate: tally.sent as f64 / duration_s,
@@ -402,21 +436,10 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         kvroute: report::resources(samples, duration_s),
         rss_growth_target_percent: report::RSS_GROWTH_TARGET_PERCENT,
     };
-    let plot = match report::plot(&report, out) {
-        Ok(()) => Some(report::PLOT),
-        Err(e) => {
-            eprintln!("kvroute-lab soak: the plot failed: {e}");
-            None
-        }
-    };
     let json_path = out.join("soak.json");
     std::fs::write(&json_path, serde_json::to_string_pretty(&report)? + "\n")
         .with_context(|| format!("cannot write {}", json_path.display()))?;
-    let markdown = report.markdown(plot);
-    let md_path = out.join("soak.md");
-    std::fs::write(&md_path, &markdown)
-        .with_context(|| format!("cannot write {}", md_path.display()))?;
-    println!("{markdown}");
+    let md_path = write_summary(&report, out)?;
     eprintln!(
         "kvroute-lab soak: {} ({} lost); report {}",
         if report.passed { "passed" } else { "FAILED" },

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use plotters::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::load::Tally;
 use super::procstat::Sample;
@@ -24,7 +24,7 @@ pub const AFTERMATH_S: f64 = 10.0;
 pub const PLOT: &str = "kvroute-rss-cpu.png";
 
 /// One fault as it happened.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FaultEvent {
     /// What.
     pub kind: FaultKind,
@@ -87,7 +87,7 @@ pub fn window(f: &FaultEvent) -> (f64, f64) {
 }
 
 /// kvroute's memory and CPU over the run.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Resources {
     /// Mean resident memory over the first 10 s of load, MiB.
     pub rss_start_mib: Option<f64>,
@@ -158,7 +158,7 @@ pub fn resources(samples: Vec<Sample>, duration_s: f64) -> Resources {
 }
 
 /// Everything a soak measured.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SoakReport {
     pub version: u32,
     /// The command line.
@@ -166,7 +166,7 @@ pub struct SoakReport {
     /// Cores, CPU, OS.
     pub machine: String,
     /// `original-dst` (fail-closed) or `override-host` (fail-open).
-    pub gateway: &'static str,
+    pub gateway: String,
     pub duration_s: f64,
     /// Asked rate, requests per wall second.
     pub rate: f64,
@@ -338,8 +338,37 @@ fn fault_colour(kind: FaultKind) -> RGBColor {
 
 type PlotResult = Result<(), Box<dyn std::error::Error>>;
 
-/// One panel: `value` of the samples against time, a line per kvroute process, the faults
-/// as vertical lines.
+/// Samples per plotted point at most: a long run's CPU is drawn as means over this many
+/// seconds, which keeps the plot readable (and its PNG small) instead of a band of noise.
+const PLOT_POINTS: usize = 600;
+
+/// Means of `value` over runs of `per` consecutive samples of one process.
+fn smoothed(
+    samples: &[Sample],
+    per: usize,
+    value: &impl Fn(&Sample) -> Option<f64>,
+) -> Vec<(u32, f64, f64)> {
+    let mut points = Vec::new();
+    for process in samples.chunk_by(|a, b| a.pid == b.pid) {
+        for run in process.chunks(per.max(1)) {
+            let values: Vec<(f64, f64)> = run
+                .iter()
+                .filter_map(|s| Some((s.t_s, value(s)?)))
+                .collect();
+            if values.is_empty() {
+                continue;
+            }
+            let n = values.len() as f64;
+            let t = values.iter().map(|v| v.0).sum::<f64>() / n;
+            let v = values.iter().map(|v| v.1).sum::<f64>() / n;
+            points.push((process[0].pid, t, v));
+        }
+    }
+    points
+}
+
+/// One panel: `value` of the samples against time (means over a few seconds in long runs),
+/// a line per kvroute process, the faults as vertical lines.
 fn panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     report: &SoakReport,
@@ -352,8 +381,10 @@ where
 {
     let text = plot_font().is_some();
     let samples = &report.kvroute.samples;
+    let per = samples.len().div_ceil(PLOT_POINTS);
+    let points = smoothed(samples, per, &value);
     let x_max = report.duration_s.max(1.0) * 1.02;
-    let highest = samples.iter().filter_map(&value).fold(0.0, f64::max);
+    let highest = points.iter().map(|p| p.2).fold(0.0, f64::max);
     let y_max = if highest > 0.0 { highest * 1.15 } else { 1.0 };
     let mut builder = ChartBuilder::on(area);
     builder.margin(12);
@@ -365,6 +396,8 @@ where
     }
     let mut chart = builder.build_cartesian_2d(0.0..x_max, 0.0..y_max)?;
     let mut mesh = chart.configure_mesh();
+    // No minor grid: it would be most of the PNG's bytes.
+    mesh.light_line_style(WHITE);
     if text {
         mesh.x_desc("seconds since the load started").y_desc(y_desc);
     } else {
@@ -389,17 +422,15 @@ where
     let mut segment: Vec<(f64, f64)> = Vec::new();
     let mut pid = None;
     let blue = RGBColor(31, 119, 180);
-    for s in samples {
-        if pid != Some(s.pid) && !segment.is_empty() {
+    for (process, t, v) in points {
+        if pid != Some(process) && !segment.is_empty() {
             chart.draw_series(LineSeries::new(
                 std::mem::take(&mut segment),
                 blue.stroke_width(2),
             ))?;
         }
-        pid = Some(s.pid);
-        if let Some(v) = value(s) {
-            segment.push((s.t_s, v));
-        }
+        pid = Some(process);
+        segment.push((t, v));
     }
     chart.draw_series(LineSeries::new(segment, blue.stroke_width(2)))?;
     if text && !shown.is_empty() {
@@ -420,12 +451,20 @@ pub fn plot(report: &SoakReport, dir: &Path) -> Result<(), String> {
         let root = BitMapBackend::new(&path, (1100, 760)).into_drawing_area();
         root.fill(&WHITE)?;
         let (top, bottom) = root.split_vertically(380);
-        panel(&top, report, "kvroute resident memory", "RSS, MiB", |s| {
-            Some(s.rss_mib)
-        })?;
-        panel(&bottom, report, "kvroute CPU", "% of one core", |s| {
-            s.cpu_percent
-        })?;
+        panel(
+            &top,
+            report,
+            "kvroute resident memory",
+            "RSS, MiB",
+            |s: &Sample| Some(s.rss_mib),
+        )?;
+        panel(
+            &bottom,
+            report,
+            "kvroute CPU",
+            "% of one core",
+            |s: &Sample| s.cpu_percent,
+        )?;
         root.present()?;
         Ok(())
     };
@@ -466,6 +505,20 @@ mod tests {
         assert!((growth - 8.0).abs() < 1.0, "{growth}");
         assert_eq!(r.cpu_max_percent, Some(99.0));
         assert_eq!(r.cpu_p95_percent, Some(94.0));
+    }
+
+    #[test]
+    fn long_runs_are_plotted_as_means_that_never_mix_two_processes() {
+        let samples = vec![
+            sample(0.0, 1, 10.0, Some(10.0)),
+            sample(1.0, 1, 12.0, Some(20.0)),
+            sample(2.0, 1, 14.0, None),
+            sample(3.0, 2, 5.0, Some(40.0)),
+        ];
+        let cpu = smoothed(&samples, 2, &|s: &Sample| s.cpu_percent);
+        assert_eq!(cpu, vec![(1, 0.5, 15.0), (2, 3.0, 40.0)]);
+        let rss = smoothed(&samples, 2, &|s: &Sample| Some(s.rss_mib));
+        assert_eq!(rss, vec![(1, 0.5, 11.0), (1, 2.0, 14.0), (2, 3.0, 5.0)]);
     }
 
     #[test]
