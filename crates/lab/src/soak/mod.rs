@@ -15,6 +15,7 @@ pub mod procstat;
 pub mod report;
 pub mod schedule;
 
+use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -257,7 +258,8 @@ fn write_summary(report: &SoakReport, out: &std::path::Path) -> anyhow::Result<P
     let md_path = out.join("soak.md");
     std::fs::write(&md_path, &markdown)
         .with_context(|| format!("cannot write {}", md_path.display()))?;
-    println!("{markdown}");
+    // A closed stdout (`| head`) must not turn the summary into a panic: it is in soak.md.
+    let _ = writeln!(std::io::stdout(), "{markdown}");
     Ok(md_path)
 }
 
