@@ -287,6 +287,11 @@ impl EnvoyProcess {
         format!("http://127.0.0.1:{}{}", self.port, path)
     }
 
+    /// Its exit status, if it has exited.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     /// What Envoy logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()

@@ -5,7 +5,9 @@
 //! - [`compare`]: the fleet comparison, kvroute against Envoy round robin / least request,
 //!   sglang-router and vllm-router on identical simulated fleets (`kvroute-sim`);
 //! - [`demo`]: the quick comparison the README's first command runs;
-//! - [`envoy`]: runs Envoy locally with the shipped gateway configs.
+//! - [`envoy`]: runs Envoy locally with the shipped gateway configs;
+//! - [`soak`]: a long run through Envoy and kvroute under faults (killed pods, broken
+//!   `/metrics`, kvroute restarts), counting every request that is not answered.
 //!
 //! The gateway is measured as a separate process, `kvroute serve`, found beside this
 //! program or named with `--kvroute` ([`gateway_binary`]); the lab never links it.
@@ -14,6 +16,7 @@ pub mod compare;
 pub mod demo;
 pub mod envoy;
 pub mod loadgen;
+pub mod soak;
 
 use std::path::PathBuf;
 
@@ -25,6 +28,15 @@ pub const WORKLOADS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/workloads"
 /// The gateway binary: `kvroute` beside this program (cargo builds every binary of the
 /// workspace into one directory; tests and benchmarks run from its `deps/`).
 pub fn gateway_binary() -> anyhow::Result<PathBuf> {
+    binary_beside("kvroute", "--kvroute")
+}
+
+/// The simulator binary, `kvroute-sim`, beside this program.
+pub fn sim_binary() -> anyhow::Result<PathBuf> {
+    binary_beside("kvroute-sim", "--sim")
+}
+
+fn binary_beside(name: &str, flag: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("cannot locate this program")?;
     let dir = exe
         .parent()
@@ -33,12 +45,12 @@ pub fn gateway_binary() -> anyhow::Result<PathBuf> {
     candidates
         .into_iter()
         .flatten()
-        .map(|dir| dir.join("kvroute"))
+        .map(|dir| dir.join(name))
         .find(|path| path.is_file())
         .with_context(|| {
             format!(
-                "no `kvroute` binary beside {}: build it with `cargo build --release -p kvroute`, \
-                 or pass --kvroute PATH",
+                "no `{name}` binary beside {}: build it with `cargo build --release -p {name}`, \
+                 or pass {flag} PATH",
                 exe.display()
             )
         })

@@ -7,6 +7,7 @@ use tracing_subscriber::EnvFilter;
 use kvroute_lab::compare::CompareArgs;
 use kvroute_lab::demo::DemoArgs;
 use kvroute_lab::loadgen::BenchArgs;
+use kvroute_lab::soak::SoakArgs;
 
 #[derive(Parser)]
 #[command(
@@ -28,6 +29,9 @@ enum Command {
     /// Compare kvroute with Envoy round robin / least request, sglang-router and vllm-router
     /// on identical simulated fleets; writes a Markdown report, plots and raw JSON.
     Compare(CompareArgs),
+    /// A long run through Envoy and kvroute while pods are killed, `/metrics` breaks and
+    /// kvroute restarts; fails if any request is lost. Writes JSON, Markdown and a plot.
+    Soak(SoakArgs),
 }
 
 #[tokio::main]
@@ -45,6 +49,7 @@ async fn main() -> std::process::ExitCode {
         Command::Demo(args) => kvroute_lab::demo::run(args).await,
         Command::Bench(args) => kvroute_lab::loadgen::run(args).await,
         Command::Compare(args) => kvroute_lab::compare::run(args).await,
+        Command::Soak(args) => kvroute_lab::soak::run(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

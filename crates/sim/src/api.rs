@@ -4,7 +4,7 @@
 //! Layout: `request` parses bodies into engine requests, `generate` serves the completion
 //! endpoints and `response` writes their answers (SSE or whole JSON); `render` covers the
 //! prompt-only endpoints, `models` the model list and LoRA registration, `info` the status
-//! endpoints. The shared pieces (errors, body parsing, the endpoint kind) live here.
+//! endpoints, `faults` the fault switch. The shared pieces (errors, body parsing, the endpoint kind) live here.
 
 use std::sync::Arc;
 
@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 
 use super::server::Pod;
 
+mod faults;
 mod generate;
 mod info;
 mod models;
@@ -23,6 +24,7 @@ mod render;
 mod request;
 mod response;
 
+pub(crate) use faults::set_faults;
 pub(crate) use generate::{chat_completions, completions};
 pub(crate) use info::{get_load, health, metrics, model_info, not_found, server_info, version};
 pub(crate) use models::{load_lora, models, unload_lora};

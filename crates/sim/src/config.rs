@@ -96,6 +96,13 @@ pub struct FleetConfig {
     pub seed: u64,
     /// The pods.
     pub pods: Vec<PodConfig>,
+    /// Index of the first pod (`x-sim-pod`, response ids, jitter seeds): a fleet started as
+    /// one process per pod gives each process its pod's index, so the pods stay distinct
+    /// and behave as they would in a single process.
+    pub first_pod_index: usize,
+    /// Serve `POST /kvroute-sim/faults` (see [`crate::fault`]): a test switches a pod's
+    /// `/metrics` into a failure mode. Off by default: no pod has it unless asked.
+    pub fault_switch: bool,
 }
 
 /// The base model served when none is named.
@@ -110,6 +117,8 @@ impl Default for FleetConfig {
             speedup: 1.0,
             seed: 0,
             pods: vec![PodConfig::default(); 2],
+            first_pod_index: 0,
+            fault_switch: false,
         }
     }
 }
@@ -351,6 +360,8 @@ fn from_flags(args: &SimArgs) -> Result<FleetConfig, ConfigError> {
         speedup: args.speedup,
         seed: args.seed,
         pods: vec![pod; args.pods],
+        first_pod_index: args.first_pod_index,
+        fault_switch: args.fault_switch,
     })
 }
 

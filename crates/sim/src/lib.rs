@@ -9,6 +9,7 @@
 mod api;
 pub mod config;
 pub mod engine;
+pub mod fault;
 pub mod kv;
 pub mod lora;
 pub mod metrics;
@@ -91,6 +92,14 @@ pub struct SimArgs {
     /// YAML file describing a heterogeneous fleet (see docs/simulator.md).
     #[arg(long, env = "KVROUTE_SIM_CONFIG")]
     pub config: Option<PathBuf>,
+    /// Index of the first pod (`x-sim-pod`, response ids, jitter seeds); for fleets run as
+    /// one process per pod.
+    #[arg(long, env = "KVROUTE_SIM_FIRST_POD_INDEX", default_value_t = 0)]
+    pub first_pod_index: usize,
+    /// Serve `POST /kvroute-sim/faults`, which switches a pod's `/metrics` into a failure
+    /// mode (hang, garbage) and back; for fault tests.
+    #[arg(long, env = "KVROUTE_SIM_FAULT_SWITCH")]
+    pub fault_switch: bool,
 }
 
 /// `kvroute-sim`: starts the fleet, prints one line per pod, runs until `shutdown`.
@@ -99,7 +108,8 @@ pub async fn run(args: SimArgs, shutdown: impl Future<Output = ()>) -> anyhow::R
     let fleet = SimFleet::start(config.clone()).await?;
     for (i, (addr, pod)) in fleet.endpoints().iter().zip(&config.pods).enumerate() {
         println!(
-            "pod {i}: http://{addr} profile={} num_gpu_blocks={} max_loras={} adapters={}",
+            "pod {}: http://{addr} profile={} num_gpu_blocks={} max_loras={} adapters={}",
+            config.first_pod_index + i,
             pod.profile.name,
             pod.engine.num_gpu_blocks,
             pod.engine.max_loras,

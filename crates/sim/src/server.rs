@@ -27,6 +27,7 @@ use super::config::FleetConfig;
 use super::engine::{
     Engine, EngineLoad, Event, EventKind, RequestId, RequestSpec, SimTime, Summary,
 };
+use super::fault::MetricsFault;
 use super::kv::mix;
 
 /// The simulated clock: `(wall elapsed since start) × speedup`.
@@ -103,6 +104,8 @@ pub(crate) struct Pod {
     pub(crate) created: u64,
     core: Mutex<Core>,
     wake: Notify,
+    /// How `/metrics` answers; switched by the fault switch.
+    pub(crate) metrics_fault: watch::Sender<MetricsFault>,
 }
 
 impl Pod {
@@ -206,9 +209,13 @@ async fn add_pod_header(State(index): State<usize>, mut res: Response) -> Respon
     res
 }
 
-fn router(pod: Arc<Pod>) -> Router {
+fn router(pod: Arc<Pod>, fault_switch: bool) -> Router {
     let index = pod.index;
-    Router::new()
+    let mut routes = Router::new();
+    if fault_switch {
+        routes = routes.route("/kvroute-sim/faults", post(api::set_faults));
+    }
+    routes
         .route("/v1/completions", post(api::completions))
         .route("/v1/chat/completions", post(api::chat_completions))
         .route("/v1/completions/render", post(api::completions_render))
@@ -275,14 +282,15 @@ impl SimFleet {
         let mut pods = Vec::with_capacity(listeners.len());
         for (i, (listener, pc)) in listeners.into_iter().zip(&config.pods).enumerate() {
             let addr = listener.local_addr()?;
+            let index = config.first_pod_index + i;
             let mut engine_cfg = pc.engine.clone();
-            engine_cfg.seed = mix(config.seed, i as u64);
+            engine_cfg.seed = mix(config.seed, index as u64);
             let mut engine = Engine::new(engine_cfg, pc.profile.clone());
             for a in &pc.preload_loras {
                 engine.preload_adapter(a);
             }
             let pod = Arc::new(Pod {
-                index: i,
+                index,
                 model: config.model.clone(),
                 seed: config.seed,
                 clock,
@@ -296,10 +304,11 @@ impl SimFleet {
                     closed: false,
                 }),
                 wake: Notify::new(),
+                metrics_fault: watch::Sender::new(MetricsFault::None),
             });
             let driver = tokio::spawn(drive(pod.clone(), shutdown.subscribe()));
             let mut stop = shutdown.subscribe();
-            let app = router(pod);
+            let app = router(pod, config.fault_switch);
             let listener = listener.tap_io(|tcp| {
                 let _ = tcp.set_nodelay(true);
             });

@@ -607,3 +607,65 @@ fn the_same_seed_and_arrivals_give_the_same_completion_order_and_times() {
     assert_eq!(a, run(3));
     assert_ne!(a, run(4));
 }
+
+#[tokio::test]
+async fn the_fault_switch_makes_metrics_hang_or_garbage_and_back() {
+    let fleet = SimFleet::start(FleetConfig {
+        fault_switch: true,
+        first_pod_index: 3,
+        ..FleetConfig::uniform(1, PodConfig::default())
+    })
+    .await
+    .expect("fleet");
+    let addr = fleet.endpoints()[0];
+    let c = reqwest::Client::new();
+    let switch = |mode: &'static str| {
+        let c = c.clone();
+        async move {
+            let res = post(&c, addr, "/kvroute-sim/faults", json!({"metrics": mode})).await;
+            assert_eq!(res.status(), 200, "switch to {mode}");
+        }
+    };
+
+    switch("garbage").await;
+    let res = c.get(url(addr, "/metrics")).send().await.expect("metrics");
+    assert_eq!(res.status(), 200);
+    assert_eq!(pod_header(&res), "3", "pods count from --first-pod-index");
+    let text = res.text().await.expect("body");
+    assert_eq!(text, kvroute_sim::fault::GARBAGE);
+    assert!(parse_vllm_metrics(&text).is_err());
+
+    switch("hang").await;
+    let hanging = tokio::spawn({
+        let c = c.clone();
+        async move { c.get(url(addr, "/metrics")).send().await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!hanging.is_finished(), "a hanging /metrics answers nothing");
+    let res = c.get(url(addr, "/v1/models")).send().await.expect("models");
+    assert_eq!(res.status(), 200, "the pod still serves the API");
+    switch("none").await;
+    let res = hanging.await.expect("task").expect("answered once cleared");
+    assert_eq!(res.status(), 200);
+    let text = res.text().await.expect("body");
+    assert!(parse_vllm_metrics(&text).is_ok());
+
+    let res = post(&c, addr, "/kvroute-sim/faults", json!({"metrics": "slow"})).await;
+    assert_eq!(res.status(), 400, "an unknown mode is refused");
+    fleet.shutdown().await;
+}
+
+#[tokio::test]
+async fn without_the_flag_there_is_no_fault_switch() {
+    let fleet = start(1, 1.0, 0).await;
+    let c = reqwest::Client::new();
+    let res = post(
+        &c,
+        fleet.endpoints()[0],
+        "/kvroute-sim/faults",
+        json!({"metrics": "hang"}),
+    )
+    .await;
+    assert_eq!(res.status(), 404);
+    fleet.shutdown().await;
+}

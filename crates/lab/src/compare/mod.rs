@@ -237,7 +237,8 @@ async fn measure(
     Ok((report, steps, total))
 }
 
-fn machine() -> String {
+/// Cores, CPU model and OS of this machine, for reports.
+pub(crate) fn machine() -> String {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()

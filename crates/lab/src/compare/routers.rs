@@ -287,7 +287,11 @@ async fn start_kvroute(
 
 /// Waits until kvroute's `/debug/endpoints` shows `pods` healthy pods that listed their
 /// models.
-async fn wait_scraped(debug: SocketAddr, pods: usize, limit: Duration) -> anyhow::Result<()> {
+pub(crate) async fn wait_scraped(
+    debug: SocketAddr,
+    pods: usize,
+    limit: Duration,
+) -> anyhow::Result<()> {
     let client = reqwest::Client::new();
     let url = format!("http://{debug}/debug/endpoints");
     let deadline = Instant::now() + limit;
@@ -363,7 +367,7 @@ fn start_python_router(
 
 /// Polls with a one-token completion until the router answers 200; gives up when `alive`
 /// says the router is gone.
-async fn wait_answering(
+pub(crate) async fn wait_answering(
     base: &str,
     model: &str,
     timeout: Duration,

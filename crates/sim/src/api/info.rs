@@ -7,23 +7,40 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 use super::{ApiError, PodState};
+use crate::fault::{GARBAGE, HANG_LIMIT, MetricsFault};
+
+/// What Prometheus' Python client answers `/metrics` with, as vLLM does.
+const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// `GET /health`: 200 with an empty body.
 pub(crate) async fn health() -> StatusCode {
     StatusCode::OK
 }
 
-/// `GET /metrics`.
+/// `GET /metrics`, unless the fault switch says otherwise.
 pub(crate) async fn metrics(State(pod): PodState) -> Response {
+    let fault = *pod.metrics_fault.borrow();
+    match fault {
+        MetricsFault::None => {}
+        MetricsFault::Garbage => {
+            return ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], GARBAGE).into_response();
+        }
+        MetricsFault::Hang => {
+            let mut fault = pod.metrics_fault.subscribe();
+            let cleared = fault.wait_for(|f| *f != MetricsFault::Hang);
+            if !matches!(tokio::time::timeout(HANG_LIMIT, cleared).await, Ok(Ok(_))) {
+                return ApiError {
+                    status: StatusCode::SERVICE_UNAVAILABLE,
+                    message: "/metrics hung (fault switch)".into(),
+                    kind: "ServiceUnavailableError",
+                    param: None,
+                }
+                .into_response();
+            }
+        }
+    }
     let text = pod.metrics();
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response()
+    ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], text).into_response()
 }
 
 /// `GET /get_load` (SGLang's shape, used by power-of-two routing).

@@ -103,7 +103,7 @@ pub(super) const WORDS: [&str; 64] = [
     " war", " yes", " of", " to",
 ];
 
-pub(super) fn words(rng: &mut impl Rng, n: u32) -> String {
+pub(crate) fn words(rng: &mut impl Rng, n: u32) -> String {
     let mut s = String::with_capacity(n as usize * 4);
     for _ in 0..n {
         s.push_str(WORDS[rng.random_range(0..WORDS.len())]);

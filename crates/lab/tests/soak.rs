@@ -1,0 +1,107 @@
+//! `kvroute-lab soak` end to end, short: two simulated pods, kvroute and the fail-closed
+//! Envoy gateway, 12 s of load at a low rate, one pod killed halfway and started again.
+//! Loopback only; needs Envoy (`scripts/setup`, or `ENVOY_BIN`) and the workspace's
+//! `kvroute` and `kvroute-sim` binaries beside `kvroute-lab`.
+
+// A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn envoy_binary() -> PathBuf {
+    std::env::var_os("ENVOY_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/envoy"))
+}
+
+/// A binary of the workspace, built beside this test's `kvroute-lab`.
+fn beside_lab(name: &str) -> PathBuf {
+    let path = Path::new(env!("CARGO_BIN_EXE_kvroute-lab")).with_file_name(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: run the tests of the whole workspace (cargo nextest run --workspace)",
+        path.display()
+    );
+    path
+}
+
+/// Processes (other than ours) whose environment carries `marker`: what the run started.
+fn processes_marked(marker: &str) -> Vec<String> {
+    let needle = format!("KVROUTE_SOAK_TEST_MARK={marker}");
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let pid = entry.file_name().to_string_lossy().to_string();
+        if !pid.chars().all(|c| c.is_ascii_digit()) || pid == std::process::id().to_string() {
+            continue;
+        }
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        if environ
+            .split(|b| *b == 0)
+            .any(|var| var == needle.as_bytes())
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+#[test]
+fn a_short_soak_with_a_pod_kill_loses_nothing_and_reports_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("soak");
+    let marker = format!("{}-{}", std::process::id(), line!());
+    let started = Instant::now();
+    let output = Command::new(env!("CARGO_BIN_EXE_kvroute-lab"))
+        .arg("soak")
+        .args(["--duration", "12s", "--rate", "20", "--pods", "2"])
+        .args(["--faults", "pod-kill"])
+        .arg("--output-dir")
+        .arg(&out)
+        .arg("--kvroute")
+        .arg(beside_lab("kvroute"))
+        .arg("--sim")
+        .arg(beside_lab("kvroute-sim"))
+        .arg("--envoy")
+        .arg(envoy_binary())
+        .env("KVROUTE_SOAK_TEST_MARK", &marker)
+        .output()
+        .expect("run kvroute-lab soak");
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "kvroute-lab soak failed:\n{stderr}"
+    );
+    assert!(took < Duration::from_secs(45), "took {took:?}");
+    let leftover = processes_marked(&marker);
+    assert!(leftover.is_empty(), "still running: {leftover:?}");
+
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("soak.json")).expect("soak.json"))
+            .expect("JSON");
+    assert_eq!(report["passed"], true);
+    assert_eq!(report["lost"], 0);
+    let sent = report["tally"]["sent"].as_u64().expect("sent");
+    let completed = report["completed"].as_u64().expect("completed");
+    assert!(sent > 150, "about 240 requests in 12 s at 20/s: {sent}");
+    assert!(completed * 10 > sent * 8, "{completed} of {sent} completed");
+    let faults = report["faults"].as_array().expect("faults");
+    assert_eq!(faults.len(), 1, "{faults:?}");
+    assert_eq!(faults[0]["kind"], "pod-kill");
+    let samples = report["kvroute"]["samples"].as_array().expect("samples");
+    assert!(samples.len() >= 10, "one a second: {}", samples.len());
+    assert!(report["kvroute"]["rss_end_mib"].as_f64().expect("rss") > 1.0);
+
+    let summary = std::fs::read_to_string(out.join("soak.md")).expect("soak.md");
+    assert!(summary.contains("**PASSED**"), "{summary}");
+    assert!(summary.contains("| pod-kill | 0 |"), "{summary}");
+    let png = std::fs::read(out.join("kvroute-rss-cpu.png")).expect("png");
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+}
