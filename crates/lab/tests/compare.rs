@@ -5,9 +5,13 @@
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
+
+mod support;
+
+use support::{envoy_binary, in_workspace, processes_marked};
 
 const WORKLOAD: &str = "\
 name: tiny
@@ -30,19 +34,6 @@ classes:
     output_tokens: {dist: lognormal, median: 32, sigma: 0.5, min: 4, max: 128}
 ";
 
-/// A path under the workspace root, where `scripts/setup` puts `.venv`.
-fn in_workspace(relative: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .join(relative)
-}
-
-fn envoy_binary() -> PathBuf {
-    std::env::var_os("ENVOY_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| in_workspace(".venv/bin/envoy"))
-}
-
 /// `kvroute-lab` with the gateway binary of this build: cargo builds the workspace's
 /// binaries into the directory above this test's.
 fn lab(command: &str) -> Command {
@@ -59,35 +50,6 @@ fn lab(command: &str) -> Command {
         .arg("--envoy")
         .arg(envoy_binary());
     lab
-}
-
-/// Processes (other than ours) whose environment carries `marker`: what the run started.
-fn processes_marked(marker: &str) -> Vec<String> {
-    let needle = format!("KVROUTE_COMPARE_TEST_MARK={marker}");
-    let mut found = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return found;
-    };
-    for entry in entries.flatten() {
-        let pid = entry.file_name().to_string_lossy().to_string();
-        if !pid.chars().all(|c| c.is_ascii_digit()) || pid == std::process::id().to_string() {
-            continue;
-        }
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        if environ
-            .split(|b| *b == 0)
-            .any(|var| var == needle.as_bytes())
-        {
-            let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-            found.push(format!(
-                "{pid}: {}",
-                String::from_utf8_lossy(&cmd).replace('\0', " ")
-            ));
-        }
-    }
-    found
 }
 
 /// The table rows of a router in report.md: every cell after the name.
@@ -137,7 +99,7 @@ fn a_tiny_comparison_writes_tables_plots_and_json_and_leaves_nothing_running() {
     );
     assert!(took < Duration::from_secs(60), "took {took:?}");
 
-    let leftover = processes_marked(&marker);
+    let leftover = processes_marked("KVROUTE_COMPARE_TEST_MARK", &marker);
     assert!(leftover.is_empty(), "still running: {leftover:?}");
 
     let report = std::fs::read_to_string(out.join("report.md")).expect("report.md");

@@ -10,11 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-fn envoy_binary() -> PathBuf {
-    std::env::var_os("ENVOY_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/envoy"))
-}
+mod support;
+
+use support::{envoy_binary, processes_marked};
 
 /// A binary of the workspace, built beside this test's `kvroute-lab`.
 fn beside_lab(name: &str) -> PathBuf {
@@ -25,31 +23,6 @@ fn beside_lab(name: &str) -> PathBuf {
         path.display()
     );
     path
-}
-
-/// Processes (other than ours) whose environment carries `marker`: what the run started.
-fn processes_marked(marker: &str) -> Vec<String> {
-    let needle = format!("KVROUTE_SOAK_TEST_MARK={marker}");
-    let mut found = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return found;
-    };
-    for entry in entries.flatten() {
-        let pid = entry.file_name().to_string_lossy().to_string();
-        if !pid.chars().all(|c| c.is_ascii_digit()) || pid == std::process::id().to_string() {
-            continue;
-        }
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        if environ
-            .split(|b| *b == 0)
-            .any(|var| var == needle.as_bytes())
-        {
-            found.push(pid);
-        }
-    }
-    found
 }
 
 #[test]
@@ -80,7 +53,7 @@ fn a_short_soak_with_a_pod_kill_loses_nothing_and_reports_it() {
         "kvroute-lab soak failed:\n{stderr}"
     );
     assert!(took < Duration::from_secs(45), "took {took:?}");
-    let leftover = processes_marked(&marker);
+    let leftover = processes_marked("KVROUTE_SOAK_TEST_MARK", &marker);
     assert!(leftover.is_empty(), "still running: {leftover:?}");
 
     let report: serde_json::Value =
