@@ -104,7 +104,16 @@ fn policy(max_body_bytes: usize) -> Arc<RequestPolicy> {
 }
 
 fn exchange(router: &Arc<StubRouter>, mode: BodySendMode) -> Exchange<StubRouter> {
-    let mut exchange = Exchange::new(Arc::clone(router), policy(1 << 20));
+    exchange_under(router, mode, policy(1 << 20))
+}
+
+/// An exchange in `mode` both ways, taking requests under `policy`.
+fn exchange_under(
+    router: &Arc<StubRouter>,
+    mode: BodySendMode,
+    policy: Arc<RequestPolicy>,
+) -> Exchange<StubRouter> {
+    let mut exchange = Exchange::new(Arc::clone(router), policy);
     exchange.apply_protocol_config(ProtocolConfiguration {
         request_body_mode: mode as i32,
         response_body_mode: mode as i32,
@@ -703,20 +712,16 @@ fn bodies_held_across_streams_stay_within_the_budget_and_are_given_back() {
     let router = Arc::new(StubRouter::default());
     let policy = Arc::new(RequestPolicy::with_default_paths(1 << 20).with_held_body_budget(200));
     // A stream holding 100 bytes of an unfinished body...
-    let mut first = Exchange::new(Arc::clone(&router), Arc::clone(&policy));
-    first.apply_protocol_config(ProtocolConfiguration {
-        request_body_mode: BodySendMode::FullDuplexStreamed as i32,
-        ..ProtocolConfiguration::default()
-    });
+    let mut first = exchange_under(
+        &router,
+        BodySendMode::FullDuplexStreamed,
+        Arc::clone(&policy),
+    );
     first.handle(post("/v1/completions"));
     assert!(first.handle(body(&[b' '; 100], false)).is_empty());
     assert_eq!(policy.held_body_budget.held(), 100);
     // ...leaves 100 for the next: 150 more is refused 503, retryable, and nothing kept.
-    let mut second = Exchange::new(Arc::clone(&router), Arc::clone(&policy));
-    second.apply_protocol_config(ProtocolConfiguration {
-        request_body_mode: BodySendMode::Buffered as i32,
-        ..ProtocolConfiguration::default()
-    });
+    let mut second = exchange_under(&router, BodySendMode::Buffered, Arc::clone(&policy));
     second.handle(post("/v1/completions"));
     let answers = second.handle(body(&[b' '; 150], true));
     let (status, error) = immediate_status(&answers[0]).expect("immediate answer");
@@ -726,11 +731,7 @@ fn bodies_held_across_streams_stay_within_the_budget_and_are_given_back() {
     );
     assert_eq!(policy.held_body_budget.held(), 100);
     // A buffered request that fits is routed and lets go of its body at once.
-    let mut third = Exchange::new(Arc::clone(&router), Arc::clone(&policy));
-    third.apply_protocol_config(ProtocolConfiguration {
-        request_body_mode: BodySendMode::Buffered as i32,
-        ..ProtocolConfiguration::default()
-    });
+    let mut third = exchange_under(&router, BodySendMode::Buffered, Arc::clone(&policy));
     third.handle(post("/v1/completions"));
     assert!(COMPLETION.len() <= 100);
     let answers = third.handle(body(COMPLETION, true));
