@@ -198,7 +198,7 @@ impl App {
             picker,
             store: Arc::clone(&store),
         };
-        let keepalive = GrpcConnections {
+        let connections = GrpcConnections {
             keepalive: config.grpc_keepalive,
             max_streams: config.grpc_max_streams_per_connection,
             tls: None,
@@ -211,18 +211,22 @@ impl App {
                 grpc,
                 "ext_proc",
                 &aborting,
-                keepalive.with_tls(grpc_tls),
+                connections.with_tls(grpc_tls),
                 |server| server
                     .add_service(health_service.clone())
                     .add_service(extproc.into_server())
             ),
-            serve_optional_grpc(health, "health", &stopping, keepalive.clone(), |server| {
+            serve_optional_grpc(health, "health", &stopping, connections.clone(), |server| {
                 server.add_service(health_service.clone())
             }),
             // Watch streams end on the stop signal, so this server drains at once.
-            serve_optional_grpc(admin, "admin API", &stopping, keepalive.clone(), |server| {
-                server.add_service(admin_api.into_server())
-            }),
+            serve_optional_grpc(
+                admin,
+                "admin API",
+                &stopping,
+                connections.clone(),
+                |server| { server.add_service(admin_api.into_server()) }
+            ),
             serve_http(metrics, "metrics", metrics_router(prometheus), &stopping),
             serve_optional_http(debug, "debug pages", debug_router(debug_state), &stopping),
         );
