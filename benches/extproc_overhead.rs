@@ -2,8 +2,9 @@
 //!
 //! Three Envoys in front of one instant upstream (a minimal vLLM look-alike):
 //!   A. no ext_proc (a plain cluster of the one pod),
-//!   B. ext_proc = a no-op processor in this file: full-duplex protocol plumbing only,
-//!      every request to the one pod, no parsing, no scheduling,
+//!   B. ext_proc = a no-op processor in this file: protocol plumbing only (the body mode
+//!      the gateway announces, full duplex or buffered), every request to the one pod,
+//!      no parsing, no scheduling,
 //!   C. ext_proc = kvroute (parsing, scheduling over live scraped metrics, accounting).
 //! Reports mean / p50 / p99 per request on one keep-alive connection, then throughput
 //! with 16 concurrent connections, and the ratio (C − A) / (B − A).
@@ -17,6 +18,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
@@ -84,14 +86,20 @@ impl ExternalProcessor for NoopProcessor {
         let destination = self.destination.clone();
         tokio::spawn(async move {
             let mut body = Vec::new();
+            let mut full_duplex = false;
             while let Ok(Some(message)) = inbound.message().await {
+                if let Some(config) = &message.protocol_config {
+                    full_duplex =
+                        config.request_body_mode == BodySendMode::FullDuplexStreamed as i32;
+                }
                 // The same answer builders kvroute uses: only the deciding is left out.
                 let answers = match message.request {
                     Some(Request::RequestHeaders(h)) if h.end_of_stream => {
                         vec![messages::route_in_headers(&destination)]
                     }
-                    Some(Request::RequestHeaders(_)) => vec![],
-                    Some(Request::RequestBody(b)) => {
+                    Some(Request::RequestHeaders(_)) if full_duplex => vec![],
+                    Some(Request::RequestHeaders(_)) => vec![messages::continue_request_headers()],
+                    Some(Request::RequestBody(b)) if full_duplex => {
                         body.extend_from_slice(&b.body);
                         if b.end_of_stream {
                             vec![
@@ -102,6 +110,7 @@ impl ExternalProcessor for NoopProcessor {
                             vec![]
                         }
                     }
+                    Some(Request::RequestBody(_)) => vec![messages::route_in_body(&destination)],
                     Some(Request::ResponseHeaders(_)) => {
                         vec![messages::continue_response_headers()]
                     }

@@ -243,6 +243,57 @@ async fn a_frozen_or_dead_picker_costs_a_fail_closed_client_a_prompt_503_never_a
     );
 }
 
+/// A streamed answer already routed when kvroute dies reaches its end: the response
+/// does not pass through kvroute on either gateway, and both filters go on without it.
+async fn a_stream_routed_before_the_picker_dies_still_completes(gateway: Gateway) {
+    let (pods, mut picker, envoy, client) = picker_process_behind(gateway).await;
+    for pod in &pods {
+        pod.hold_stream();
+    }
+    let mut response = client
+        .post(envoy.url("/v1/completions"))
+        .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 8, "stream": true}))
+        .send()
+        .await
+        .expect("request through Envoy");
+    assert_eq!(response.status(), 200);
+    let first = response
+        .chunk()
+        .await
+        .expect("first event")
+        .expect("a chunk");
+    assert!(first.starts_with(b"data: "), "first SSE event arrived");
+
+    picker.kill();
+    // A new request fails once the gateway has seen the picker's connection end, so the
+    // stream below goes on after that, not before it.
+    let refused = complete(&client, &envoy).await;
+    if gateway == Gateway::OriginalDst {
+        assert_eq!(refused.status, 503, "{}", refused.body);
+    }
+    for pod in &pods {
+        pod.release_stream();
+    }
+    let rest = response
+        .text()
+        .await
+        .expect("the rest of the stream, not a reset");
+    assert!(
+        rest.ends_with("data: [DONE]\n\n"),
+        "{gateway:?}: the stream completed after the picker died: {rest}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_routed_before_the_picker_dies_completes_on_the_fail_closed_gateway() {
+    a_stream_routed_before_the_picker_dies_still_completes(Gateway::OriginalDst).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_routed_before_the_picker_dies_completes_on_the_fail_open_gateway() {
+    a_stream_routed_before_the_picker_dies_still_completes(Gateway::OverrideHost).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_or_dead_picker_lets_the_fail_open_gateway_forward_promptly() {
     let (_pods, mut picker, envoy, client) = picker_process_behind(Gateway::OverrideHost).await;

@@ -468,7 +468,7 @@ pub fn envoy_binary() -> PathBuf {
 }
 
 /// Which shipped Envoy configuration to run.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Gateway {
     OriginalDst,
     OverrideHost,

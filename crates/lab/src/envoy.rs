@@ -215,10 +215,13 @@ impl EnvoyProcess {
                 rewrite_shipped(OVERRIDE_HOST_CONFIG, port, admin_port, kvroute, pods)
             }
             Gateway::OriginalDstWithRequestBodyMode { kvroute, mode } => {
-                let template = ORIGINAL_DST_CONFIG.replace(
-                    "request_body_mode: FULL_DUPLEX_STREAMED",
-                    &format!("request_body_mode: {mode}"),
+                const SHIPPED_MODE: &str = "request_body_mode: BUFFERED";
+                assert!(
+                    ORIGINAL_DST_CONFIG.contains(SHIPPED_MODE),
+                    "the shipped gateway's request body mode changed: update this rewrite"
                 );
+                let template = ORIGINAL_DST_CONFIG
+                    .replace(SHIPPED_MODE, &format!("request_body_mode: {mode}"));
                 rewrite_shipped(&template, port, admin_port, kvroute, pods)
             }
             Gateway::OriginalDstOverTls { kvroute, certs } => {
