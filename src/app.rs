@@ -28,7 +28,7 @@ use crate::admin::AdminService;
 use crate::admin::pb::ListEndpointsResponse;
 use crate::config::{GrpcKeepalive, GrpcTls, ServeConfig};
 use crate::discovery::Discovery;
-use crate::extproc::{ExtProcService, RequestPolicy};
+use crate::extproc::{ExtProcService, OpenStreams, RequestPolicy};
 use crate::picker::LivePicker;
 use crate::scrape::ScrapeManager;
 use crate::shutdown;
@@ -180,18 +180,20 @@ impl App {
         let readiness = tokio::spawn(track_readiness(Arc::clone(&store), reporter.clone()));
         let (stop, abort) = (shutdown::phase(), shutdown::phase());
         let (stopping, aborting) = (stop.1, abort.1);
-        let shutdown_driver = tokio::spawn(drive_shutdown(
-            shutdown,
-            reporter,
-            stop.0,
-            abort.0,
-            config.drain_timeout,
-        ));
-
         let policy = RequestPolicy::new(config.max_body_bytes, &config.allowed_paths)
             .with_held_body_budget(config.max_held_body_bytes)
             .with_read_timeout(config.request_read_timeout);
         let extproc = ExtProcService::new(Arc::clone(&picker), policy, aborting.clone());
+        let shutdown_driver = tokio::spawn(drive_shutdown(
+            shutdown,
+            reporter,
+            (stop.0, abort.0),
+            Drain {
+                timeout: config.drain_timeout,
+                grace: config.drain_grace,
+                open_streams: extproc.open_streams(),
+            },
+        ));
         let admin_api =
             AdminService::new(Arc::clone(&picker), Arc::clone(&store), stopping.clone());
         let debug_state = DebugState {
@@ -241,24 +243,41 @@ impl App {
     }
 }
 
-/// Waits for `shutdown`, then: readiness off and the stop phase; after `drain_timeout`,
-/// the abort phase (see `shutdown`).
+/// How the ext_proc streams drain on shutdown.
+struct Drain {
+    /// The latest end of the drain.
+    timeout: Duration,
+    /// New streams are still expected this long (gateways noticing readiness is off).
+    grace: Duration,
+    open_streams: OpenStreams,
+}
+
+/// Waits for `shutdown`, then: readiness off and the stop phase; the abort phase (see
+/// `shutdown`) once the grace has passed and no stream is open, or at the drain timeout.
+/// Ending early matters to a single kvroute restarted in place: a fail-closed gateway has
+/// no picker until it is back.
 async fn drive_shutdown(
     shutdown: impl Future<Output = ()>,
     reporter: HealthReporter,
-    stop: shutdown::Trigger,
-    abort: shutdown::Trigger,
-    drain_timeout: Duration,
+    (stop, abort): (shutdown::Trigger, shutdown::Trigger),
+    drain: Drain,
 ) {
     shutdown.await;
-    info!(?drain_timeout, "shutting down: draining open requests");
+    info!(timeout = ?drain.timeout, grace = ?drain.grace, "shutting down: draining open requests");
+    let deadline = tokio::time::Instant::now() + drain.timeout;
     for service in [READINESS_SERVICE, EXTPROC_SERVICE, ""] {
         reporter
             .set_service_status(service, ServingStatus::NotServing)
             .await;
     }
     stop.fire();
-    tokio::time::sleep(drain_timeout).await;
+    tokio::time::sleep(drain.grace.min(drain.timeout)).await;
+    tokio::select! {
+        () = tokio::time::sleep_until(deadline) => {
+            info!("drain timeout: ending the requests still open");
+        }
+        () = drain.open_streams.none_open() => info!("drained: no request open"),
+    }
     abort.fire();
 }
 

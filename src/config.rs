@@ -180,6 +180,12 @@ pub struct ServeArgs {
     /// On shutdown, let open request streams finish for up to this long.
     #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
+    /// On shutdown, keep taking new request streams for this long (at most the drain
+    /// timeout) while gateways notice readiness is off; after it, the drain ends as soon
+    /// as no stream is open. The default covers the shipped gateways' health checks
+    /// (two missed, a second apart).
+    #[arg(long, env = "KVROUTE_DRAIN_GRACE", default_value = "3s", value_parser = humantime::parse_duration)]
+    pub drain_grace: Duration,
     /// A gauge no one has set for this long leaves /metrics: the per-pod series of a pod
     /// that left the fleet (set at every scrape while it is there).
     #[arg(long, env = "KVROUTE_IDLE_GAUGE_TIMEOUT", default_value = "2m", value_parser = humantime::parse_duration)]
@@ -362,6 +368,8 @@ pub struct ServeConfig {
     pub grpc_max_streams_per_connection: u32,
     pub debug_decisions: usize,
     pub drain_timeout: Duration,
+    /// See [`ServeArgs::drain_grace`].
+    pub drain_grace: Duration,
     /// See [`ServeArgs::idle_gauge_timeout`].
     pub idle_gauge_timeout: Duration,
     pub grpc_keepalive: GrpcKeepalive,
@@ -417,6 +425,7 @@ impl ServeConfig {
             grpc_max_streams_per_connection: 1024,
             debug_decisions: 0,
             drain_timeout: Duration::from_secs(10),
+            drain_grace: Duration::from_secs(3),
             idle_gauge_timeout: crate::telemetry::GAUGE_IDLE_TIMEOUT,
             grpc_keepalive: GrpcKeepalive::default(),
             grpc_tls: None,
@@ -497,6 +506,7 @@ impl ServeConfig {
             grpc_max_streams_per_connection: args.grpc_max_streams_per_connection,
             debug_decisions: args.debug_decisions,
             drain_timeout: args.drain_timeout,
+            drain_grace: args.drain_grace,
             idle_gauge_timeout: args.idle_gauge_timeout,
             grpc_keepalive: GrpcKeepalive {
                 interval: args.grpc_keepalive_interval,

@@ -546,6 +546,51 @@ async fn during_the_drain_requests_are_routed_and_at_its_end_a_held_one_gets_503
     assert!(stopped.is_ok(), "kvroute stops once the drain is over");
 }
 
+/// After the grace, the drain waits for the streams still open and then ends, long
+/// before its timeout: a kvroute restarted in place is back sooner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_ends_when_the_last_open_stream_does() {
+    let pods = two_pods().await;
+    let mut config = test_config(pods.iter().map(|p| p.addr).collect());
+    config.drain_timeout = Duration::from_secs(60);
+    config.drain_grace = Duration::from_millis(100);
+    let mut kvroute = Kvroute::start(config).await;
+    kvroute.wait_until_scraped(2).await;
+
+    // Open (the call returned, so kvroute counts it), its body not yet ended.
+    let mut held = Stream::open(&kvroute).await;
+    held.send(headers_message(
+        "/v1/completions",
+        false,
+        BodySendMode::FullDuplexStreamed,
+    ))
+    .await;
+    held.send(body_message(&COMPLETION[..10], false)).await;
+    let stopping = tokio::spawn(async move {
+        kvroute.stop().await;
+    });
+
+    // Well past the grace, the open request is still served to its end.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    held.send(body_message(&COMPLETION[10..], true)).await;
+    let answer = held.next().await;
+    assert!(
+        destination(&answer).is_some(),
+        "routed after the grace: {answer:?}"
+    );
+    assert!(
+        !stopping.is_finished(),
+        "the drain waits for the open stream"
+    );
+
+    drop(held);
+    let stopped = tokio::time::timeout(Duration::from_secs(15), stopping).await;
+    assert!(
+        stopped.is_ok(),
+        "kvroute stops once its last stream ends, not at the 60 s drain timeout"
+    );
+}
+
 /// A TCP relay to `target` that can be cut: afterwards it forwards nothing either way but
 /// keeps both connections open, as a gateway node that vanished without a FIN looks.
 async fn cuttable_relay(

@@ -14,7 +14,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::StreamExt;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
@@ -125,6 +125,44 @@ fn unbox(answer: Answer) -> Result<ProcessingResponse, Status> {
     *answer
 }
 
+/// How many ext_proc streams are open: the drain ends early once none is.
+#[derive(Debug, Clone)]
+pub struct OpenStreams(Arc<watch::Sender<usize>>);
+
+impl OpenStreams {
+    fn new() -> OpenStreams {
+        OpenStreams(Arc::new(watch::channel(0).0))
+    }
+
+    fn open(&self) -> StreamGuard {
+        self.0.send_modify(|open| *open += 1);
+        StreamGuard {
+            streams: self.clone(),
+            _gauge: telemetry::OpenStream::open(),
+        }
+    }
+
+    /// Resolves when no stream is open (at once if none is now).
+    pub async fn none_open(&self) {
+        let mut open = self.0.subscribe();
+        let _ = open.wait_for(|open| *open == 0).await;
+    }
+}
+
+/// One open stream, counted until dropped.
+struct StreamGuard {
+    streams: OpenStreams,
+    _gauge: telemetry::OpenStream,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.streams
+            .0
+            .send_modify(|open| *open = open.saturating_sub(1));
+    }
+}
+
 /// The gRPC service: one [`Exchange`] per stream.
 pub struct ExtProcService<R: Router> {
     router: Arc<R>,
@@ -132,6 +170,7 @@ pub struct ExtProcService<R: Router> {
     /// Fires when open streams must end (the drain deadline passed); held requests are
     /// answered 503 first.
     abort_streams: Phase,
+    open_streams: OpenStreams,
 }
 
 impl<R: Router> ExtProcService<R> {
@@ -140,7 +179,13 @@ impl<R: Router> ExtProcService<R> {
             router,
             policy: Arc::new(policy),
             abort_streams,
+            open_streams: OpenStreams::new(),
         }
+    }
+
+    /// The count of this service's open streams.
+    pub fn open_streams(&self) -> OpenStreams {
+        self.open_streams.clone()
     }
 
     /// The tonic server, with the message limit raised so a body of `max_body_bytes`
@@ -165,7 +210,7 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
         let (answers, stream) = mpsc::channel::<Answer>(32);
         let mut exchange = Exchange::new(Arc::clone(&self.router), Arc::clone(&self.policy));
         let abort = self.abort_streams.clone();
-        let open = telemetry::OpenStream::open();
+        let open = self.open_streams.open();
         let read_by = tokio::time::Instant::now() + self.policy.read_timeout;
         tokio::spawn(async move {
             let _open = open;
