@@ -475,6 +475,7 @@ fn debug_router(state: DebugState) -> axum::Router {
 }
 
 async fn render_metrics(State(prometheus): State<PrometheusHandle>) -> impl IntoResponse {
+    telemetry::record_allocator_stats();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         prometheus.render(),

@@ -41,6 +41,8 @@ pub const SNAPSHOT_AGE: &str = "kvroute_snapshot_metrics_age_seconds";
 pub const ENDPOINTS: &str = "kvroute_endpoints";
 pub const UPSTREAM_UNREACHABLE: &str = "kvroute_pod_unreachable_total";
 pub const EXTPROC_STREAMS: &str = "kvroute_extproc_streams";
+pub const MEMORY_ALLOCATED: &str = "kvroute_memory_allocated_bytes";
+pub const MEMORY_RESIDENT: &str = "kvroute_memory_resident_bytes";
 
 /// Request outcomes, the `outcome` label of [`REQUESTS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,6 +223,16 @@ fn describe() {
         UPSTREAM_UNREACHABLE,
         "Requests the gateway could not connect to their pod for; the pod leaves rotation at once."
     );
+    describe_gauge!(
+        MEMORY_ALLOCATED,
+        Unit::Bytes,
+        "Heap bytes kvroute holds, as its allocator counts them."
+    );
+    describe_gauge!(
+        MEMORY_RESIDENT,
+        Unit::Bytes,
+        "Physical memory kvroute's allocator maps: held, its metadata, freed pages not yet returned."
+    );
 }
 
 /// The counters dashboards rate exist from the start, at 0: a rate over no series shows
@@ -303,6 +315,32 @@ pub fn record_scrape(
 }
 
 /// A pod's `/v1/models` could not be listed (any cause: its kind label is "models").
+/// What the allocator reports: bytes the program holds, and bytes of physical memory the
+/// allocator maps (held, its own metadata, and freed pages not yet returned).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AllocatorStats {
+    pub allocated: u64,
+    pub resident: u64,
+}
+
+static ALLOCATOR_STATS: std::sync::OnceLock<fn() -> Option<AllocatorStats>> =
+    std::sync::OnceLock::new();
+
+/// Registers how to read the allocator's statistics (the binary owns the allocator); the
+/// gauges are refreshed at every `/metrics` render. A growing resident set with a flat
+/// allocated one is fragmentation; both growing is a structure that keeps growing.
+pub fn register_allocator_stats(read: fn() -> Option<AllocatorStats>) {
+    let _ = ALLOCATOR_STATS.set(read);
+}
+
+/// Sets the allocator gauges, if a reader is registered.
+pub fn record_allocator_stats() {
+    if let Some(stats) = ALLOCATOR_STATS.get().and_then(|read| read()) {
+        gauge!(MEMORY_ALLOCATED).set(stats.allocated as f64);
+        gauge!(MEMORY_RESIDENT).set(stats.resident as f64);
+    }
+}
+
 /// One open ext_proc stream, counted in [`EXTPROC_STREAMS`] until dropped.
 pub struct OpenStream(());
 

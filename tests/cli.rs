@@ -119,6 +119,20 @@ async fn the_binary_serves_metrics_and_stops_cleanly_on_sigterm() {
         .await
         .expect("text");
     assert!(text.contains("kvroute_pod_healthy"), "{text}");
+    // The binary's allocator reports what it holds and maps.
+    let gauge = |name: &str| {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("{name} in /metrics: {text}"))
+    };
+    let (allocated, resident) = (
+        gauge("kvroute_memory_allocated_bytes"),
+        gauge("kvroute_memory_resident_bytes"),
+    );
+    assert!(
+        allocated > 0.0 && resident >= allocated,
+        "allocated {allocated}, resident {resident}"
+    );
 
     let mut child = guard.0.take().expect("still running");
     let pid = child.id().to_string();
