@@ -17,16 +17,6 @@ use kvroute::config::{LogFormat, ServeArgs, ServeConfig};
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-/// jemalloc's counters, refreshed (its `epoch` advanced) at each read.
-fn jemalloc_stats() -> Option<kvroute::telemetry::AllocatorStats> {
-    use tikv_jemalloc_ctl::{epoch, stats};
-    epoch::advance().ok()?;
-    Some(kvroute::telemetry::AllocatorStats {
-        allocated: u64::try_from(stats::allocated::read().ok()?).ok()?,
-        resident: u64::try_from(stats::resident::read().ok()?).ok()?,
-    })
-}
-
 #[derive(Parser)]
 #[command(
     name = "kvroute",
@@ -136,7 +126,7 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn serve(config: ServeConfig) -> anyhow::Result<()> {
-    kvroute::telemetry::register_allocator_stats(jemalloc_stats);
+    kvroute::telemetry::register_allocator_stats(kvroute::telemetry::jemalloc_stats);
     let app = App::bind(config).await?;
     app.run(shutdown_signal()).await
 }

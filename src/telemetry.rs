@@ -333,6 +333,17 @@ pub fn register_allocator_stats(read: fn() -> Option<AllocatorStats>) {
     let _ = ALLOCATOR_STATS.set(read);
 }
 
+/// jemalloc's counters, refreshed (its `epoch` advanced) at each read. Meaningful only in
+/// a program whose global allocator is jemalloc (the `kvroute` binary).
+pub fn jemalloc_stats() -> Option<AllocatorStats> {
+    use tikv_jemalloc_ctl::{epoch, stats};
+    epoch::advance().ok()?;
+    Some(AllocatorStats {
+        allocated: u64::try_from(stats::allocated::read().ok()?).ok()?,
+        resident: u64::try_from(stats::resident::read().ok()?).ok()?,
+    })
+}
+
 /// Sets the allocator gauges, if a reader is registered.
 pub fn record_allocator_stats() {
     if let Some(stats) = ALLOCATOR_STATS.get().and_then(|read| read()) {

@@ -191,6 +191,26 @@ async fn a_burst_between_two_scrapes_spreads_instead_of_herding() {
     assert_eq!(per_pod, vec![2, 2, 2, 2], "8 requests over 4 idle pods");
 }
 
+/// The shipped gateways start and serve without a warning (Envoy warns, for one, when
+/// nothing bounds its client connections).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_gateways_start_and_serve_without_warnings() {
+    let pods = fleet(1, &[]).await;
+    let client = http_client();
+    for gateway in [Gateway::OriginalDst, Gateway::OverrideHost] {
+        let (_kvroute, envoy) = behind_envoy(&pods, test_config(addrs(&pods)), gateway).await;
+        let (status, _, body) =
+            complete(&client, &envoy, json!({"model": MODEL, "prompt": "hi"})).await;
+        assert_eq!(status, 200, "{body}");
+        let log = envoy.log();
+        let warnings: Vec<&str> = log
+            .lines()
+            .filter(|line| line.contains("][warning][") || line.contains("][error]["))
+            .collect();
+        assert!(warnings.is_empty(), "{gateway:?}: {warnings:#?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_openai_style_errors_through_envoy() {
     let pods = fleet(1, &[]).await;

@@ -20,6 +20,10 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use kvroute::config::{ServeArgs, ServeConfig};
+
+/// The binary's allocator, so the memory gauges the dashboard shows read real counters.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 use kvroute::discovery::inference_pool::InferencePool;
 use support::{
     Envoy, FakeMetrics, FakePod, Gateway, Kvroute, envoy_validate, envoy_validate_file,
@@ -1510,6 +1514,8 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus_scraping_kvro
     let live: Vec<SocketAddr> = pods.iter().map(|p| p.addr).collect();
     let mut endpoints = live.clone();
     endpoints.push(down);
+    // As the binary does: jemalloc's counters feed the memory gauges.
+    kvroute::telemetry::register_allocator_stats(kvroute::telemetry::jemalloc_stats);
     let kvroute = Kvroute::start(test_config(endpoints)).await;
     kvroute
         .wait_for(
