@@ -29,6 +29,7 @@ use crate::admin::pb::ListEndpointsResponse;
 use crate::config::{GrpcKeepalive, GrpcTls, ServeConfig};
 use crate::discovery::Discovery;
 use crate::extproc::{ExtProcService, OpenStreams, RequestPolicy};
+use crate::listener::ConnectionCap;
 use crate::picker::LivePicker;
 use crate::scrape::ScrapeManager;
 use crate::shutdown;
@@ -203,8 +204,10 @@ impl App {
         let connections = GrpcConnections {
             keepalive: config.grpc_keepalive,
             max_streams: config.grpc_max_streams_per_connection,
+            max_connections: config.max_connections,
             tls: None,
         };
+        let max_connections = config.max_connections;
         let result = tokio::try_join!(
             // The ext_proc port keeps accepting until the drain deadline: readiness is
             // already off, so gateways stop opening streams, and any that still arrive
@@ -229,8 +232,18 @@ impl App {
                 connections.clone(),
                 |server| { server.add_service(admin_api.into_server()) }
             ),
-            serve_http(metrics, "metrics", metrics_router(prometheus), &stopping),
-            serve_optional_http(debug, "debug pages", debug_router(debug_state), &stopping),
+            serve_http(
+                metrics,
+                ConnectionCap::new("metrics", max_connections),
+                metrics_router(prometheus),
+                &stopping
+            ),
+            serve_optional_http(
+                debug,
+                ConnectionCap::new("debug pages", max_connections),
+                debug_router(debug_state),
+                &stopping
+            ),
         );
         publisher.abort();
         readiness.abort();
@@ -287,6 +300,8 @@ struct GrpcConnections {
     keepalive: GrpcKeepalive,
     /// Streams open at once on one connection.
     max_streams: u32,
+    /// Connections open at once on the listener.
+    max_connections: usize,
     tls: Option<ServerTlsConfig>,
 }
 
@@ -318,7 +333,7 @@ fn server_tls(tls: &GrpcTls) -> anyhow::Result<ServerTlsConfig> {
 /// Serves the gRPC services `add` puts on a server, until `stop` fires.
 async fn serve_grpc(
     listener: TcpListener,
-    what: &str,
+    what: &'static str,
     stop: &shutdown::Phase,
     connections: GrpcConnections,
     add: impl FnOnce(&mut tonic::transport::Server) -> tonic::transport::server::Router,
@@ -338,7 +353,8 @@ async fn serve_grpc(
         .http2_keepalive_interval(Some(keepalive.interval))
         .http2_keepalive_timeout(Some(keepalive.timeout))
         .max_concurrent_streams(connections.max_streams);
-    let incoming = incoming(listener).with_keepalive(Some(keepalive.interval));
+    let incoming = ConnectionCap::new(what, connections.max_connections)
+        .incoming(incoming(listener).with_keepalive(Some(keepalive.interval)));
     add(&mut server)
         .serve_with_incoming_shutdown(incoming, stop.clone().into_fired())
         .await
@@ -348,7 +364,7 @@ async fn serve_grpc(
 /// [`serve_grpc`] for a listener that may be switched off.
 async fn serve_optional_grpc(
     listener: Option<TcpListener>,
-    what: &str,
+    what: &'static str,
     stop: &shutdown::Phase,
     connections: GrpcConnections,
     add: impl FnOnce(&mut tonic::transport::Server) -> tonic::transport::server::Router,
@@ -362,12 +378,13 @@ async fn serve_optional_grpc(
 /// Serves `router` until `stop` fires.
 async fn serve_http(
     listener: TcpListener,
-    what: &str,
+    cap: ConnectionCap,
     router: axum::Router,
     stop: &shutdown::Phase,
 ) -> anyhow::Result<()> {
+    let what = cap.name();
     info!(addr = %listener.local_addr()?, "{what} HTTP listening");
-    axum::serve(listener, router)
+    axum::serve(cap.listener(listener), router)
         .with_graceful_shutdown(stop.clone().into_fired())
         .await
         .with_context(|| format!("{what} server failed"))
@@ -376,12 +393,12 @@ async fn serve_http(
 /// [`serve_http`] for a listener that may be switched off.
 async fn serve_optional_http(
     listener: Option<TcpListener>,
-    what: &str,
+    cap: ConnectionCap,
     router: axum::Router,
     stop: &shutdown::Phase,
 ) -> anyhow::Result<()> {
     match listener {
-        Some(listener) => serve_http(listener, what, router, stop).await,
+        Some(listener) => serve_http(listener, cap, router, stop).await,
         None => Ok(()),
     }
 }

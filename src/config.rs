@@ -177,6 +177,11 @@ pub struct ServeArgs {
     /// Keep the last N decisions with their scores at GET /debug/decisions (0: off).
     #[arg(long, env = "KVROUTE_DEBUG_DECISIONS", default_value_t = 0)]
     pub debug_decisions: usize,
+    /// Connections each listener (ext_proc, health, admin, metrics, debug) holds open at
+    /// most; past it a new connection is closed on arrival and counted. A gateway opens a
+    /// few per Envoy worker.
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
     /// On shutdown, let open request streams finish for up to this long.
     #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
@@ -368,6 +373,8 @@ pub struct ServeConfig {
     pub grpc_max_streams_per_connection: u32,
     pub debug_decisions: usize,
     pub drain_timeout: Duration,
+    /// See [`ServeArgs::max_connections`].
+    pub max_connections: usize,
     /// See [`ServeArgs::drain_grace`].
     pub drain_grace: Duration,
     /// See [`ServeArgs::idle_gauge_timeout`].
@@ -426,6 +433,7 @@ impl ServeConfig {
             debug_decisions: 0,
             drain_timeout: Duration::from_secs(10),
             drain_grace: Duration::from_secs(3),
+            max_connections: 4096,
             idle_gauge_timeout: crate::telemetry::GAUGE_IDLE_TIMEOUT,
             grpc_keepalive: GrpcKeepalive::default(),
             grpc_tls: None,
@@ -507,6 +515,7 @@ impl ServeConfig {
             debug_decisions: args.debug_decisions,
             drain_timeout: args.drain_timeout,
             drain_grace: args.drain_grace,
+            max_connections: args.max_connections as usize,
             idle_gauge_timeout: args.idle_gauge_timeout,
             grpc_keepalive: GrpcKeepalive {
                 interval: args.grpc_keepalive_interval,

@@ -14,6 +14,7 @@ pub mod app;
 pub mod config;
 pub mod discovery;
 pub mod extproc;
+pub mod listener;
 pub mod picker;
 pub mod scrape;
 pub mod shutdown;

@@ -41,6 +41,7 @@ pub const SNAPSHOT_AGE: &str = "kvroute_snapshot_metrics_age_seconds";
 pub const ENDPOINTS: &str = "kvroute_endpoints";
 pub const UPSTREAM_UNREACHABLE: &str = "kvroute_pod_unreachable_total";
 pub const EXTPROC_STREAMS: &str = "kvroute_extproc_streams";
+pub const CONNECTIONS_REFUSED: &str = "kvroute_connections_refused_total";
 pub const MEMORY_ALLOCATED: &str = "kvroute_memory_allocated_bytes";
 pub const MEMORY_RESIDENT: &str = "kvroute_memory_resident_bytes";
 
@@ -223,6 +224,10 @@ fn describe() {
         UPSTREAM_UNREACHABLE,
         "Requests the gateway could not connect to their pod for; the pod leaves rotation at once."
     );
+    describe_counter!(
+        CONNECTIONS_REFUSED,
+        "Connections closed on arrival because their listener held --max-connections already."
+    );
     describe_gauge!(
         MEMORY_ALLOCATED,
         Unit::Bytes,
@@ -366,6 +371,17 @@ impl Drop for OpenStream {
     fn drop(&mut self) {
         gauge!(EXTPROC_STREAMS).decrement(1.0);
     }
+}
+
+/// Exposes `listener`'s refusal count from the start, at zero, so a rate over it exists
+/// before the first refusal.
+pub fn register_connection_refusals(listener: &'static str) {
+    counter!(CONNECTIONS_REFUSED, "listener" => listener).increment(0);
+}
+
+/// A connection to `listener` was closed on arrival: the listener was full.
+pub fn record_connection_refused(listener: &'static str) {
+    counter!(CONNECTIONS_REFUSED, "listener" => listener).increment(1);
 }
 
 /// The gateway reported a connect failure to `endpoint` (passive health).

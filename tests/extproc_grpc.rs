@@ -591,6 +591,63 @@ async fn the_drain_ends_when_the_last_open_stream_does() {
     );
 }
 
+/// Past `--max-connections` a new connection is closed on arrival and counted; the place
+/// of a connection that ends is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_are_closed_on_arrival_and_counted() {
+    let pods = two_pods().await;
+    let mut config = test_config(pods.iter().map(|p| p.addr).collect());
+    config.max_connections = 2;
+    let kvroute = Kvroute::start(config).await;
+    kvroute.wait_until_scraped(2).await;
+    let grpc = kvroute.addrs.grpc;
+
+    let first = Stream::open(&kvroute).await;
+    let _second = Stream::open(&kvroute).await;
+    let refused = async {
+        let mut client = ExternalProcessorClient::connect(format!("http://{grpc}")).await?;
+        let (_send, receive) = mpsc::channel(1);
+        client.process(ReceiverStream::new(receive)).await?;
+        Ok::<_, Box<dyn std::error::Error>>(())
+    }
+    .await;
+    assert!(refused.is_err(), "a third connection is refused");
+    let text = kvroute.metrics_text().await;
+    assert!(
+        text.lines()
+            .any(|line| line
+                .starts_with(r#"kvroute_connections_refused_total{listener="ext_proc"}"#)),
+        "{text}"
+    );
+
+    // One ends: a new connection gets its place (once kvroute has seen it close).
+    drop(first);
+    let try_once = || async {
+        let mut client = ExternalProcessorClient::connect(format!("http://{grpc}")).await?;
+        let (send, receive) = mpsc::channel(1);
+        send.send(headers_message(
+            "/v1/models",
+            true,
+            BodySendMode::FullDuplexStreamed,
+        ))
+        .await?;
+        let mut answers = client
+            .process(ReceiverStream::new(receive))
+            .await?
+            .into_inner();
+        Ok::<_, Box<dyn std::error::Error>>(answers.message().await?.is_some())
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut served = false;
+    while !served && std::time::Instant::now() < deadline {
+        served = matches!(
+            tokio::time::timeout(Duration::from_secs(2), try_once()).await,
+            Ok(Ok(true))
+        );
+    }
+    assert!(served, "a connection is served again once one has ended");
+}
+
 /// A TCP relay to `target` that can be cut: afterwards it forwards nothing either way but
 /// keeps both connections open, as a gateway node that vanished without a FIN looks.
 async fn cuttable_relay(
