@@ -166,6 +166,10 @@ impl App {
             scrapers,
         ));
         let publisher = tokio::spawn(Arc::clone(&store).run_publisher(config.scrape.interval));
+        let metrics_upkeep = tokio::spawn(telemetry::run_upkeep(
+            prometheus.clone(),
+            telemetry::UPKEEP_INTERVAL,
+        ));
 
         let (reporter, health_service) = tonic_health::server::health_reporter();
         reporter
@@ -246,6 +250,7 @@ impl App {
             ),
         );
         publisher.abort();
+        metrics_upkeep.abort();
         readiness.abort();
         shutdown_driver.abort();
         // Stops discovery (its channel closes) and the scrapers the task owns.

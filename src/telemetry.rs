@@ -114,6 +114,22 @@ static HANDLE: OnceLock<Result<PrometheusHandle, TelemetryError>> = OnceLock::ne
 /// Installs the process-wide recorder once and returns its handle (later calls, e.g.
 /// several servers in one test process, share it, with the first call's settings).
 /// Gauges no one sets for `idle_gauge_timeout` leave the exposition.
+/// How often recorded histogram samples are folded into their buckets.
+pub const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Folds the histogram samples recorded since the last pass into their buckets, and
+/// expires idle gauges, every `every`. The exporter otherwise keeps each sample until the
+/// next `/metrics` render: with no Prometheus scraping kvroute, memory grew with every
+/// request (about 0.5 MiB a minute at 200 requests/s in the soak).
+pub async fn run_upkeep(handle: PrometheusHandle, every: Duration) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        handle.run_upkeep();
+    }
+}
+
 pub fn install(idle_gauge_timeout: Duration) -> Result<PrometheusHandle, TelemetryError> {
     HANDLE
         .get_or_init(|| build_and_install(idle_gauge_timeout))
