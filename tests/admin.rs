@@ -410,6 +410,33 @@ async fn the_tap_command_prints_each_decision_and_stops_on_ctrl_c() {
             && candidate.contains("total="),
         "{candidate}"
     );
+    // The printed addends (every weighted term) add up to the printed total, to rounding.
+    let (total, addends) = candidate
+        .split_once("total=")
+        .and_then(|(_, rest)| rest.split_once(" = "))
+        .expect("total=T = addends");
+    let total: f64 = total.parse().expect("total");
+    let addends = addends.split(" tier=").next().unwrap_or(addends);
+    let addends = addends.split(" cached=").next().unwrap_or(addends);
+    let addends = addends.split(" free_kv=").next().unwrap_or(addends);
+    let terms: Vec<(&str, f64)> = addends
+        .split(" + ")
+        .map(|term| {
+            let (name, value) = term.trim().split_once(' ').expect("name value");
+            (name, value.parse().expect("a number"))
+        })
+        .collect();
+    let names: Vec<&str> = terms.iter().map(|(name, _)| *name).collect();
+    assert_eq!(
+        names,
+        ["kv", "queue", "inflight", "lora", "prefix", "prefill"],
+        "{candidate}"
+    );
+    let sum: f64 = terms.iter().map(|(_, value)| value).sum();
+    assert!(
+        (sum - total).abs() <= 0.004,
+        "{sum} vs {total}: {candidate}"
+    );
 
     // Ctrl-C ends it cleanly.
     let interrupted = Command::new("kill")

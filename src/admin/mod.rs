@@ -186,6 +186,14 @@ fn candidate(score: &CandidateScore) -> pb::CandidateScore {
         prefix: score.prefix,
         prefill_queue: score.prefill_queue,
         cached_tokens: score.cached_tokens,
+        weighted: Some(pb::WeightedTerms {
+            kv_headroom: score.weighted.kv_headroom,
+            queue: score.weighted.queue,
+            inflight: score.weighted.inflight,
+            lora: score.weighted.lora,
+            prefix: score.weighted.prefix,
+            prefill_queue: score.weighted.prefill_queue,
+        }),
     }
 }
 

@@ -157,24 +157,26 @@ pub fn render_event(event: &pb::DecisionEvent, top: usize) -> String {
                 }
             }
             for score in routed.ranked.iter().take(top) {
+                // Every addend of the total (term × weight), so the line adds up.
+                let w = score.weighted.unwrap_or_default();
                 let _ = write!(
                     out,
-                    "\n    {:<21} total={:.3} kv={:.3} queue={:.3} inflight={:.3} lora={:.3}",
+                    "\n    {:<21} total={:.3} = kv {:.3} + queue {:.3} + inflight {:.3} + lora {:.3} \
+                     + prefix {:.3} + prefill {:.3}",
                     score.endpoint,
                     score.total,
-                    score.kv_headroom,
-                    score.queue,
-                    score.inflight,
-                    score.lora
+                    w.kv_headroom,
+                    w.queue,
+                    w.inflight,
+                    w.lora,
+                    w.prefix,
+                    w.prefill_queue
                 );
                 if !score.lora_tier.is_empty() {
                     let _ = write!(out, " tier={}", score.lora_tier);
                 }
-                if score.prefill_queue < 1.0 {
-                    let _ = write!(out, " prefill={:.3}", score.prefill_queue);
-                }
-                if score.prefix > 0.0 {
-                    let _ = write!(out, " prefix={:.3}", score.prefix);
+                if score.cached_tokens > 0 {
+                    let _ = write!(out, " cached={}", score.cached_tokens);
                 }
                 if let Some(free) = score.free_kv_tokens {
                     let _ = write!(out, " free_kv={free}");

@@ -1,4 +1,4 @@
-use kvroute_core::scheduler::{Reason, Relaxed};
+use kvroute_core::scheduler::{Reason, Relaxed, WeightedTerms};
 
 use super::*;
 use crate::shutdown;
@@ -32,6 +32,14 @@ fn record(model: Option<&str>) -> DecisionRecord {
                 prefill_queue: 0.5,
                 free_kv_tokens: Some(14_000),
                 cached_tokens: 0,
+                weighted: WeightedTerms {
+                    kv_headroom: 0.9,
+                    queue: 1.0,
+                    inflight: 0.6,
+                    lora: 0.5,
+                    prefix: 0.25,
+                    prefill_queue: 0.25,
+                },
             }],
         }),
         error: None,
@@ -57,6 +65,15 @@ fn a_decision_keeps_its_endpoint_reason_and_scores_on_the_wire() {
     assert_eq!(routed.ranked[0].lora_tier, "active");
     assert_eq!(routed.ranked[0].free_kv_tokens, Some(14_000));
     assert_eq!(routed.ranked[0].total, 3.5);
+    let weighted = routed.ranked[0].weighted.expect("weighted terms");
+    assert_eq!(weighted.prefix, 0.25);
+    let sum = weighted.kv_headroom
+        + weighted.queue
+        + weighted.inflight
+        + weighted.lora
+        + weighted.prefix
+        + weighted.prefill_queue;
+    assert_eq!(sum, 3.5, "the terms on the wire add up to the total");
 }
 
 #[test]

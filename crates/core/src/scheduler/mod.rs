@@ -106,11 +106,34 @@ impl Reason {
     }
 }
 
+/// What each score term adds to a candidate's total: the term times its weight. The six
+/// add up to the total.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct WeightedTerms {
+    pub kv_headroom: f64,
+    pub queue: f64,
+    pub inflight: f64,
+    pub lora: f64,
+    pub prefix: f64,
+    pub prefill_queue: f64,
+}
+
+impl WeightedTerms {
+    /// The total, summed in the order the scheduler sums it.
+    pub fn sum(&self) -> f64 {
+        self.kv_headroom + self.queue + self.inflight + self.lora + self.prefix + self.prefill_queue
+    }
+}
+
 /// One candidate's scores, kept for the decision trace.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct CandidateScore {
     pub endpoint: SocketAddr,
+    /// The weighted sum of the terms below (`weighted` has each addend).
     pub total: f64,
+    /// Each term times its weight.
+    pub weighted: WeightedTerms,
+    /// The terms, each 0..=1 before weighting.
     pub kv_headroom: f64,
     pub queue: f64,
     pub inflight: f64,

@@ -3,7 +3,7 @@
 
 use super::filter::{Candidate, Demand, Filtered};
 use super::lora::LoraTier;
-use super::{CandidateScore, SchedulerConfig};
+use super::{CandidateScore, SchedulerConfig, WeightedTerms};
 use crate::fleet::{Fleet, PodView, PrefixMatches, adapter_key};
 
 /// The scores of one request against the candidates.
@@ -109,9 +109,18 @@ impl<'a> Scorer<'a> {
 
     pub(super) fn breakdown(&self, c: &Candidate) -> CandidateScore {
         let lora_tier = self.lora_tier(c);
+        let weights = &self.config.weights;
         CandidateScore {
             endpoint: self.pod(c).endpoint,
             total: self.total(c),
+            weighted: WeightedTerms {
+                kv_headroom: weights.kv_headroom * self.kv_headroom(c),
+                queue: weights.queue * self.queue(c),
+                inflight: weights.inflight * self.inflight(c),
+                lora: weights.lora_affinity * lora_tier.map_or(1.0, LoraTier::score),
+                prefix: weights.prefix_affinity * self.prefix(c),
+                prefill_queue: weights.prefill_queue * self.prefill_queue(c),
+            },
             kv_headroom: self.kv_headroom(c),
             queue: self.queue(c),
             inflight: self.inflight(c),

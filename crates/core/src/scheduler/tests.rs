@@ -519,6 +519,39 @@ fn a_pod_holding_the_prompts_prefix_wins_among_equally_loaded_pods() {
     }
 }
 
+/// The decision trace shows every addend of each candidate's total: the weighted terms
+/// add up to it exactly, and each is its term times its weight.
+#[test]
+fn the_weighted_terms_of_a_candidate_add_up_to_its_total() {
+    let queued = with_metrics(pod(1), |m| m.waiting = 3);
+    let snapshot = fleet(vec![queued, pod(2), pod(3)]);
+    let held = matches(10, &[(2, 8), (3, 2)]);
+    let req = Ask {
+        prefix: Some(&held),
+        ..request("base", 500)
+    };
+    let config = SchedulerConfig::default();
+    let decision = pick(&req, &snapshot, &config, &mut SmallRng::seed_from_u64(1)).expect("placed");
+    assert_eq!(decision.ranked.len(), 3);
+    let weights = &config.weights;
+    for score in &decision.ranked {
+        let w = &score.weighted;
+        assert_eq!(w.sum(), score.total, "{score:?}");
+        for (weighted, weight, term) in [
+            (w.kv_headroom, weights.kv_headroom, score.kv_headroom),
+            (w.queue, weights.queue, score.queue),
+            (w.inflight, weights.inflight, score.inflight),
+            (w.lora, weights.lora_affinity, score.lora),
+            (w.prefix, weights.prefix_affinity, score.prefix),
+            (w.prefill_queue, weights.prefill_queue, score.prefill_queue),
+        ] {
+            assert_eq!(weighted, weight * term, "{score:?}");
+        }
+    }
+    assert!(decision.ranked.iter().any(|s| s.weighted.prefix > 0.0));
+    assert!(decision.ranked.iter().any(|s| s.queue < 1.0));
+}
+
 #[test]
 fn a_saturated_pod_holding_the_prefix_is_passed_over_for_a_free_pod() {
     let busy = with_metrics(pod(1), |m| m.waiting = 9);
