@@ -16,6 +16,7 @@ use serde::Serialize;
 use tokio::sync::broadcast;
 use tracing::{debug, warn};
 
+use crate::extproc::messages::ErrorReply;
 use crate::extproc::{InFlight, ResponseSummary, Routed, Router, Unrouted, UnroutedKind};
 use crate::store::PodStore;
 use crate::telemetry::{self, ModelLabels, Outcome};
@@ -88,6 +89,35 @@ impl LivePicker {
         self.decisions.push(record);
     }
 
+    /// Records a request refused before routing, as a decision with its error.
+    fn record_refusal(&self, path: &str, reply: &ErrorReply) {
+        let watched = self.tap.receiver_count() > 0;
+        if !watched && !self.decisions.enabled() {
+            return;
+        }
+        // The path is the client's own input: a bounded, printable part of it.
+        let shown: String = path
+            .chars()
+            .take(100)
+            .map(|c| if c.is_control() { '?' } else { c })
+            .collect();
+        let record = Arc::new(DecisionRecord {
+            unix_ms: unix_ms(),
+            model: None,
+            prompt_tokens: 0,
+            max_output_tokens: None,
+            decision: None,
+            error: Some(format!(
+                "refused {} {} on {shown}: {}",
+                reply.status, reply.code, reply.message
+            )),
+        });
+        if watched {
+            let _ = self.tap.send(Arc::clone(&record));
+        }
+        self.decisions.push(record);
+    }
+
     /// The recent decisions kept for `/debug/decisions` (empty when switched off).
     pub fn decisions(&self) -> &DecisionLog {
         &self.decisions
@@ -144,6 +174,10 @@ impl LivePicker {
 
 impl Router for LivePicker {
     type Ticket = InFlightRequest;
+
+    fn refused(&self, path: &str, reply: &ErrorReply) {
+        self.record_refusal(path, reply);
+    }
 
     fn route(
         &self,
@@ -308,9 +342,7 @@ impl DecisionRecord {
             Err(error) => (None, Some(error.to_string())),
         };
         DecisionRecord {
-            unix_ms: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis()),
+            unix_ms: unix_ms(),
             model: request.model().map(str::to_owned),
             prompt_tokens: request.prompt_tokens(),
             max_output_tokens: request.max_output_tokens(),
@@ -318,6 +350,12 @@ impl DecisionRecord {
             error,
         }
     }
+}
+
+fn unix_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
 }
 
 /// The last N decisions with their candidates' scores, for operators.

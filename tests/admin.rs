@@ -240,6 +240,26 @@ async fn a_request_that_cannot_be_placed_is_streamed_with_its_error() {
     }
 }
 
+/// A request refused before routing (here, a body that is not JSON) reaches the watchers
+/// with its status, code and path, as unplaceable ones do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_before_routing_is_streamed_with_its_reason() {
+    let (_pods, kvroute) = two_pods_second_preferred().await;
+    let mut events = watch(&kvroute, "").await;
+    send_request(&kvroute, r#"{"model": "llama", "prompt": "#).await;
+    let event = next_event(&mut events).await;
+    assert_eq!(event.model, None);
+    match &event.outcome {
+        Some(Outcome::Error(error)) => {
+            assert!(
+                error.starts_with("refused 400 ") && error.contains("on /v1/completions"),
+                "{error}"
+            );
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_endpoints_reflects_the_fake_pods_metrics() {
     let pods = [

@@ -456,6 +456,7 @@ impl<R: Router> Exchange<R> {
     /// records it.
     fn refuse(&mut self, reply: ErrorReply, outcome: Outcome) -> ProcessingResponse {
         telemetry::record_request(&ModelLabels::other(), outcome);
+        self.router.refused(&self.path, &reply);
         self.reject(reply)
     }
 

@@ -104,6 +104,11 @@ pub trait Router: Send + Sync + 'static {
         request: &RouteRequest<'_>,
         first_token_visible: bool,
     ) -> Result<Routed<Self::Ticket>, Unrouted>;
+
+    /// The protocol layer refused a request to `path` before any routing (malformed or
+    /// empty body, unknown path, too large, a timeout, overload, shutdown) and answered
+    /// `reply`. A router that keeps a decision trace records it there.
+    fn refused(&self, _path: &str, _reply: &messages::ErrorReply) {}
 }
 
 fn is_message_too_large(status: &Status) -> bool {
