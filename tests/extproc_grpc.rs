@@ -648,6 +648,34 @@ async fn connections_past_the_cap_are_closed_on_arrival_and_counted() {
     assert!(served, "a connection is served again once one has ended");
 }
 
+/// kvroute asks each pod's `/metrics` for the series it reads only, by name
+/// (`?name[]=`, which vLLM's prometheus_client app honours).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrapes_ask_only_for_the_series_kvroute_reads() {
+    let pods = two_pods().await;
+    let kvroute = Kvroute::start(test_config(pods.iter().map(|p| p.addr).collect())).await;
+    kvroute.wait_until_scraped(2).await;
+    let query = pods[0].last_metrics_query().expect("a query string");
+    let names: Vec<String> = query
+        .split('&')
+        .map(|pair| {
+            let (key, value) = pair.split_once('=').expect("key=value");
+            assert_eq!(key, "name%5B%5D", "{query}");
+            value.replace("%3A", ":")
+        })
+        .collect();
+    for series in [
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
+        "vllm:lora_requests_info",
+        "vllm:prefix_cache_queries_total",
+    ] {
+        assert!(names.iter().any(|n| n == series), "{series} in {names:?}");
+    }
+}
+
 /// A TCP relay to `target` that can be cut: afterwards it forwards nothing either way but
 /// keeps both connections open, as a gateway node that vanished without a FIN looks.
 async fn cuttable_relay(

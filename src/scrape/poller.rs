@@ -13,7 +13,9 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 use tracing::{debug, warn};
 
-use kvroute_core::vllm::{ModelsError, VllmMetricsError, parse_models, parse_vllm_metrics};
+use kvroute_core::vllm::{
+    ModelsError, VllmMetricsError, metrics_query, parse_models, parse_vllm_metrics,
+};
 
 use super::{ApiKey, ScrapeConfig};
 use crate::store::PodStore;
@@ -162,7 +164,8 @@ impl PodPoller {
         } else {
             "http"
         };
-        let metrics_url = format!("{scheme}://{}/metrics", self.endpoint);
+        // Only the series kvroute reads (vLLM then skips rendering its histograms).
+        let metrics_url = format!("{scheme}://{}/metrics?{}", self.endpoint, metrics_query());
         let models_url = format!("{scheme}://{}/v1/models", self.endpoint);
         let mut ticker = tokio::time::interval(self.config.interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);

@@ -97,6 +97,8 @@ struct PodState {
     metrics_override: Mutex<Option<(StatusCode, String)>>,
     /// While true, `/metrics` never answers.
     metrics_hang: watch::Sender<bool>,
+    /// The query string of the last `/metrics` request.
+    last_metrics_query: Mutex<Option<String>>,
     /// When set, `/v1/models` answers 401 to requests without `Authorization: Bearer <key>`,
     /// as vLLM started with `--api-key` does.
     api_key: Mutex<Option<String>>,
@@ -123,6 +125,7 @@ impl FakePod {
             last_headers: Mutex::new(None),
             metrics_override: Mutex::new(None),
             metrics_hang: watch::Sender::new(false),
+            last_metrics_query: Mutex::new(None),
             api_key: Mutex::new(None),
         });
         let router = axum::Router::new()
@@ -200,6 +203,11 @@ impl FakePod {
         self.state.hold_stream.send_replace(false);
     }
 
+    /// The query string kvroute's last scrape of `/metrics` carried.
+    pub fn last_metrics_query(&self) -> Option<String> {
+        self.state.last_metrics_query.lock().expect("lock").clone()
+    }
+
     pub fn last_headers(&self) -> Option<HeaderMap> {
         self.state.last_headers.lock().expect("lock").clone()
     }
@@ -217,7 +225,11 @@ impl Drop for FakePod {
     }
 }
 
-async fn metrics(State(pod): State<Arc<PodState>>) -> Response {
+async fn metrics(
+    State(pod): State<Arc<PodState>>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
+) -> Response {
+    *pod.last_metrics_query.lock().expect("lock") = query;
     let mut hang = pod.metrics_hang.subscribe();
     let _ = hang.wait_for(|hang| !*hang).await;
     if let Some((status, body)) = pod.metrics_override.lock().expect("lock").clone() {

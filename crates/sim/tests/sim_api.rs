@@ -669,3 +669,69 @@ async fn without_the_flag_there_is_no_fault_switch() {
     assert_eq!(res.status(), 404);
     fleet.shutdown().await;
 }
+
+/// `?name[]=` renders only the samples named, as vLLM's `/metrics` (prometheus_client's
+/// ASGI app) does: kvroute's scrape query gets the same readings from a fraction of the
+/// page.
+#[tokio::test]
+async fn metrics_named_in_the_query_are_the_only_ones_rendered() {
+    let fleet = start(1, 50.0, 1).await;
+    let addr = fleet.endpoints()[0];
+    let c = reqwest::Client::new();
+    let res = post(
+        &c,
+        addr,
+        "/v1/completions",
+        json!({"model": "chat-lora", "prompt": "hello there", "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(res.status(), 200);
+    let get = |path: String| {
+        let c = c.clone();
+        async move {
+            c.get(url(addr, &path))
+                .send()
+                .await
+                .expect("metrics")
+                .text()
+                .await
+                .expect("text")
+        }
+    };
+    let full = get("/metrics".into()).await;
+    let filtered = get(format!("/metrics?{}", kvroute_core::vllm::metrics_query())).await;
+    assert_eq!(
+        parse_vllm_metrics(&filtered).expect("parse filtered"),
+        parse_vllm_metrics(&full).expect("parse full"),
+        "the same readings"
+    );
+    assert!(
+        filtered.len() * 4 < full.len(),
+        "{} bytes of {}",
+        filtered.len(),
+        full.len()
+    );
+    assert!(!filtered.contains("_bucket"), "no histogram: {filtered}");
+    assert!(
+        filtered.contains("# TYPE vllm:num_requests_waiting gauge"),
+        "{filtered}"
+    );
+
+    // One counter, asked for by its sample name: its family's header and sample only.
+    let one = get("/metrics?name%5B%5D=vllm%3Aprefix_cache_queries_total".into()).await;
+    let lines: Vec<&str> = one.lines().collect();
+    assert_eq!(lines.len(), 3, "{one}");
+    assert!(
+        lines[0].starts_with("# HELP vllm:prefix_cache_queries"),
+        "{one}"
+    );
+    assert!(
+        lines[1].starts_with("# TYPE vllm:prefix_cache_queries"),
+        "{one}"
+    );
+    assert!(
+        lines[2].starts_with("vllm:prefix_cache_queries_total{"),
+        "{one}"
+    );
+    fleet.shutdown().await;
+}

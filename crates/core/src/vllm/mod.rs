@@ -48,6 +48,18 @@ const READ: [&str; 9] = [
     PREFIX_QUERIES,
 ];
 
+/// The query string that asks a vLLM `/metrics` page for only the series read here:
+/// `name[]=` once per sample name, URL-encoded. vLLM serves `/metrics` with
+/// prometheus_client's ASGI app, which then renders only those samples (a few hundred
+/// bytes instead of tens of kilobytes of histograms); a server that ignores the query
+/// returns the whole page, which parses the same.
+pub fn metrics_query() -> String {
+    READ.iter()
+        .map(|name| format!("name%5B%5D={}", name.replace(':', "%3A")))
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
 /// Why a page could not be turned into [`PodMetrics`].
 #[derive(Debug, thiserror::Error)]
 pub enum VllmMetricsError {

@@ -1,7 +1,7 @@
 //! Status endpoints the routers and Prometheus poll: health, `/metrics`, `/get_load`, server and
 //! model info, version, and the 404 fallback.
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
@@ -17,8 +17,12 @@ pub(crate) async fn health() -> StatusCode {
     StatusCode::OK
 }
 
-/// `GET /metrics`, unless the fault switch says otherwise.
-pub(crate) async fn metrics(State(pod): PodState) -> Response {
+/// `GET /metrics`, unless the fault switch says otherwise. `?name[]=A&name[]=B` renders only
+/// the samples named, as prometheus_client's ASGI app (vLLM's `/metrics`) does.
+pub(crate) async fn metrics(
+    State(pod): PodState,
+    Query(params): Query<Vec<(String, String)>>,
+) -> Response {
     let fault = *pod.metrics_fault.borrow();
     match fault {
         MetricsFault::None => {}
@@ -40,7 +44,44 @@ pub(crate) async fn metrics(State(pod): PodState) -> Response {
         }
     }
     let text = pod.metrics();
+    let names: Vec<&str> = params
+        .iter()
+        .filter(|(key, _)| key == "name[]")
+        .map(|(_, value)| value.as_str())
+        .collect();
+    let text = if names.is_empty() {
+        text
+    } else {
+        restrict(&text, &names)
+    };
     ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], text).into_response()
+}
+
+/// The exposition `text` with only the samples whose name is in `names`, and the
+/// `# HELP` / `# TYPE` lines of the families that keep a sample: what prometheus_client's
+/// restricted registry renders (it matches sample names, so a counter is asked for by its
+/// `_total` name and a histogram by its `_bucket`, `_count` and `_sum` names).
+fn restrict(text: &str, names: &[&str]) -> String {
+    let mut out = String::with_capacity(text.len().min(4096));
+    let mut family_header = String::new();
+    for line in text.lines() {
+        if line.starts_with("# HELP ") {
+            family_header.clear();
+        }
+        if line.starts_with('#') {
+            family_header.push_str(line);
+            family_header.push('\n');
+            continue;
+        }
+        let name = line.split(['{', ' ']).next().unwrap_or_default();
+        if names.contains(&name) {
+            out.push_str(&family_header);
+            family_header.clear();
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 /// `GET /get_load` (SGLang's shape, used by power-of-two routing).
