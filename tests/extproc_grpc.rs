@@ -476,6 +476,20 @@ async fn a_pod_whose_metrics_hang_is_taken_out_after_the_scrape_timeout() {
         .await;
 }
 
+/// A full-duplex completion whose headers and first body bytes are sent and whose body
+/// has not ended: kvroute holds it, waiting for the rest.
+async fn held_completion(kvroute: &Kvroute) -> Stream {
+    let held = Stream::open(kvroute).await;
+    held.send(headers_message(
+        "/v1/completions",
+        false,
+        BodySendMode::FullDuplexStreamed,
+    ))
+    .await;
+    held.send(body_message(&COMPLETION[..10], false)).await;
+    held
+}
+
 /// On shutdown kvroute keeps routing until the drain deadline (readiness already off),
 /// then answers a request still waiting for its route with 503 rather than ending its
 /// stream cleanly, which Envoy would read as "continue unrouted".
@@ -497,14 +511,7 @@ async fn during_the_drain_requests_are_routed_and_at_its_end_a_held_one_gets_503
         .into_inner();
 
     // Held: full duplex, headers sent, the body never ends.
-    let mut held = Stream::open(&kvroute).await;
-    held.send(headers_message(
-        "/v1/completions",
-        false,
-        BodySendMode::FullDuplexStreamed,
-    ))
-    .await;
-    held.send(body_message(&COMPLETION[..10], false)).await;
+    let mut held = held_completion(&kvroute).await;
 
     let stopping = tokio::spawn(async move {
         kvroute.stop().await;
@@ -558,14 +565,7 @@ async fn the_drain_ends_when_the_last_open_stream_does() {
     kvroute.wait_until_scraped(2).await;
 
     // Open (the call returned, so kvroute counts it), its body not yet ended.
-    let mut held = Stream::open(&kvroute).await;
-    held.send(headers_message(
-        "/v1/completions",
-        false,
-        BodySendMode::FullDuplexStreamed,
-    ))
-    .await;
-    held.send(body_message(&COMPLETION[..10], false)).await;
+    let mut held = held_completion(&kvroute).await;
     let stopping = tokio::spawn(async move {
         kvroute.stop().await;
     });

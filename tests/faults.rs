@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{Envoy, FakePod, Gateway, Kvroute, behind_envoy, test_config};
+use support::{Envoy, FakePod, Gateway, Kvroute, behind_envoy, stream_to_first_event, test_config};
 
 const MODEL: &str = "llama";
 
@@ -250,19 +250,7 @@ async fn a_stream_routed_before_the_picker_dies_still_completes(gateway: Gateway
     for pod in &pods {
         pod.hold_stream();
     }
-    let mut response = client
-        .post(envoy.url("/v1/completions"))
-        .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 8, "stream": true}))
-        .send()
-        .await
-        .expect("request through Envoy");
-    assert_eq!(response.status(), 200);
-    let first = response
-        .chunk()
-        .await
-        .expect("first event")
-        .expect("a chunk");
-    assert!(first.starts_with(b"data: "), "first SSE event arrived");
+    let response = stream_to_first_event(&client, &envoy, MODEL).await;
 
     picker.kill();
     // A new request fails once the gateway has seen the picker's connection end, so the

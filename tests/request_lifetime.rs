@@ -10,7 +10,9 @@ mod support;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{FakePod, Gateway, Kvroute, behind_envoy, http_client, test_config};
+use support::{
+    FakePod, Gateway, Kvroute, behind_envoy, http_client, stream_to_first_event, test_config,
+};
 
 const MODEL: &str = "llama";
 
@@ -72,19 +74,7 @@ async fn streamed_response_is_counted_until_it_ends(gateway: Gateway) {
     )
     .await;
     pod.hold_stream();
-    let mut response = http_client()
-        .post(envoy.url("/v1/completions"))
-        .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 8, "stream": true}))
-        .send()
-        .await
-        .expect("request through Envoy");
-    assert_eq!(response.status(), 200);
-    let first = response
-        .chunk()
-        .await
-        .expect("first event")
-        .expect("a chunk");
-    assert!(first.starts_with(b"data: "), "first SSE event arrived");
+    let response = stream_to_first_event(&http_client(), &envoy, MODEL).await;
     assert_still_in_flight(&kvroute, &pod, &format!("{gateway:?}, mid-stream")).await;
     // The prompt is past prefill: at its first token where kvroute sees the response
     // body, else once a scrape started after the request has succeeded. The KV it will

@@ -494,6 +494,29 @@ pub enum Gateway {
 /// A real Envoy running a shipped config, rewritten for this test's ports.
 pub struct Envoy(EnvoyProcess);
 
+/// Sends a streamed completion of `model` through `envoy` and reads its first
+/// server-sent event; the response is returned for the rest of the stream.
+pub async fn stream_to_first_event(
+    client: &reqwest::Client,
+    envoy: &Envoy,
+    model: &str,
+) -> reqwest::Response {
+    let mut response = client
+        .post(envoy.url("/v1/completions"))
+        .json(&serde_json::json!({"model": model, "prompt": "hello", "max_tokens": 8, "stream": true}))
+        .send()
+        .await
+        .expect("request through Envoy");
+    assert_eq!(response.status(), 200);
+    let first = response
+        .chunk()
+        .await
+        .expect("first event")
+        .expect("a chunk");
+    assert!(first.starts_with(b"data: "), "first SSE event arrived");
+    response
+}
+
 impl Envoy {
     /// Starts Envoy and waits until it is ready. Call it from the test's own thread:
     /// Envoy exits when the thread that started it does.
