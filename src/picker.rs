@@ -77,42 +77,41 @@ impl LivePicker {
     /// Records a decision for the debug log and the watchers; costs one uncontended
     /// lock (`receiver_count`) when neither wants it: nothing is built or cloned.
     fn record(&self, request: &RouteRequest<'_>, outcome: Result<&Decision, &PickError>) {
-        let watched = self.tap.receiver_count() > 0;
-        if !watched && !self.decisions.enabled() {
-            return;
-        }
-        let record = Arc::new(DecisionRecord::new(request, outcome));
-        if watched {
-            // Fails only when the last watcher left in between: nothing to do.
-            let _ = self.tap.send(Arc::clone(&record));
-        }
-        self.decisions.push(record);
+        self.publish(|| DecisionRecord::new(request, outcome));
     }
 
     /// Records a request refused before routing, as a decision with its error.
     fn record_refusal(&self, path: &str, reply: &ErrorReply) {
+        self.publish(|| {
+            // The path is the client's own input: a bounded, printable part of it.
+            let shown: String = path
+                .chars()
+                .take(100)
+                .map(|c| if c.is_control() { '?' } else { c })
+                .collect();
+            DecisionRecord {
+                unix_ms: unix_ms(),
+                model: None,
+                prompt_tokens: 0,
+                max_output_tokens: None,
+                decision: None,
+                error: Some(format!(
+                    "refused {} {} on {shown}: {}",
+                    reply.status, reply.code, reply.message
+                )),
+            }
+        });
+    }
+
+    /// Hands a record to the watchers and the debug log; builds it only if one wants it.
+    fn publish(&self, build: impl FnOnce() -> DecisionRecord) {
         let watched = self.tap.receiver_count() > 0;
         if !watched && !self.decisions.enabled() {
             return;
         }
-        // The path is the client's own input: a bounded, printable part of it.
-        let shown: String = path
-            .chars()
-            .take(100)
-            .map(|c| if c.is_control() { '?' } else { c })
-            .collect();
-        let record = Arc::new(DecisionRecord {
-            unix_ms: unix_ms(),
-            model: None,
-            prompt_tokens: 0,
-            max_output_tokens: None,
-            decision: None,
-            error: Some(format!(
-                "refused {} {} on {shown}: {}",
-                reply.status, reply.code, reply.message
-            )),
-        });
+        let record = Arc::new(build());
         if watched {
+            // Fails only when the last watcher left in between: nothing to do.
             let _ = self.tap.send(Arc::clone(&record));
         }
         self.decisions.push(record);

@@ -252,15 +252,7 @@ impl SoakReport {
         }
         md.push_str("\n## Faults\n\n| at (s) | fault | pod | what happened | over (s) | failures until 10 s after |\n|---:|---|---:|---|---:|---|\n");
         for f in &self.faults {
-            let failures = if f.failures.is_empty() {
-                "none".to_string()
-            } else {
-                f.failures
-                    .iter()
-                    .map(|(k, n)| format!("{k}: {n}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            };
+            let failures = counts_or_none(&f.failures);
             let _ = writeln!(
                 md,
                 "| {:.1} | {} | {} | {} | {:.1} | {} |",
@@ -272,15 +264,7 @@ impl SoakReport {
                 failures
             );
         }
-        let outside = if self.failures_outside_faults.is_empty() {
-            "none".to_string()
-        } else {
-            self.failures_outside_faults
-                .iter()
-                .map(|(k, n)| format!("{k}: {n}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
+        let outside = counts_or_none(&self.failures_outside_faults);
         let _ = writeln!(md, "\nFailures outside every fault's window: {outside}.\n");
         if !self.unexpected_exits.is_empty() {
             md.push_str("Processes that exited on their own:\n\n");
@@ -365,6 +349,18 @@ fn smoothed(
         }
     }
     points
+}
+
+/// `kind: n, kind: n` in the map's order, or `none`.
+fn counts_or_none(counts: &BTreeMap<String, u64>) -> String {
+    if counts.is_empty() {
+        return "none".to_string();
+    }
+    counts
+        .iter()
+        .map(|(kind, n)| format!("{kind}: {n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// One panel: `value` of the samples against time (means over a few seconds in long runs),
