@@ -97,6 +97,7 @@ impl App {
             Arc::clone(&store),
             config.scheduler.clone(),
             config.debug_decisions,
+            config.prefix_index_bytes,
         ));
         Ok(App {
             config,
@@ -201,6 +202,10 @@ impl App {
         ));
         let admin_api =
             AdminService::new(Arc::clone(&picker), Arc::clone(&store), stopping.clone());
+        let metrics_state = MetricsState {
+            prometheus,
+            picker: Arc::clone(&picker),
+        };
         let debug_state = DebugState {
             picker,
             store: Arc::clone(&store),
@@ -239,7 +244,7 @@ impl App {
             serve_http(
                 metrics,
                 ConnectionCap::new("metrics", max_connections),
-                metrics_router(prometheus),
+                metrics_router(metrics_state),
                 &stopping
             ),
             serve_optional_http(
@@ -482,11 +487,18 @@ struct DebugState {
     store: Arc<PodStore>,
 }
 
+/// What `/metrics` reads beyond the recorder: gauges read when scraped.
+#[derive(Clone)]
+struct MetricsState {
+    prometheus: PrometheusHandle,
+    picker: Arc<LivePicker>,
+}
+
 /// `/metrics` only: this port is scraped from anywhere in the cluster.
-fn metrics_router(prometheus: PrometheusHandle) -> axum::Router {
+fn metrics_router(state: MetricsState) -> axum::Router {
     axum::Router::new()
         .route("/metrics", get(render_metrics))
-        .with_state(prometheus)
+        .with_state(state)
 }
 
 fn debug_router(state: DebugState) -> axum::Router {
@@ -496,8 +508,12 @@ fn debug_router(state: DebugState) -> axum::Router {
         .with_state(state)
 }
 
-async fn render_metrics(State(prometheus): State<PrometheusHandle>) -> impl IntoResponse {
+async fn render_metrics(
+    State(MetricsState { prometheus, picker }): State<MetricsState>,
+) -> impl IntoResponse {
     telemetry::record_allocator_stats();
+    let (entries, capacity) = picker.prefix_index_size();
+    telemetry::record_prefix_index(entries, capacity);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         prometheus.render(),

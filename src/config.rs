@@ -177,6 +177,12 @@ pub struct ServeArgs {
     /// Keep the last N decisions with their scores at GET /debug/decisions (0: off).
     #[arg(long, env = "KVROUTE_DEBUG_DECISIONS", default_value_t = 0)]
     pub debug_decisions: usize,
+    /// Memory for remembering which prompt blocks went to which pod (prefix affinity),
+    /// in MiB. Past it, each pod keeps its most recently sent blocks, an equal share
+    /// each. The default holds ~4.2 million (pod, block) pairs: ~67k tokens per pod at
+    /// 1,000 pods, ~670k at 100.
+    #[arg(long, env = "KVROUTE_PREFIX_INDEX_MIB", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    pub prefix_index_mib: u32,
     /// Connections each listener (ext_proc, health, admin, metrics, debug) holds open at
     /// most; past it a new connection is closed on arrival and counted. A gateway opens a
     /// few per Envoy worker.
@@ -372,6 +378,8 @@ pub struct ServeConfig {
     /// See [`ServeArgs::grpc_max_streams_per_connection`].
     pub grpc_max_streams_per_connection: u32,
     pub debug_decisions: usize,
+    /// See [`ServeArgs::prefix_index_mib`]; in bytes.
+    pub prefix_index_bytes: usize,
     pub drain_timeout: Duration,
     /// See [`ServeArgs::max_connections`].
     pub max_connections: usize,
@@ -431,6 +439,7 @@ impl ServeConfig {
             request_read_timeout: crate::extproc::policy::DEFAULT_READ_TIMEOUT,
             grpc_max_streams_per_connection: 1024,
             debug_decisions: 0,
+            prefix_index_bytes: kvroute_core::fleet::DEFAULT_PREFIX_BUDGET_BYTES,
             drain_timeout: Duration::from_secs(10),
             drain_grace: Duration::from_secs(3),
             max_connections: 4096,
@@ -513,6 +522,7 @@ impl ServeConfig {
             request_read_timeout: args.request_read_timeout,
             grpc_max_streams_per_connection: args.grpc_max_streams_per_connection,
             debug_decisions: args.debug_decisions,
+            prefix_index_bytes: (args.prefix_index_mib as usize) << 20,
             drain_timeout: args.drain_timeout,
             drain_grace: args.drain_grace,
             max_connections: args.max_connections as usize,

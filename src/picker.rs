@@ -27,41 +27,30 @@ pub struct LivePicker {
     config: SchedulerConfig,
     /// Serialises pick + reserve, so two concurrent requests cannot both see the same
     /// free KV and herd onto one pod. A pick takes microseconds.
-    placement: Mutex<Placement>,
+    placement: Mutex<()>,
+    /// The prompt blocks sent to each pod, for prefix-cache affinity. Concurrent: matched
+    /// and recorded outside the placement lock.
+    prefix: PrefixIndex,
     decisions: DecisionLog,
     /// Each decision, for live watchers; built only while someone is subscribed.
     tap: broadcast::Sender<Arc<DecisionRecord>>,
-}
-
-/// What placing a request reads and updates besides the pods' counters.
-#[derive(Debug, Default)]
-struct Placement {
-    /// The prompt blocks sent to each pod, for prefix-cache affinity.
-    prefix: PrefixIndex,
-    /// The snapshot's endpoint set `prefix` was last pruned to.
-    endpoints_version: u64,
-}
-
-impl Placement {
-    /// Forgets the prefixes of pods that left the fleet.
-    fn follow(&mut self, snapshot: &Snapshot) {
-        if self.endpoints_version != snapshot.endpoints_version {
-            let endpoints: Vec<_> = snapshot.pods().iter().map(|pod| pod.endpoint).collect();
-            self.prefix.retain_pods(&endpoints);
-            self.endpoints_version = snapshot.endpoints_version;
-        }
-    }
 }
 
 /// Decisions a watcher may fall behind by before it starts missing some.
 const TAP_CAPACITY: usize = 4096;
 
 impl LivePicker {
-    pub fn new(store: Arc<PodStore>, config: SchedulerConfig, keep_decisions: usize) -> Self {
+    pub fn new(
+        store: Arc<PodStore>,
+        config: SchedulerConfig,
+        keep_decisions: usize,
+        prefix_budget_bytes: usize,
+    ) -> Self {
         LivePicker {
             store,
             config,
-            placement: Mutex::new(Placement::default()),
+            placement: Mutex::new(()),
+            prefix: PrefixIndex::with_budget(prefix_budget_bytes),
             decisions: DecisionLog::new(keep_decisions),
             tap: broadcast::channel(TAP_CAPACITY).0,
         }
@@ -117,6 +106,11 @@ impl LivePicker {
         self.decisions.push(record);
     }
 
+    /// (pod, block) pairs the prefix index remembers, and the most it may.
+    pub fn prefix_index_size(&self) -> (usize, usize) {
+        (self.prefix.entries(), self.prefix.max_entries())
+    }
+
     /// The recent decisions kept for `/debug/decisions` (empty when switched off).
     pub fn decisions(&self) -> &DecisionLog {
         &self.decisions
@@ -131,9 +125,9 @@ impl LivePicker {
         fleet: &Fleet,
         first_token_visible: bool,
     ) -> Result<(Decision, Option<Reservation>), PickError> {
-        let mut placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
-        placement.follow(fleet.snapshot());
-        let matches = placement.prefix.matches(blocks);
+        // Matching reads the index's own shards: concurrent requests match in parallel.
+        let matches = self.prefix.matches(blocks, fleet.snapshot());
+        let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
         let decision = scheduler::pick(
             request,
             Some(&matches),
@@ -141,9 +135,9 @@ impl LivePicker {
             &self.config,
             &mut rand::rng(),
         )?;
+        let mut capacity = 0;
         let reservation = fleet.pod(decision.endpoint).map(|(pod, load)| {
-            let capacity = pod.signals().map_or(0, |s| s.kv_capacity_tokens);
-            placement.prefix.record(pod.endpoint, blocks, capacity);
+            capacity = pod.signals().map_or(0, |s| s.kv_capacity_tokens);
             // An adapter request (it has a LoRA tier): the pod now holds the adapter.
             let tier = decision.ranked.first().and_then(|c| c.lora_tier);
             if let (Some(model), Some(_)) = (request.model(), tier) {
@@ -167,6 +161,8 @@ impl LivePicker {
             });
             load.reserve(tokens, prompt, prefill_end)
         });
+        drop(placement);
+        self.prefix.record(decision.endpoint, blocks, capacity);
         Ok((decision, reservation))
     }
 }

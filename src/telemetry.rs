@@ -44,6 +44,8 @@ pub const EXTPROC_STREAMS: &str = "kvroute_extproc_streams";
 pub const CONNECTIONS_REFUSED: &str = "kvroute_connections_refused_total";
 pub const MEMORY_ALLOCATED: &str = "kvroute_memory_allocated_bytes";
 pub const MEMORY_RESIDENT: &str = "kvroute_memory_resident_bytes";
+pub const PREFIX_INDEX_ENTRIES: &str = "kvroute_prefix_index_entries";
+pub const PREFIX_INDEX_CAPACITY: &str = "kvroute_prefix_index_capacity_entries";
 
 /// Request outcomes, the `outcome` label of [`REQUESTS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -254,6 +256,14 @@ fn describe() {
         Unit::Bytes,
         "Physical memory kvroute's allocator maps: held, its metadata, freed pages not yet returned."
     );
+    describe_gauge!(
+        PREFIX_INDEX_ENTRIES,
+        "(pod, prompt block) pairs kvroute remembers for prefix-cache affinity."
+    );
+    describe_gauge!(
+        PREFIX_INDEX_CAPACITY,
+        "The most (pod, prompt block) pairs the prefix index keeps (--prefix-index-mib); at it, each pod keeps an equal share of its most recent blocks."
+    );
 }
 
 /// The counters dashboards rate exist from the start, at 0: a rate over no series shows
@@ -363,6 +373,12 @@ pub fn jemalloc_stats() -> Option<AllocatorStats> {
         allocated: u64::try_from(stats::allocated::read().ok()?).ok()?,
         resident: u64::try_from(stats::resident::read().ok()?).ok()?,
     })
+}
+
+/// Sets the prefix index's gauges (read when `/metrics` is scraped).
+pub fn record_prefix_index(entries: usize, capacity: usize) {
+    gauge!(PREFIX_INDEX_ENTRIES).set(entries as f64);
+    gauge!(PREFIX_INDEX_CAPACITY).set(capacity as f64);
 }
 
 /// Sets the allocator gauges, if a reader is registered.

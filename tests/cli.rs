@@ -133,6 +133,14 @@ async fn the_binary_serves_metrics_and_stops_cleanly_on_sigterm() {
         allocated > 0.0 && resident >= allocated,
         "allocated {allocated}, resident {resident}"
     );
+    // The prefix index's size, against its default budget.
+    let capacity =
+        kvroute_core::fleet::DEFAULT_PREFIX_BUDGET_BYTES / kvroute_core::fleet::BYTES_PER_ENTRY;
+    assert_eq!(
+        gauge("kvroute_prefix_index_capacity_entries"),
+        capacity as f64
+    );
+    assert!(gauge("kvroute_prefix_index_entries") <= capacity as f64);
 
     let mut child = guard.0.take().expect("still running");
     let pid = child.id().to_string();

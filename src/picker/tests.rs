@@ -4,7 +4,12 @@ use super::*;
 
 fn picker(keep_decisions: usize) -> LivePicker {
     let store = Arc::new(PodStore::new(HealthPolicy::default()));
-    LivePicker::new(store, SchedulerConfig::default(), keep_decisions)
+    LivePicker::new(
+        store,
+        SchedulerConfig::default(),
+        keep_decisions,
+        kvroute_core::fleet::DEFAULT_PREFIX_BUDGET_BYTES,
+    )
 }
 
 fn route_unplaceable(picker: &LivePicker) {

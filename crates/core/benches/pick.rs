@@ -1,6 +1,8 @@
 //! Cost of one scheduling decision, `scheduler::pick`, by fleet size.
-//! Run: `cargo bench -p kvroute-core --bench pick`. Targets: ≤ 2 µs at 8 pods, ≤ 50 µs at
-//! 4,096. Also the per-snapshot model index build.
+//! Run: `cargo bench -p kvroute-core --bench pick`. Targets: ≤ 2 µs at 8 pods, ≤ 20 µs at
+//! 1,000 and ≤ 50 µs at 4,096, with LoRA affinity and a shared-prefix match (every pod
+//! holds the request's 2 KiB system prompt, one pod its whole prompt). Also the
+//! per-snapshot model index build.
 
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -16,7 +18,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use kvroute_core::fleet::{
-    Fleet, LoraStatus, ModelIndex, PodLoad, PodMetrics, PodView, ServedModels,
+    Fleet, LoraStatus, ModelIndex, PodLoad, PodMetrics, PodView, PrefixMatches, ServedModels,
 };
 use kvroute_core::request::{InferenceRequest, RouteRequest};
 use kvroute_core::scheduler::{SchedulerConfig, pick};
@@ -74,7 +76,7 @@ fn bench_pick(c: &mut Criterion) {
     group.measurement_time(Duration::from_secs(3));
     group.warm_up_time(Duration::from_secs(1));
     let config = SchedulerConfig::default();
-    for size in [8usize, 64, 512, 4096] {
+    for size in [8usize, 64, 512, 1000, 4096] {
         let mut rng = SmallRng::seed_from_u64(42);
         let snapshot = fleet(size, &mut rng);
         let base_body = InferenceRequest {
@@ -107,8 +109,37 @@ fn bench_pick(c: &mut Criterion) {
             &snapshot,
             |b, snapshot| b.iter(|| pick(black_box(&adapter), None, snapshot, &config, &mut rng)),
         );
+        // A 1,500-token prompt is 94 blocks: every pod holds the first 32 (the system
+        // prompt), one pod all of them.
+        let held: Vec<(SocketAddr, u32)> = snapshot
+            .snapshot()
+            .pods()
+            .iter()
+            .enumerate()
+            .map(|(i, pod)| (pod.endpoint, if i == size / 2 { 94 } else { 32 }))
+            .collect();
+        let prefix = shared_prefix(94, &snapshot, &held);
+        group.bench_with_input(
+            BenchmarkId::new("lora_adapter_shared_prefix", size),
+            &snapshot,
+            |b, snapshot| {
+                b.iter(|| {
+                    pick(
+                        black_box(&adapter),
+                        Some(&prefix),
+                        snapshot,
+                        &config,
+                        &mut rng,
+                    )
+                })
+            },
+        );
     }
     group.finish();
+}
+
+fn shared_prefix(request_blocks: u32, fleet: &Fleet, held: &[(SocketAddr, u32)]) -> PrefixMatches {
+    PrefixMatches::new(request_blocks, fleet.snapshot(), held)
 }
 
 /// The model index is built once per published snapshot (not per request): its cost

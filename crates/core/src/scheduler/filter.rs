@@ -49,11 +49,11 @@ pub(super) struct Demand<'a> {
 }
 
 impl Demand<'_> {
-    /// Prompt tokens `pod` likely caches (kvroute sent it the same leading blocks).
-    fn cached_at(&self, pod: &PodView) -> u32 {
+    /// Prompt tokens the pod at `index` in the snapshot likely caches (kvroute sent it the
+    /// same leading blocks).
+    fn cached_at(&self, index: usize) -> u32 {
         self.prefix.map_or(0, |prefix| {
-            let tokens =
-                (u64::from(prefix.blocks_at(pod.endpoint)) * BLOCK_TOKENS).min(self.prompt);
+            let tokens = (u64::from(prefix.blocks_at(index)) * BLOCK_TOKENS).min(self.prompt);
             u32::try_from(tokens).unwrap_or(u32::MAX)
         })
     }
@@ -81,7 +81,7 @@ impl Candidate {
         let free_kv = free_kv_tokens(pod, load);
         // Cached blocks are shared, not allocated again: the request needs only the rest
         // of its prompt, and the blocks it shares do not make the pod full for it.
-        let cached = demand.cached_at(pod);
+        let cached = demand.cached_at(index);
         let needed = demand.needed(cached);
         let mut flags = 0;
         if is_fresh(pod, config) {

@@ -93,7 +93,7 @@ impl<'a> Scorer<'a> {
     /// Share of the prompt's leading blocks the pod holds.
     fn prefix(&self, c: &Candidate) -> f64 {
         self.prefix.map_or(0.0, |p| {
-            f64::from(p.blocks_at(self.pod(c).endpoint)) / f64::from(p.request_blocks)
+            f64::from(p.blocks_at(c.index as usize)) / f64::from(p.request_blocks)
         })
     }
 

@@ -8,7 +8,7 @@ use rand::rngs::SmallRng;
 
 use super::*;
 use crate::fleet::{
-    LoraStatus, PodLoad, PodMetrics, PodView, PrefillEnd, ServedModels, adapter_key,
+    LoraStatus, PodLoad, PodMetrics, PodView, PrefillEnd, ServedModels, Snapshot, adapter_key,
 };
 use crate::request::{EndpointSubset, InferenceRequest};
 
@@ -488,13 +488,16 @@ fn a_pod_that_was_sent_more_other_adapters_than_it_has_slots_is_no_longer_warm()
     assert_eq!(decision.reason, Reason::Lora(LoraTier::FreeSlot));
 }
 
+/// Prefix matches for a fleet of pods 1..=k (as every test below builds it), whose
+/// positions follow their numbers.
 fn matches(request_blocks: u32, held: &[(u16, u32)]) -> PrefixMatches {
-    PrefixMatches::new(
-        request_blocks,
-        held.iter()
-            .map(|&(n, blocks)| (endpoint(n), blocks))
-            .collect(),
-    )
+    let last = held.iter().map(|&(n, _)| n).max().unwrap_or(1);
+    let numbered = Snapshot::new((1..=last).map(pod).collect(), 1, 1);
+    let held: Vec<_> = held
+        .iter()
+        .map(|&(n, blocks)| (endpoint(n), blocks))
+        .collect();
+    PrefixMatches::new(request_blocks, &numbered, &held)
 }
 
 #[test]
