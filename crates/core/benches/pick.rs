@@ -18,7 +18,8 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use kvroute_core::fleet::{
-    Fleet, LoraStatus, ModelIndex, PodLoad, PodMetrics, PodView, PrefixMatches, ServedModels,
+    AdapterIndex, Fleet, LoraStatus, ModelIndex, PodLoad, PodMetrics, PodView, PrefixMatches,
+    ServedModels,
 };
 use kvroute_core::request::{InferenceRequest, RouteRequest};
 use kvroute_core::scheduler::{SchedulerConfig, pick};
@@ -154,6 +155,11 @@ fn bench_model_index(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("build", size), pods, |b, pods| {
             b.iter(|| ModelIndex::build(black_box(pods)))
         });
+        group.bench_with_input(
+            BenchmarkId::new("adapter_index_build", size),
+            pods,
+            |b, pods| b.iter(|| AdapterIndex::build(black_box(pods))),
+        );
     }
     group.finish();
 }

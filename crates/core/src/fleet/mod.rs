@@ -13,6 +13,7 @@
 //! reads. Prefix memory ([`PrefixIndex`]) and health hysteresis ([`HealthTracker`]) are the
 //! other bookkeeping the gateway keeps per pod.
 
+mod adapters;
 mod health;
 mod load;
 mod models;
@@ -23,6 +24,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use adapters::{AdapterIndex, LoraSlots, PositionSet};
 pub use health::{HealthPolicy, HealthTracker};
 pub use load::{PodLoad, PrefillEnd, RECENT_ADAPTERS, Reservation, ScrapeTicket, adapter_key};
 pub use models::{ModelClass, ModelIndex};
@@ -191,6 +193,8 @@ pub struct Snapshot {
     pub endpoints_version: u64,
     /// Every model name the pods list or run, classified once for this snapshot.
     pub models: ModelIndex,
+    /// The pods' LoRA adapter state in dense arrays, for adapter requests.
+    pub adapters: AdapterIndex,
 }
 
 impl Snapshot {
@@ -203,11 +207,13 @@ impl Snapshot {
     /// [`Snapshot::new`] for pods already sorted by endpoint.
     fn from_sorted(pods: Vec<PodView>, generation: u64, endpoints_version: u64) -> Self {
         let models = ModelIndex::build(&pods);
+        let adapters = AdapterIndex::build(&pods);
         Snapshot {
             pods,
             generation,
             endpoints_version,
             models,
+            adapters,
         }
     }
 

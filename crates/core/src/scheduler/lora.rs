@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use crate::fleet::{PodLoad, PodView, ServedModels, Snapshot};
+use crate::fleet::{LoraSlots, PodLoad, PodView, ServedModels, Snapshot};
 
 use super::SchedulerConfig;
 
@@ -30,23 +30,6 @@ pub enum LoraTier {
     MustEvict,
 }
 
-/// How many distinct names `adapters` holds; the lists are a handful long, so a nested
-/// scan beats allocating a set.
-fn distinct<'a>(adapters: impl IntoIterator<Item = &'a String> + Clone) -> usize {
-    adapters
-        .clone()
-        .into_iter()
-        .enumerate()
-        .filter(|(index, adapter)| {
-            !adapters
-                .clone()
-                .into_iter()
-                .take(*index)
-                .any(|earlier| earlier == *adapter)
-        })
-        .count()
-}
-
 impl LoraTier {
     /// Every tier, best first.
     pub const ALL: [LoraTier; 6] = [
@@ -59,38 +42,53 @@ impl LoraTier {
     ];
 
     /// `key` is [`crate::fleet::adapter_key`] of `adapter`; `load` holds the adapters
-    /// kvroute sent to `pod` lately.
+    /// kvroute sent to `pod` lately. Reads the pod's own lists: a pick reads the
+    /// snapshot's [`crate::fleet::AdapterIndex`] instead, through [`LoraTier::decide`].
     pub fn of(pod: &PodView, load: &PodLoad, adapter: &str, key: u64) -> LoraTier {
-        let Some(lora) = pod.metrics().and_then(|m| m.lora.as_ref()) else {
+        let lora = pod.metrics().and_then(|m| m.lora.as_ref());
+        LoraTier::decide(
+            LoraSlots::of(lora),
+            lora.is_some_and(|l| l.running.iter().any(|a| a == adapter)),
+            lora.is_some_and(|l| l.waiting.iter().any(|a| a == adapter)),
+            || load.adapter_recency(key),
+        )
+    }
+
+    /// The tier of a pod with `slots` whose running (`running`) or waiting (`waiting`)
+    /// requests include the adapter; `recency` is where the adapter stands among those
+    /// kvroute sent the pod lately (0: the last one), asked only when it matters.
+    pub fn decide(
+        slots: LoraSlots,
+        running: bool,
+        waiting: bool,
+        recency: impl FnOnce() -> Option<usize>,
+    ) -> LoraTier {
+        if !slots.reported {
             return LoraTier::Unknown;
-        };
-        if lora.running.iter().any(|a| a == adapter) {
+        }
+        if running {
             return LoraTier::Active;
         }
-        if lora.waiting.iter().any(|a| a == adapter) {
+        if waiting {
             return LoraTier::Waiting;
         }
         // A pod that does not say how many adapters a batch may hold tells nothing about
         // its slots (vLLM's label is absent before it reports LoRA state).
-        if lora.max_lora == 0 {
+        if slots.max_lora == 0 {
             return LoraTier::Unknown;
         }
-        let slots = u64::from(lora.max_lora);
+        let max = usize::from(slots.max_lora);
         // Other adapters' running requests pin their slots: when they hold every slot,
         // the adapter cannot still be loaded however recently it ran here.
-        if distinct(&lora.running) as u64 >= slots {
+        if usize::from(slots.running) >= max {
             return LoraTier::MustEvict;
         }
         // Among the last `max_lora` distinct adapters sent here: vLLM evicts idle
         // adapters least recently used first, so it is most likely still loaded.
-        if load
-            .adapter_recency(key)
-            .is_some_and(|rank| (rank as u64) < slots)
-        {
+        if recency().is_some_and(|rank| rank < max) {
             return LoraTier::Warm;
         }
-        let in_use = distinct(lora.running.iter().chain(lora.waiting.iter()));
-        if (in_use as u64) < slots {
+        if usize::from(slots.in_use) < max {
             LoraTier::FreeSlot
         } else {
             LoraTier::MustEvict

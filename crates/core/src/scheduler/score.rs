@@ -4,7 +4,7 @@
 use super::filter::{Candidate, Demand, Filtered};
 use super::lora::LoraTier;
 use super::{CandidateScore, SchedulerConfig, WeightedTerms};
-use crate::fleet::{Fleet, PodView, PrefixMatches, adapter_key};
+use crate::fleet::{Fleet, PodView, PositionSet, PrefixMatches, adapter_key};
 
 /// The scores of one request against the candidates.
 pub(super) struct Scorer<'a> {
@@ -14,6 +14,9 @@ pub(super) struct Scorer<'a> {
     adapter: Option<&'a str>,
     /// [`adapter_key`] of `adapter`.
     adapter_key: u64,
+    /// Pods running / queueing `adapter`, from the snapshot's adapter index.
+    adapter_running: PositionSet,
+    adapter_waiting: PositionSet,
     /// The most requests in flight on any accepted candidate.
     max_inflight: u32,
     config: &'a SchedulerConfig,
@@ -33,12 +36,25 @@ impl<'a> Scorer<'a> {
             .map(|(_, c)| c.inflight)
             .max()
             .unwrap_or(0);
+        let key = adapter.map_or(0, adapter_key);
+        let pods = fleet.snapshot().pods().len();
+        let index = &fleet.snapshot().adapters;
+        let (adapter_running, adapter_waiting) = if adapter.is_some() {
+            (
+                PositionSet::of(index.running(key), pods),
+                PositionSet::of(index.waiting(key), pods),
+            )
+        } else {
+            (PositionSet::default(), PositionSet::default())
+        };
         Scorer {
             fleet,
             prefix: prefix.filter(|p| p.any() && p.request_blocks > 0),
             demand,
             adapter,
-            adapter_key: adapter.map_or(0, adapter_key),
+            adapter_key: key,
+            adapter_running,
+            adapter_waiting,
             max_inflight,
             config,
         }
@@ -84,9 +100,13 @@ impl<'a> Scorer<'a> {
 
     fn lora_tier(&self, c: &Candidate) -> Option<LoraTier> {
         let index = c.index as usize;
-        self.adapter.map(|adapter| {
-            let pod = &self.fleet.snapshot().pods()[index];
-            LoraTier::of(pod, self.fleet.load(index), adapter, self.adapter_key)
+        self.adapter.map(|_| {
+            LoraTier::decide(
+                self.fleet.snapshot().adapters.slots(index),
+                self.adapter_running.contains(index),
+                self.adapter_waiting.contains(index),
+                || self.fleet.load(index).adapter_recency(self.adapter_key),
+            )
         })
     }
 
