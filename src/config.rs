@@ -113,9 +113,10 @@ pub struct ServeArgs {
     /// How often each pod's /v1/models is polled (served base models and adapters).
     #[arg(long, env = "KVROUTE_REFRESH_MODELS_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
     pub refresh_models_interval: Duration,
-    /// Most scrapes in progress at once.
-    #[arg(long, env = "KVROUTE_SCRAPE_CONCURRENCY", default_value_t = 64)]
-    pub scrape_concurrency: usize,
+    /// Most scrapes in progress at once: a number, or `auto` (one per pod at a time, no
+    /// overall cap, so pods whose /metrics hangs cannot hold up the others' scrapes).
+    #[arg(long, env = "KVROUTE_SCRAPE_CONCURRENCY", default_value = "auto", value_parser = parse_scrape_concurrency)]
+    pub scrape_concurrency: ScrapeConcurrency,
     /// Bearer token for the pods' /v1/models, when vLLM runs with --api-key (prefer the
     /// environment variable, from a Secret, to the flag).
     #[arg(long, env = "KVROUTE_POD_API_KEY", hide_env_values = true)]
@@ -161,7 +162,8 @@ pub struct ServeArgs {
     /// Consecutive successful scrapes that bring a pod back.
     #[arg(long, env = "KVROUTE_HEALTHY_AFTER", default_value_t = 2)]
     pub healthy_after: u32,
-    /// Metrics older than this count as stale [default: 1s, or the config file's].
+    /// A pod's metrics count fully up to this age; older, its KV and queue scores are
+    /// scaled by max-metrics-age / age [default: 1s, or the config file's].
     #[arg(long, env = "KVROUTE_MAX_METRICS_AGE", value_parser = humantime::parse_duration)]
     pub max_metrics_age: Option<Duration>,
     /// Output tokens to expect when a request sets no max_tokens [default: 256].
@@ -258,6 +260,19 @@ fn kubernetes_from_args(args: &ServeArgs) -> Result<Option<KubernetesDiscovery>,
         target,
         client: None,
     }))
+}
+
+/// A bound on scrapes in flight; `None` (`auto`): one per pod, no overall cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScrapeConcurrency(pub Option<usize>);
+
+fn parse_scrape_concurrency(text: &str) -> Result<ScrapeConcurrency, String> {
+    if text.eq_ignore_ascii_case("auto") {
+        return Ok(ScrapeConcurrency(None));
+    }
+    text.parse()
+        .map(|bound| ScrapeConcurrency(Some(bound)))
+        .map_err(|e| format!("`{text}`: {e} (expected a number or auto)"))
 }
 
 /// An address that can be switched off with `off`.
@@ -507,7 +522,7 @@ impl ServeConfig {
                 interval: args.refresh_metrics_interval,
                 timeout: args.scrape_timeout,
                 models_interval: args.refresh_models_interval,
-                concurrency: args.scrape_concurrency,
+                concurrency: args.scrape_concurrency.0,
                 pod_api_key: args.pod_api_key.clone().map(ApiKey),
                 pod_ca_bundle: args.pod_ca_bundle.clone(),
                 ..ScrapeConfig::default()
@@ -593,8 +608,8 @@ impl ServeConfig {
         if self.scrape.models_interval.is_zero() {
             return invalid("--refresh-models-interval must be above zero");
         }
-        if self.scrape.concurrency == 0 {
-            return invalid("--scrape-concurrency must be at least 1");
+        if self.scrape.concurrency == Some(0) {
+            return invalid("--scrape-concurrency must be at least 1 (or auto)");
         }
         if self.allowed_paths.is_empty() {
             return invalid("--allowed-paths must list at least one path");

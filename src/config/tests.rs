@@ -28,6 +28,28 @@ fn defaults_match_the_documented_ports_and_intervals() {
 }
 
 #[test]
+fn scrape_concurrency_follows_the_fleet_unless_bounded() {
+    let auto = parse(&["--endpoints", "10.0.0.1:8000"]).expect("valid");
+    assert_eq!(auto.scrape.concurrency, None, "default: one scrape per pod");
+    let bounded =
+        parse(&["--endpoints", "10.0.0.1:8000", "--scrape-concurrency", "32"]).expect("valid");
+    assert_eq!(bounded.scrape.concurrency, Some(32));
+    let explicit = parse(&[
+        "--endpoints",
+        "10.0.0.1:8000",
+        "--scrape-concurrency",
+        "AUTO",
+    ])
+    .expect("valid");
+    assert_eq!(explicit.scrape.concurrency, None);
+    for bad in ["0", "many", "1.5"] {
+        let error = parse(&["--endpoints", "10.0.0.1:8000", "--scrape-concurrency", bad])
+            .expect_err("invalid");
+        assert!(error.contains("scrape-concurrency"), "{bad}: {error}");
+    }
+}
+
+#[test]
 fn a_typo_in_an_endpoint_is_rejected_with_its_text() {
     let error = parse(&["--endpoints", "10.0.0.1:8000,10.0.0.2"]).expect_err("invalid");
     assert!(error.contains("10.0.0.2"), "{error}");

@@ -15,7 +15,8 @@ pub struct ScrapeConfig {
     pub interval: Duration,
     pub timeout: Duration,
     pub models_interval: Duration,
-    pub concurrency: usize,
+    /// Most scrapes in flight at once; `None`: one per pod, no overall cap.
+    pub concurrency: Option<usize>,
     /// Largest /metrics or /v1/models body read; a pod sending more is failing.
     pub max_response_bytes: usize,
     /// Bearer token for `/v1/models` on pods started with vLLM's `--api-key` (which
@@ -41,7 +42,7 @@ impl Default for ScrapeConfig {
             interval: Duration::from_millis(50),
             timeout: Duration::from_secs(1),
             models_interval: Duration::from_secs(5),
-            concurrency: 64,
+            concurrency: None,
             max_response_bytes: 8 << 20,
             pod_api_key: None,
             pod_ca_bundle: None,

@@ -1,6 +1,12 @@
 //! One task per pod polls its `/metrics` every interval (never two at once for a
-//! pod: a slow scrape delays the next tick instead of stacking), bounded overall by
-//! a semaphore. Results go to the pod store, which publishes snapshots.
+//! pod: a slow scrape delays the next tick instead of stacking), bounded overall only
+//! when `--scrape-concurrency` sets a number. Results go to the pod store, which
+//! publishes snapshots.
+//!
+//! The default sets no overall bound: a pod's poller already has at most one scrape
+//! open, so scrapes in flight never exceed the fleet, and a fixed bound smaller than
+//! the fleet lets pods whose `/metrics` hangs (each holding a permit until its
+//! timeout) starve the healthy ones, whose metrics then silently age.
 
 use anyhow::Context;
 use std::collections::HashMap;
@@ -8,6 +14,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use reqwest::Url;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
@@ -58,7 +65,7 @@ impl ScrapeError {
             ScrapeError::Status(_) => "status",
             ScrapeError::TooLarge(_) => "too_large",
             ScrapeError::Metrics(_) => "parse",
-            // Any failure to list the models counts as "models" (see record_models_error).
+            // Any failure to list the models counts as "models" (see PodPoller::run).
             ScrapeError::Models(_) => "models",
         }
     }
@@ -70,7 +77,8 @@ pub struct ScrapeManager {
     store: Arc<PodStore>,
     client: reqwest::Client,
     config: ScrapeConfig,
-    permits: Arc<Semaphore>,
+    /// `None`: no bound beyond one scrape per pod.
+    permits: Option<Arc<Semaphore>>,
     tasks: Mutex<HashMap<SocketAddr, JoinHandle<()>>>,
 }
 
@@ -105,7 +113,9 @@ impl ScrapeManager {
         }
         let client = builder.build()?;
         Ok(ScrapeManager {
-            permits: Arc::new(Semaphore::new(config.concurrency)),
+            permits: config
+                .concurrency
+                .map(|bound| Arc::new(Semaphore::new(bound))),
             store,
             client,
             config,
@@ -126,13 +136,13 @@ impl ScrapeManager {
         });
         for endpoint in endpoints {
             tasks.entry(endpoint).or_insert_with(|| {
-                telemetry::register_pod(endpoint, &ScrapeError::KINDS);
                 let poller = PodPoller {
                     endpoint,
                     store: Arc::clone(&self.store),
                     client: self.client.clone(),
                     config: self.config.clone(),
-                    permits: Arc::clone(&self.permits),
+                    permits: self.permits.clone(),
+                    series: telemetry::PodSeries::new(endpoint, &ScrapeError::KINDS),
                 };
                 tokio::spawn(poller.run())
             });
@@ -154,30 +164,53 @@ struct PodPoller {
     store: Arc<PodStore>,
     client: reqwest::Client,
     config: ScrapeConfig,
-    permits: Arc<Semaphore>,
+    permits: Option<Arc<Semaphore>>,
+    series: telemetry::PodSeries,
 }
 
 impl PodPoller {
-    async fn run(self) {
+    async fn run(mut self) {
         let scheme = if self.config.pod_ca_bundle.is_some() {
             "https"
         } else {
             "http"
         };
         // Only the series kvroute reads (vLLM then skips rendering its histograms).
-        let metrics_url = format!("{scheme}://{}/metrics?{}", self.endpoint, metrics_query());
-        let models_url = format!("{scheme}://{}/v1/models", self.endpoint);
-        let mut ticker = tokio::time::interval(self.config.interval);
+        // Parsed once: parsing the long query at every scrape cost more than the scrape's
+        // own parsing of the answer.
+        let (Ok(metrics_url), Ok(models_url)) = (
+            Url::parse(&format!(
+                "{scheme}://{}/metrics?{}",
+                self.endpoint,
+                metrics_query()
+            )),
+            Url::parse(&format!("{scheme}://{}/v1/models", self.endpoint)),
+        ) else {
+            warn!(endpoint = %self.endpoint, "cannot form the pod's URLs; not polling it");
+            return;
+        };
+        // The first scrape at once (a new pod is read without delay), the next ones at the
+        // pod's own phase of the interval: pollers started together (a fleet discovered at
+        // once) would otherwise scrape in one burst every interval.
+        let phase = self.config.interval.mul_f64(phase_of(self.endpoint));
+        let mut first = true;
+        let mut ticker = tokio::time::interval_at(Instant::now() + phase, self.config.interval);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut models_due = Instant::now();
         let mut warned_auth = false;
         loop {
-            ticker.tick().await;
+            if !std::mem::take(&mut first) {
+                ticker.tick().await;
+            }
             let Some(load) = self.store.load(self.endpoint) else {
                 return;
             };
-            let Ok(_permit) = self.permits.acquire().await else {
-                return;
+            let _permit = match &self.permits {
+                Some(permits) => match permits.acquire().await {
+                    Ok(permit) => Some(permit),
+                    Err(_) => return,
+                },
+                None => None,
             };
             let ticket = load.scrape_started();
             let started = Instant::now();
@@ -189,8 +222,9 @@ impl PodPoller {
             if let Err(error) = &outcome {
                 debug!(endpoint = %self.endpoint, %error, "scrape failed");
             }
-            if let Ok(metrics) = &outcome {
-                telemetry::record_pod_metrics(self.endpoint, metrics);
+            match &outcome {
+                Ok(metrics) => self.series.record_metrics(metrics),
+                Err(_) => self.series.metrics_missed(),
             }
             let error_kind = outcome.as_ref().err().map(ScrapeError::kind);
             let Some(healthy) =
@@ -199,8 +233,8 @@ impl PodPoller {
             else {
                 return;
             };
-            telemetry::record_scrape(self.endpoint, elapsed, error_kind, healthy);
-            telemetry::record_inflight(self.endpoint, load.inflight());
+            self.series
+                .record_scrape(elapsed, error_kind, healthy, load.inflight());
 
             if Instant::now() >= models_due {
                 let models = self
@@ -227,7 +261,7 @@ impl PodPoller {
                         } else {
                             debug!(endpoint = %self.endpoint, %error, "listing models failed");
                         }
-                        telemetry::record_models_error(self.endpoint);
+                        self.series.record_error("models");
                         models_due = Instant::now()
                             + self.config.models_interval.min(Duration::from_secs(1));
                     }
@@ -237,10 +271,10 @@ impl PodPoller {
     }
 
     /// GETs `url`, within the timeout and the size limit.
-    async fn fetch(&self, url: &str, key: Option<&ApiKey>) -> Result<Vec<u8>, ScrapeError> {
+    async fn fetch(&self, url: &Url, key: Option<&ApiKey>) -> Result<Vec<u8>, ScrapeError> {
         let limit = self.config.max_response_bytes;
         let request = async {
-            let mut request = self.client.get(url);
+            let mut request = self.client.get(url.clone());
             if let Some(ApiKey(key)) = key {
                 request = request.bearer_auth(key);
             }
@@ -261,4 +295,12 @@ impl PodPoller {
             .await
             .unwrap_or(Err(ScrapeError::Timeout(self.config.timeout)))
     }
+}
+
+/// A fraction in [0, 1) fixed by the endpoint, spreading pods over the scrape interval.
+fn phase_of(endpoint: SocketAddr) -> f64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut hasher = DefaultHasher::new();
+    endpoint.hash(&mut hasher);
+    (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
 }

@@ -50,6 +50,16 @@ fn read(pid: u32) -> Option<(u64, u64)> {
     Some((rss_bytes(&status)?, cpu_ticks(&stat)?))
 }
 
+/// A process's resident memory (bytes) and the CPU time it has used so far (seconds);
+/// None when it cannot be read (gone, or not Linux).
+pub fn usage(pid: u32) -> Option<(u64, f64)> {
+    let (rss, ticks) = read(pid)?;
+    Some((
+        rss,
+        ticks as f64 / rustix::param::clock_ticks_per_second() as f64,
+    ))
+}
+
 /// Samples the process whose pid `pid` holds (None: none running) every `period` until
 /// `stop` turns true; returns the samples.
 pub async fn sample(

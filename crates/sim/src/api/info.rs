@@ -52,36 +52,9 @@ pub(crate) async fn metrics(
     let text = if names.is_empty() {
         text
     } else {
-        restrict(&text, &names)
+        crate::metrics::restrict(&text, &names)
     };
     ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], text).into_response()
-}
-
-/// The exposition `text` with only the samples whose name is in `names`, and the
-/// `# HELP` / `# TYPE` lines of the families that keep a sample: what prometheus_client's
-/// restricted registry renders (it matches sample names, so a counter is asked for by its
-/// `_total` name and a histogram by its `_bucket`, `_count` and `_sum` names).
-fn restrict(text: &str, names: &[&str]) -> String {
-    let mut out = String::with_capacity(text.len().min(4096));
-    let mut family_header = String::new();
-    for line in text.lines() {
-        if line.starts_with("# HELP ") {
-            family_header.clear();
-        }
-        if line.starts_with('#') {
-            family_header.push_str(line);
-            family_header.push('\n');
-            continue;
-        }
-        let name = line.split(['{', ' ']).next().unwrap_or_default();
-        if names.contains(&name) {
-            out.push_str(&family_header);
-            family_header.clear();
-            out.push_str(line);
-            out.push('\n');
-        }
-    }
-    out
 }
 
 /// `GET /get_load` (SGLang's shape, used by power-of-two routing).
