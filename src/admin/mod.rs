@@ -159,7 +159,6 @@ fn routed(decision: &Decision) -> pb::Routed {
         fallbacks: decision.fallbacks.iter().map(ToString::to_string).collect(),
         reason: decision.reason.as_str().to_owned(),
         relaxed: Some(pb::Relaxed {
-            stale_metrics: decision.relaxed.stale_metrics,
             saturation: decision.relaxed.saturation,
             kv_headroom: decision.relaxed.kv_headroom,
         }),

@@ -145,7 +145,6 @@ pub fn render_event(event: &pb::DecisionEvent, top: usize) -> String {
             }
             if let Some(relaxed) = &routed.relaxed {
                 let names: Vec<&str> = [
-                    (relaxed.stale_metrics, "stale_metrics"),
                     (relaxed.saturation, "saturation"),
                     (relaxed.kv_headroom, "kv_headroom"),
                 ]

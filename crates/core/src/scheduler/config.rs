@@ -106,7 +106,8 @@ impl Default for Saturation {
 pub struct SchedulerConfig {
     pub weights: Weights,
     pub saturation: Saturation,
-    /// Metrics older than this count as stale.
+    /// A pod's metrics count fully up to this age; older, its KV and queue scores are
+    /// scaled by `max_metrics_age / age`.
     pub max_metrics_age: Duration,
     /// Output tokens to expect when a request sets no `max_tokens`.
     pub default_output_tokens: u32,

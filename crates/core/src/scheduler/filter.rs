@@ -11,11 +11,14 @@ use crate::fleet::{BLOCK_TOKENS, Fleet, PodLoad, PodView, PrefixMatches};
 use crate::request::RouteRequest;
 
 /// Soft-filter outcomes of one pod, as bits: a pod passes a filter when its bit is set.
-pub(super) const FRESH: u8 = 1;
-pub(super) const NOT_SATURATED: u8 = 2;
-pub(super) const FITS: u8 = 4;
+pub(super) const NOT_SATURATED: u8 = 1;
+pub(super) const FITS: u8 = 2;
 /// Not a filter: the pod has metrics at all.
-pub(super) const HAS_METRICS: u8 = 8;
+pub(super) const HAS_METRICS: u8 = 4;
+/// Flag combinations: `flags` takes values below this.
+const COMBINATIONS: usize = 8;
+/// [`Candidate::trust`] of metrics no older than `max_metrics_age`.
+const FULL_TRUST: u8 = u8::MAX;
 /// Sentinel for "capacity not reported" in [`Candidate::free_kv`].
 const UNKNOWN: u64 = u64::MAX;
 
@@ -25,6 +28,9 @@ pub(super) struct Candidate {
     /// Position in the snapshot.
     pub(super) index: u32,
     pub(super) flags: u8,
+    /// How far the pod's own report can be trusted, by its age, in 1/255ths (a byte keeps
+    /// the record at 48 bytes): see [`trust`].
+    trust: u8,
     pub(super) waiting: u32,
     pub(super) inflight: u32,
     /// Prompt tokens sent to the pod and not yet past prefill.
@@ -84,9 +90,6 @@ impl Candidate {
         let cached = demand.cached_at(index);
         let needed = demand.needed(cached);
         let mut flags = 0;
-        if is_fresh(pod, config) {
-            flags |= FRESH;
-        }
         if !is_saturated(pod, u64::from(cached), demand.prompt, config) {
             flags |= NOT_SATURATED;
         }
@@ -99,6 +102,7 @@ impl Candidate {
         Candidate {
             index: index as u32,
             flags,
+            trust: trust(pod, config),
             waiting: signals.map_or(0, |s| s.waiting),
             inflight: load.inflight(),
             prefill: load.prefill_tokens(),
@@ -115,6 +119,11 @@ impl Candidate {
 
     pub(super) fn has_metrics(&self) -> bool {
         self.flags & HAS_METRICS != 0
+    }
+
+    /// The weight (0..=1) of what the pod reported, by its age.
+    pub(super) fn trust(&self) -> f64 {
+        f64::from(self.trust) / f64::from(FULL_TRUST)
     }
 }
 
@@ -157,7 +166,7 @@ pub(super) fn filter(
     }
     let mut serves = request.model().map(|model| ServesModel::new(model, config));
     let (mut in_subset, mut serving, mut unlisted) = (0usize, 0usize, 0usize);
-    let mut present = [false; 16];
+    let mut present = [false; COMBINATIONS];
     let mut candidates = Vec::with_capacity(fleet.snapshot().pods().len());
     for (index, (pod, load)) in fleet.pods().enumerate() {
         if request
@@ -209,33 +218,42 @@ pub(super) fn filter(
 /// Applies the soft filters in order to the flag combinations present (`present[f]`:
 /// some candidate has flags `f`). Returns the set of accepted combinations as a bitmap
 /// over flag values, and which filters had to be relaxed because nothing passed them.
-fn soft_filters(present: &[bool; 16]) -> (u16, Relaxed) {
-    let mut accepted: u16 = 0xFFFF;
-    let mut relaxed = [false; 3];
-    for (position, bit) in [FRESH, NOT_SATURATED, FITS].into_iter().enumerate() {
-        let passing: u16 = (0..16u16)
+fn soft_filters(present: &[bool; COMBINATIONS]) -> (u16, Relaxed) {
+    let mut accepted: u16 = (1 << COMBINATIONS) - 1;
+    let mut relaxed = [false; 2];
+    for (position, bit) in [NOT_SATURATED, FITS].into_iter().enumerate() {
+        let passing: u16 = (0..COMBINATIONS as u16)
             .filter(|flags| (*flags as u8) & bit != 0)
             .fold(0, |set, flags| set | 1 << flags);
         let narrowed = accepted & passing;
-        if (0..16).any(|flags| narrowed & (1 << flags) != 0 && present[flags]) {
+        if (0..COMBINATIONS).any(|flags| narrowed & (1 << flags) != 0 && present[flags]) {
             accepted = narrowed;
         } else {
             relaxed[position] = true;
         }
     }
     let relaxed = Relaxed {
-        stale_metrics: relaxed[0],
-        saturation: relaxed[1],
-        kv_headroom: relaxed[2],
+        saturation: relaxed[0],
+        kv_headroom: relaxed[1],
     };
     (accepted, relaxed)
 }
 
-fn is_fresh(pod: &PodView, config: &SchedulerConfig) -> bool {
-    pod.signals().is_some()
-        && pod
-            .metrics_age
-            .is_some_and(|age| age <= config.max_metrics_age)
+/// How much the pod's report counts, by its age: fully up to `max_metrics_age`, then
+/// `max_metrics_age / age` (half at twice the age, a tenth at ten times). Old metrics
+/// weaken the pod's KV and queue scores in proportion rather than excluding the pod:
+/// when the scraper falls behind on a large fleet, excluding every pod past a threshold
+/// herded all traffic onto whichever pods were scraped last. What kvroute itself sent
+/// (in flight, queued prefill, committed KV) is always current and is not weakened.
+fn trust(pod: &PodView, config: &SchedulerConfig) -> u8 {
+    let Some(age) = pod.metrics_age else {
+        return 0;
+    };
+    if age <= config.max_metrics_age {
+        return FULL_TRUST;
+    }
+    let share = config.max_metrics_age.as_secs_f64() / age.as_secs_f64();
+    (share * f64::from(FULL_TRUST)).round() as u8
 }
 
 /// A long queue, or KV use at the threshold. KV use does not make a pod saturated for a

@@ -6,7 +6,7 @@
 //!    gateway's subset hint, able to serve the model (else 404; 503 while some pod's model
 //!    list cannot be read, as it may serve it), healthy (else 503). Then
 //!    soft filters, each applied only when it leaves at least one pod (the decision records
-//!    every one it had to relax): fresh metrics; not saturated (queue, or KV use unless the
+//!    every one it had to relax): not saturated (queue, or KV use unless the
 //!    pod caches most of this request's prompt); enough free KV for the request's
 //!    uncached prompt plus expected output, counting what kvroute has in flight there
 //!    ([`free_kv_tokens`]).
@@ -18,6 +18,9 @@
 //!    tokens kvroute sent there that have not streamed a first token yet, and `own` the
 //!    part of this request's prompt the pod does not cache. `headroom` and the KV filters
 //!    use the request's need on that pod: its uncached prompt plus its expected output.
+//!    `headroom` and the queue term, read from the pod's own report, are weakened once
+//!    that report is older than `max_metrics_age` (by `max_metrics_age / age`): old
+//!    metrics count less, they do not exclude the pod.
 //! 3. [`rank`]. The winner (random among ties), the next best as fallbacks, and the few
 //!    best with their score breakdowns for the decision trace.
 
@@ -58,14 +61,13 @@ pub enum PickError {
 /// Soft filters that found no pod and were therefore skipped.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Relaxed {
-    pub stale_metrics: bool,
     pub saturation: bool,
     pub kv_headroom: bool,
 }
 
 impl Relaxed {
     pub fn any(&self) -> bool {
-        self.stale_metrics || self.saturation || self.kv_headroom
+        self.saturation || self.kv_headroom
     }
 }
 

@@ -64,22 +64,25 @@ impl<'a> Scorer<'a> {
         &self.fleet.snapshot().pods()[c.index as usize]
     }
 
+    /// Weakened as the pod's metrics age (see `filter::trust`).
     fn kv_headroom(&self, c: &Candidate) -> f64 {
-        match (c.has_metrics(), c.free_kv()) {
+        let headroom = match (c.has_metrics(), c.free_kv()) {
             (true, Some(free)) => kv_headroom_score(free, self.demand.needed(c.cached), c.capacity),
             (true, None) => 1.0 - f64::from(c.kv_usage),
             (false, _) => 0.0,
-        }
+        };
+        c.trust() * headroom
     }
 
     /// `limit / (limit + waiting)`: 1 for an empty queue, ½ at the saturation depth, and
-    /// still decreasing beyond it, so saturated pods remain comparable.
+    /// still decreasing beyond it, so saturated pods remain comparable. Weakened as the
+    /// pod's metrics age.
     fn queue(&self, c: &Candidate) -> f64 {
         if !c.has_metrics() {
             return 0.0;
         }
         let limit = f64::from(self.config.saturation.queue_depth);
-        limit / (limit + f64::from(c.waiting))
+        c.trust() * limit / (limit + f64::from(c.waiting))
     }
 
     fn inflight(&self, c: &Candidate) -> f64 {

@@ -359,7 +359,59 @@ fn pods_with_stale_metrics_are_avoided_while_fresh_ones_exist() {
     let decision =
         pick_seeded(&request("base", 10), &fleet(vec![stale, busier_but_fresh])).expect("placed");
     assert_eq!(decision.endpoint, endpoint(2));
-    assert!(!decision.relaxed.stale_metrics);
+    assert!(!decision.relaxed.any());
+}
+
+/// Age weakens a pod's report in proportion; it does not exclude the pod. When the
+/// scraper falls behind, a slightly old report of an idle pod still beats fresh reports
+/// of busy ones, and only a much older one loses to them.
+#[test]
+fn old_metrics_count_less_in_proportion_to_their_age() {
+    let busy_fresh = |n| {
+        with_metrics(pod(n), |m| {
+            m.waiting = 3;
+            m.kv_usage = 0.7;
+        })
+    };
+    let idle_aged = |age_ms| {
+        let mut idle = pod(9);
+        idle.metrics_age = Some(Duration::from_millis(age_ms));
+        idle
+    };
+    let config = SchedulerConfig::default();
+    assert_eq!(config.max_metrics_age, Duration::from_secs(1));
+    let winner = |age_ms| {
+        let pods = vec![busy_fresh(1), busy_fresh(2), idle_aged(age_ms)];
+        pick_seeded(&request("base", 10), &fleet(pods))
+            .expect("placed")
+            .endpoint
+    };
+    assert_eq!(
+        winner(900),
+        endpoint(9),
+        "within max_metrics_age: full weight"
+    );
+    assert_eq!(
+        winner(1_500),
+        endpoint(9),
+        "two thirds of its weight still wins"
+    );
+    assert_ne!(
+        winner(20_000),
+        endpoint(9),
+        "a twentieth of its weight loses"
+    );
+
+    // The breakdown shows the weakened terms: half the weight at twice the age.
+    let pods = vec![busy_fresh(1), idle_aged(2_000)];
+    let decision = pick_seeded(&request("base", 10), &fleet(pods)).expect("placed");
+    let aged = decision
+        .ranked
+        .iter()
+        .find(|c| c.endpoint == endpoint(9))
+        .expect("ranked");
+    assert!((aged.queue - 0.5).abs() < 0.01, "queue term {}", aged.queue);
+    assert!(aged.kv_headroom <= 0.5 + 0.01 && aged.kv_headroom > 0.45);
 }
 
 #[test]
