@@ -134,8 +134,7 @@ async fn the_binary_serves_metrics_and_stops_cleanly_on_sigterm() {
         "allocated {allocated}, resident {resident}"
     );
     // The prefix index's size, against its default budget.
-    let capacity =
-        kvroute_core::fleet::DEFAULT_PREFIX_BUDGET_BYTES / kvroute_core::fleet::BYTES_PER_ENTRY;
+    let capacity = kvroute_core::fleet::PrefixIndex::new().max_entries();
     assert_eq!(
         gauge("kvroute_prefix_index_capacity_entries"),
         capacity as f64

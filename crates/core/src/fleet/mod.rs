@@ -29,8 +29,8 @@ pub use health::{HealthPolicy, HealthTracker};
 pub use load::{PodLoad, PrefillEnd, RECENT_ADAPTERS, Reservation, ScrapeTicket, adapter_key};
 pub use models::{ModelClass, ModelIndex};
 pub use prefix::{
-    BLOCK_BYTES, BLOCK_TOKENS, BYTES_PER_ENTRY,
-    DEFAULT_BUDGET_BYTES as DEFAULT_PREFIX_BUDGET_BYTES, PrefixIndex, PrefixMatches, block_hashes,
+    BLOCK_BYTES, BLOCK_TOKENS, DEFAULT_BUDGET_BYTES as DEFAULT_PREFIX_BUDGET_BYTES, PrefixIndex,
+    PrefixMatches, block_hashes,
 };
 
 /// What one pod reported, aggregated over its engines and models.

@@ -36,8 +36,16 @@
 //! A block held by one pod, the common case for user turns, costs one 16-byte map entry
 //! (the hash and a packed holder) and one 8-byte recency entry; blocks held by several
 //! pods keep their holders in a sorted side list of 8 bytes each. The index counts
-//! remembered (pod, block) pairs and caps them at a budget ([`PrefixIndex::with_budget`]):
-//! past it, each pod keeps its most recent `budget / pods` blocks.
+//! remembered (pod, block) pairs and caps them ([`PrefixIndex::max_entries`]): past the
+//! cap, each pod keeps its most recent `cap / pods` blocks.
+//!
+//! The cap comes from a byte budget ([`PrefixIndex::with_budget`]) that bounds what the
+//! index really allocates, not an average: a hash map's table doubles when it fills (and
+//! when removals leave it full of tombstones), which would put its size anywhere between
+//! one and two times its entries. So each shard's table is held at a fixed power-of-two
+//! size chosen from the budget: the cap keeps it 85 % full on average, a shard never takes
+//! a new block past its table's load limit, and a table that doubles anyway (tombstones) is
+//! rebuilt at its size at once.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -57,14 +65,59 @@ pub const BLOCK_TOKENS: u64 = 16;
 const DEFAULT_POD_BLOCKS: usize = 8192;
 /// Independently locked parts of the block map.
 pub const SHARDS: usize = 64;
-/// Heap bytes one remembered (pod, block) takes, for converting a byte budget to pairs:
-/// `benches/prefix_index.rs` measures 20–26 bytes (map entry at the map's load, recency
-/// entry with its outdated share, side lists); this rounds the worst case up.
-pub const BYTES_PER_ENTRY: usize = 32;
-/// The default budget: 128 MiB, about 4.2 million (pod, block) pairs: at 1,000 pods,
-/// 4,194 blocks (≈ 67k tokens) each; at 100 pods, ≈ 670k tokens each, more than an
+/// Bytes of one bucket of a shard's table: the block hash, its packed holder and the
+/// table's control byte.
+const BUCKET_BYTES: usize = 17;
+/// The most bytes one entry of a pod's recency queue takes: the block hash, with up to
+/// half again of outdated entries before compaction and a quarter of spare capacity.
+const ORDER_BYTES: usize = 15;
+/// Entries per bucket the cap allows on average: 85 % of the table's load limit (7/8),
+/// leaving room for the tombstones of removals between rebuilds in place.
+const FILL: f64 = 0.85 * 7.0 / 8.0;
+/// The default budget: 128 MiB, about 3.1 million (pod, block) pairs: at 1,000 pods,
+/// 3,120 blocks (≈ 50k tokens) each; at 100 pods, ≈ 500k tokens each, more than an
 /// 80 GB GPU's KV pool for an 8B model.
 pub const DEFAULT_BUDGET_BYTES: usize = 128 << 20;
+
+/// How an index spends a byte budget: each shard's table size and the cap on entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Sizing {
+    /// Most blocks one shard's table takes (its load limit); `usize::MAX`: no limit.
+    shard_limit: usize,
+    max_entries: usize,
+}
+
+impl Sizing {
+    /// The table size (a power of two per shard) that lets the most entries fit the
+    /// budget, tables and recency queues together.
+    fn for_budget(budget_bytes: usize) -> Sizing {
+        let mut best = None;
+        for shift in 3..48 {
+            let buckets = 1usize << shift;
+            let tables = SHARDS * buckets * BUCKET_BYTES;
+            if tables >= budget_bytes {
+                break;
+            }
+            let by_fill = (SHARDS * buckets) as f64 * FILL;
+            let by_bytes = ((budget_bytes - tables) / ORDER_BYTES) as f64;
+            let entries = by_fill.min(by_bytes) as usize;
+            if best.is_none_or(|(_, most)| entries > most) {
+                best = Some((buckets, entries));
+            }
+        }
+        match best {
+            Some((buckets, max_entries)) => Sizing {
+                shard_limit: buckets / 8 * 7,
+                max_entries: max_entries.max(1),
+            },
+            // A budget too small for the smallest tables: tables that small cost little.
+            None => Sizing {
+                shard_limit: usize::MAX,
+                max_entries: (budget_bytes / (BUCKET_BYTES * 2 + ORDER_BYTES)).max(1),
+            },
+        }
+    }
+}
 
 /// The chained block hashes of `prompt_prefix` for `model`: one per full block, in order.
 /// A trailing partial block is left out, as vLLM caches only full blocks. `context` (0 for
@@ -199,9 +252,11 @@ impl Hasher for IdentityHasher {
 
 type BlockMap = HashMap<u64, Packed, BuildHasherDefault<IdentityHasher>>;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Shard {
     blocks: BlockMap,
+    /// Most blocks the table takes: its load limit at the size the budget gives it.
+    limit: usize,
     /// Holder lists of blocks held by more than one pod, sorted by slot.
     lists: Vec<Vec<Holder>>,
     /// Indices of empty entries of `lists`, reused first.
@@ -209,6 +264,31 @@ struct Shard {
 }
 
 impl Shard {
+    fn with_limit(limit: usize) -> Self {
+        Shard {
+            blocks: BlockMap::default(),
+            limit,
+            lists: Vec::new(),
+            free_lists: Vec::new(),
+        }
+    }
+
+    /// Remembers a block not in the table, unless the table is at its limit (then the
+    /// block is not remembered: only a fleet growing faster than pods record can get
+    /// here, as the cap keeps tables 85 % full on average). Returns whether it did.
+    fn insert_new(&mut self, block: u64, packed: Packed) -> bool {
+        if self.blocks.len() >= self.limit {
+            return false;
+        }
+        self.blocks.insert(block, packed);
+        // Tombstones of removed blocks use up the table's room too; when they make it
+        // double, rebuild it at its size (clean), so the budget holds.
+        if self.blocks.capacity() > self.limit {
+            self.blocks.shrink_to(self.limit);
+        }
+        true
+    }
+
     /// How many pods hold `block`.
     fn count(&self, block: u64) -> usize {
         match self.blocks.get(&block).map(|packed| packed.decode()) {
@@ -246,8 +326,7 @@ impl Shard {
     /// Sets `slot`'s position for `block`; returns whether the pod did not hold it before.
     fn set(&mut self, block: u64, holder: Holder) -> bool {
         let Some(packed) = self.blocks.get(&block).copied() else {
-            self.blocks.insert(block, Packed::one(holder));
-            return true;
+            return self.insert_new(block, Packed::one(holder));
         };
         match packed.decode() {
             Ok(one) if one.slot == holder.slot => {
@@ -366,15 +445,29 @@ impl PrefixIndex {
         PrefixIndex::with_budget(DEFAULT_BUDGET_BYTES)
     }
 
-    /// An index remembering at most about `budget_bytes` of (pod, block) pairs
-    /// ([`BYTES_PER_ENTRY`] each).
+    /// An index whose maps and recency queues never take more than `budget_bytes` (see
+    /// the module docs); [`PrefixIndex::max_entries`] says how many pairs that holds.
     pub fn with_budget(budget_bytes: usize) -> Self {
+        PrefixIndex::sized(Sizing::for_budget(budget_bytes))
+    }
+
+    /// An index capped at `max_entries` pairs, its tables free to grow (tests, benchmarks).
+    pub fn with_max_entries(max_entries: usize) -> Self {
+        PrefixIndex::sized(Sizing {
+            shard_limit: usize::MAX,
+            max_entries: max_entries.max(1),
+        })
+    }
+
+    fn sized(sizing: Sizing) -> Self {
         PrefixIndex {
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(Shard::with_limit(sizing.shard_limit)))
+                .collect(),
             pods: RwLock::new(PodTable::default()),
             following: AtomicU64::new(u64::MAX),
             entries: AtomicUsize::new(0),
-            max_entries: (budget_bytes / BYTES_PER_ENTRY).max(1),
+            max_entries: sizing.max_entries,
         }
     }
 
@@ -609,7 +702,7 @@ impl PrefixIndex {
                 added += 1;
             }
             drop(shard);
-            pod.order.push_back(block);
+            push_order(&mut pod.order, block);
             moved = true;
         }
         pod.held += added;
@@ -668,10 +761,19 @@ impl PrefixIndex {
             if shard.holder(block, slot).is_some_and(|h| h.at == at) {
                 let moved_to = pod.position(pod.order.len());
                 shard.set(block, Holder { slot, at: moved_to });
-                pod.order.push_back(block);
+                push_order(&mut pod.order, block);
             }
         }
     }
+}
+
+/// Appends to a recency queue growing it by a quarter when full, not by doubling: the
+/// budget counts a quarter of spare room ([`ORDER_BYTES`]).
+fn push_order(order: &mut VecDeque<u64>, block: u64) {
+    if order.len() == order.capacity() {
+        order.reserve_exact(order.len() / 4 + 16);
+    }
+    order.push_back(block);
 }
 
 #[cfg(test)]

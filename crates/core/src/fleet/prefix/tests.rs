@@ -186,7 +186,7 @@ fn repeated_prompts_keep_the_order_queue_bounded() {
 
 #[test]
 fn the_budget_caps_every_pods_share() {
-    let index = PrefixIndex::with_budget(40 * BYTES_PER_ENTRY);
+    let index = PrefixIndex::with_max_entries(40);
     let snapshot = snapshot(&[1, 2, 3, 4], 1);
     index.follow(&snapshot);
     for port in 1..=4u16 {
@@ -203,6 +203,80 @@ fn the_budget_caps_every_pods_share() {
     // The most recent prompt of each pod survives whole.
     let last = block_hashes("m", 0, &text(40 + 2, 8));
     assert_eq!(matched(&index, &snapshot, &last, 2), 8);
+}
+
+#[test]
+fn the_default_budget_gives_tables_of_a_fixed_size_and_43_bytes_per_pair_at_most() {
+    let sizing = Sizing::for_budget(DEFAULT_BUDGET_BYTES);
+    assert_eq!(sizing.shard_limit, 65_536 / 8 * 7);
+    let tables = SHARDS * 65_536 * BUCKET_BYTES;
+    let queues = sizing.max_entries * ORDER_BYTES;
+    assert!(tables + queues <= DEFAULT_BUDGET_BYTES);
+    assert!(sizing.max_entries > 3_000_000, "{}", sizing.max_entries);
+    assert!(DEFAULT_BUDGET_BYTES / sizing.max_entries <= 43);
+    // A budget too small for the smallest tables still holds something.
+    assert!(Sizing::for_budget(1000).max_entries >= 1);
+}
+
+/// What an index has allocated for its tables (at the size their load says) and queues.
+fn allocated_bytes(index: &PrefixIndex) -> usize {
+    let tables: usize = index
+        .shards
+        .iter()
+        .map(|shard| {
+            let shard = shard.lock().expect("shard lock");
+            // A table of B buckets holds 7/8 B: its capacity says its size.
+            let capacity = shard.blocks.capacity().max(shard.blocks.len());
+            let buckets = (capacity * 8 / 7).next_power_of_two();
+            let lists: usize = shard.lists.iter().map(|l| l.capacity() * 8 + 24).sum();
+            buckets * BUCKET_BYTES + lists
+        })
+        .sum();
+    let table = index.table();
+    let queues: usize = table
+        .pods
+        .iter()
+        .flatten()
+        .map(|pod| pod.lock().expect("pod lock").order.capacity() * 8)
+        .sum();
+    tables + queues
+}
+
+/// Unique prompts churn every table (each record adds blocks and evicts as many): the
+/// tables must not double under the tombstones this leaves, and the whole stays within the
+/// budget.
+#[test]
+fn the_budget_bounds_what_the_index_allocates_under_churn() {
+    let budget = 1 << 20;
+    let index = PrefixIndex::with_budget(budget);
+    let ports: Vec<u16> = (1..=8).collect();
+    let snapshot = snapshot(&ports, 1);
+    index.follow(&snapshot);
+    let limit = Sizing::for_budget(budget).shard_limit;
+    for round in 0..400u32 {
+        for &port in &ports {
+            let prompt: Vec<u8> = (0..64 * BLOCK_BYTES)
+                .map(|i| (i as u32 ^ round.wrapping_mul(2654435761) ^ u32::from(port) << 20) as u8)
+                .collect();
+            let blocks = block_hashes("m", u64::from(round) << 16 | u64::from(port), &prompt);
+            index.record(pod(port), &blocks, 0);
+        }
+    }
+    assert!(index.entries() <= index.max_entries());
+    assert!(index.entries() * 10 >= index.max_entries() * 9, "filled");
+    for shard in index.shards.iter() {
+        let shard = shard.lock().expect("shard lock");
+        assert!(
+            shard.blocks.capacity() <= limit,
+            "a table grew to {} (limit {limit})",
+            shard.blocks.capacity()
+        );
+    }
+    let bytes = allocated_bytes(&index);
+    assert!(
+        bytes <= budget,
+        "{bytes} bytes allocated for a {budget}-byte budget"
+    );
 }
 
 #[test]
