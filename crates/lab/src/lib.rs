@@ -7,7 +7,9 @@
 //! - [`demo`]: the quick comparison the README's first command runs;
 //! - [`envoy`]: runs Envoy locally with the shipped gateway configs;
 //! - [`soak`]: a long run through Envoy and kvroute under faults (killed pods, broken
-//!   `/metrics`, kvroute restarts), counting every request that is not answered.
+//!   `/metrics`, kvroute restarts), counting every request that is not answered;
+//! - [`simulate`]: the whole fleet offline in virtual time: kvroute's core and the baseline
+//!   policies against the simulator's engine for every pod, no sockets, no waits.
 //!
 //! The gateway is measured as a separate process, `kvroute serve`, found beside this
 //! program or named with `--kvroute` ([`gateway_binary`]); the lab never links it.
@@ -16,6 +18,7 @@ pub mod compare;
 pub mod demo;
 pub mod envoy;
 pub mod loadgen;
+pub mod simulate;
 pub mod soak;
 
 use std::path::PathBuf;

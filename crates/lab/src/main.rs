@@ -7,6 +7,7 @@ use tracing_subscriber::EnvFilter;
 use kvroute_lab::compare::CompareArgs;
 use kvroute_lab::demo::DemoArgs;
 use kvroute_lab::loadgen::BenchArgs;
+use kvroute_lab::simulate::SimulateArgs;
 use kvroute_lab::soak::SoakArgs;
 
 #[derive(Parser)]
@@ -32,6 +33,10 @@ enum Command {
     /// A long run through Envoy and kvroute while pods are killed, `/metrics` breaks and
     /// kvroute restarts; fails if any request is lost. Writes JSON, Markdown and a plot.
     Soak(SoakArgs),
+    /// The whole fleet offline, in virtual time: kvroute's routing core, round robin and
+    /// least request against the simulator's engine for every pod (no sockets, no waits);
+    /// writes compare's report shape. `--pods` scales a workload to any fleet size.
+    Simulate(SimulateArgs),
 }
 
 #[tokio::main]
@@ -50,6 +55,8 @@ async fn main() -> std::process::ExitCode {
         Command::Bench(args) => kvroute_lab::loadgen::run(args).await,
         Command::Compare(args) => kvroute_lab::compare::run(args).await,
         Command::Soak(args) => kvroute_lab::soak::run(args).await,
+        // CPU-bound and synchronous: it runs on this thread (and its own workers).
+        Command::Simulate(args) => kvroute_lab::simulate::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -43,8 +43,12 @@ impl Histogram {
 
     /// Records one observation.
     pub fn observe(&mut self, v: f64) {
-        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
-            self.counts[i] += 1;
+        // The first bound at or above `v` (bounds ascend); none for NaN or above the last.
+        let i = self.bounds.partition_point(|&b| b < v);
+        if !v.is_nan()
+            && let Some(count) = self.counts.get_mut(i)
+        {
+            *count += 1;
         }
         self.sum += v;
         self.count += 1;

@@ -69,10 +69,11 @@ const WORDS: [&str; 32] = [
 
 /// Synthetic output token `index` of a request whose output seed is `seed`: `(id, text)`.
 pub fn output_token(seed: u64, index: u32) -> (u32, &'static str) {
-    let h = mix(seed, u64::from(index));
-    let word = WORDS[(h % WORDS.len() as u64) as usize];
-    let id = tokenize(word).first().copied().unwrap_or(0);
-    (id, word)
+    // Each word's id, tokenized once (every generated token used to tokenize its word).
+    static IDS: std::sync::OnceLock<[u32; WORDS.len()]> = std::sync::OnceLock::new();
+    let ids = IDS.get_or_init(|| WORDS.map(|w| tokenize(w).first().copied().unwrap_or(0)));
+    let i = (mix(seed, u64::from(index)) % WORDS.len() as u64) as usize;
+    (ids[i], WORDS[i])
 }
 
 #[cfg(test)]

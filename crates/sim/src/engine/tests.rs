@@ -1,5 +1,7 @@
 //! Unit tests of the engine: scheduling, prefix caching, preemption, LoRA slots, determinism.
 
+use std::collections::HashMap;
+
 use super::*;
 
 const MS: Duration = Duration::from_millis(1);

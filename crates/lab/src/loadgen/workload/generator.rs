@@ -94,7 +94,7 @@ impl Request {
 
 /// Short common English words, each one token in the simulator's tokenizer with its leading
 /// space (and, being common, almost surely one in Llama-3's): prompts are random sequences of them.
-pub(super) const WORDS: [&str; 64] = [
+pub(crate) const WORDS: [&str; 64] = [
     " the", " and", " for", " not", " are", " but", " can", " one", " all", " any", " new", " now",
     " old", " see", " two", " way", " who", " boy", " did", " its", " let", " put", " say", " she",
     " too", " use", " day", " get", " has", " him", " his", " how", " man", " our", " out", " own",

@@ -1,0 +1,527 @@
+//! `kvroute-lab simulate`: the whole fleet offline, in virtual time.
+//!
+//! The real routing core (`kvroute_core`: request parsing, prefix index, `scheduler::pick`,
+//! the in-flight and LoRA ledgers) against the simulator's engine model
+//! (`kvroute_sim::engine`) for every pod, fed the load generator's trace, with no sockets,
+//! no processes and no wall-clock waits. Each policy runs the same seeded trace on a fresh
+//! fleet; the results are written in `compare`'s report shape (its row, knee and ratio code
+//! renders them), plus the simulation's own statistics.
+//!
+//! What is modelled as the live comparison runs it: kvroute's scrapes every
+//! `--scrape-interval` of virtual time, each seen `--scrape-delay` after it started (the
+//! scrape's round trip and the store's publication); the shipped fail-closed gateway (a
+//! request counts against its pod until its response ends; queued prefill until the next
+//! scrape); Envoy's round robin and least request (two random choices); `bench`'s warm-up,
+//! its ladder (each step starting when the previous one's last response ended), its 300 s
+//! timeout and its cap on requests in flight. What is not: anything outside the pods (no
+//! network, no proxy, no router CPU time: `path` is empty), the peer routers (sglang,
+//! vllm-router), and the bursty token delivery of a sped-up simulator (ITL here is the gap
+//! between engine steps).
+//!
+//! Layout: `trace` draws the requests (the load generator's draws, lazily), `observe` is
+//! what a scrape of a simulated pod reads, `policy` the routers, `run` the event loop,
+//! `stats` the per-step accumulators behind `compare`'s report types.
+
+mod observe;
+mod policy;
+mod run;
+mod stats;
+pub mod trace;
+
+pub use run::simulate;
+pub use trace::Scale;
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::compare::report::{self, RouterRun, WorkloadResult};
+use crate::compare::{RouterKind, machine, spread_rates};
+use crate::loadgen::Workload;
+
+/// A policy the simulation can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum)]
+pub enum Router {
+    /// kvroute's scheduler, prefix index and ledgers (`kvroute_core`).
+    Kvroute,
+    /// Envoy `ROUND_ROBIN`.
+    RoundRobin,
+    /// Envoy `LEAST_REQUEST` (two random choices, fewer active requests).
+    LeastRequest,
+}
+
+impl Router {
+    /// Every policy, in report order.
+    pub const ALL: [Router; 3] = [Router::Kvroute, Router::RoundRobin, Router::LeastRequest];
+
+    /// The comparison's name for it (reports, file names).
+    pub fn kind(self) -> RouterKind {
+        match self {
+            Router::Kvroute => RouterKind::Kvroute,
+            Router::RoundRobin => RouterKind::RoundRobin,
+            Router::LeastRequest => RouterKind::LeastRequest,
+        }
+    }
+
+    fn description(self) -> &'static str {
+        match self {
+            Router::Kvroute => {
+                "kvroute_core's prefix index, `scheduler::pick` (default configuration) and in-flight ledgers, as `LivePicker` runs them behind the fail-closed gateway; metrics from scrapes every --scrape-interval, seen --scrape-delay late"
+            }
+            Router::RoundRobin => "Envoy `ROUND_ROBIN` (each pod in turn)",
+            Router::LeastRequest => {
+                "Envoy `LEAST_REQUEST` (two pods drawn at random, the one with fewer active requests)"
+            }
+        }
+    }
+}
+
+/// Flags of `kvroute-lab simulate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimulateArgs {
+    /// Workload files, comma-separated [default: every crates/lab/workloads/*.yaml].
+    #[arg(long, env = "KVROUTE_SIMULATE_WORKLOADS", value_delimiter = ',')]
+    pub workloads: Vec<PathBuf>,
+    /// Simulated pods [default: each workload's own fleet]. Scaling keeps every pod's load:
+    /// with k = pods / the workload's pods, rates (and the cap on requests in flight, and
+    /// the warm-up) are multiplied by k, and the workload's tenants are copied round(k)
+    /// times: each request goes to a copy drawn uniformly, with the copy's own adapters
+    /// (`lora-3-c7`) and shared system prompts (rewritten so that copies share no prefix).
+    #[arg(long, env = "KVROUTE_SIMULATE_PODS")]
+    pub pods: Option<usize>,
+    /// Requests over the whole ladder, split evenly between its steps; each step then
+    /// lasts until its share has arrived (instead of the workload's step duration).
+    #[arg(long, env = "KVROUTE_SIMULATE_REQUESTS", conflicts_with = "duration")]
+    pub requests: Option<usize>,
+    /// Arrivals of one ladder step last this long, virtual time [default: the workload's].
+    #[arg(long, env = "KVROUTE_SIMULATE_DURATION", value_parser = humantime::parse_duration)]
+    pub duration: Option<Duration>,
+    /// Replace each workload's ladder (requests per second for the workload's own fleet,
+    /// scaled with --pods), comma-separated.
+    #[arg(long, env = "KVROUTE_SIMULATE_RATES", value_delimiter = ',')]
+    pub rates: Vec<f64>,
+    /// As `compare --quick`: at most 3 rates of each ladder, steps of at most 10 s.
+    #[arg(long, env = "KVROUTE_SIMULATE_QUICK")]
+    pub quick: bool,
+    /// Policies to run, comma-separated [default: all].
+    #[arg(
+        long,
+        env = "KVROUTE_SIMULATE_ROUTERS",
+        value_delimiter = ',',
+        value_enum
+    )]
+    pub routers: Vec<Router>,
+    /// kvroute's scrape period, virtual time.
+    #[arg(long, env = "KVROUTE_SIMULATE_SCRAPE_INTERVAL", default_value = "50ms", value_parser = humantime::parse_duration)]
+    pub scrape_interval: Duration,
+    /// How long after a scrape starts kvroute routes with what it read, virtual time.
+    #[arg(long, env = "KVROUTE_SIMULATE_SCRAPE_DELAY", default_value = "50ms", value_parser = humantime::parse_duration)]
+    pub scrape_delay: Duration,
+    /// Seed of the trace, the engines and the policies [default: the workload's].
+    #[arg(long, env = "KVROUTE_SIMULATE_SEED")]
+    pub seed: Option<u64>,
+    /// Simulations run at once, one thread each [default: the machine's cores].
+    #[arg(long, env = "KVROUTE_SIMULATE_JOBS")]
+    pub jobs: Option<usize>,
+    /// Skip the warm-up `compare` runs before each ladder.
+    #[arg(long, env = "KVROUTE_SIMULATE_NO_WARMUP")]
+    pub no_warmup: bool,
+    /// Where report.md, the plots and the JSON go.
+    #[arg(
+        long,
+        env = "KVROUTE_SIMULATE_OUTPUT_DIR",
+        default_value = "simulate-results"
+    )]
+    pub output_dir: PathBuf,
+}
+
+/// `bench`'s defaults that `compare` keeps, per the workload's own fleet.
+const MAX_CONCURRENCY: f64 = 1024.0;
+const TIMEOUT: Duration = Duration::from_secs(300);
+/// `compare`'s sampler period, wall time (× the workload's speedup in virtual time).
+const SAMPLE_PERIOD: Duration = Duration::from_millis(250);
+const QUICK_RATES: usize = 3;
+const QUICK_STEP: Duration = Duration::from_secs(10);
+
+/// `compare`'s warm-up before a ladder: a few requests at the lowest rate, another seed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Warmup {
+    pub requests: usize,
+    pub duration: Duration,
+}
+
+/// One workload, scaled to a fleet, ready to simulate under any policy.
+#[derive(Debug, Clone)]
+pub struct Setup<'w> {
+    pub workload: &'w Workload,
+    pub file: PathBuf,
+    pub pods: usize,
+    pub scale: Scale,
+    /// The ladder, per the workload's own fleet (scaled by `scale.rate` when run).
+    pub rates: Vec<f64>,
+    /// Arrivals per step (None: until `requests_per_step`).
+    pub step_duration: Option<Duration>,
+    pub requests_per_step: Option<usize>,
+    pub seed: u64,
+    pub scrape_interval: Duration,
+    pub scrape_delay: Duration,
+    pub sample_period: Duration,
+    pub max_concurrency: usize,
+    pub timeout: Duration,
+    pub warmup: Option<Warmup>,
+}
+
+impl<'w> Setup<'w> {
+    /// The setup `args` describe for `workload`.
+    pub fn new(args: &SimulateArgs, workload: &'w Workload, file: &Path) -> anyhow::Result<Self> {
+        let pods = args.pods.unwrap_or(workload.fleet.pods);
+        anyhow::ensure!(pods > 0, "--pods must be at least 1");
+        anyhow::ensure!(
+            !args.scrape_interval.is_zero(),
+            "--scrape-interval must be above zero"
+        );
+        let scale = Scale::for_pods(workload, pods);
+        let mut rates = if args.rates.is_empty() {
+            workload.rates.clone()
+        } else {
+            args.rates.clone()
+        };
+        anyhow::ensure!(
+            !rates.is_empty() && rates.iter().all(|r| r.is_finite() && *r > 0.0),
+            "rates must be > 0, got {rates:?}"
+        );
+        let mut step = args.duration.unwrap_or(workload.step_duration);
+        if args.quick {
+            rates = spread_rates(&rates, QUICK_RATES);
+            step = step.min(QUICK_STEP);
+        }
+        anyhow::ensure!(!step.is_zero(), "--duration must be above zero");
+        let (step_duration, requests_per_step) = match args.requests {
+            Some(n) => {
+                anyhow::ensure!(n > 0, "--requests must be at least 1");
+                (None, Some(n.div_ceil(rates.len())))
+            }
+            None => (Some(step), None),
+        };
+        let warmup = (!args.no_warmup).then(|| Warmup {
+            requests: ((if args.quick { 8.0 } else { 16.0 }) * scale.rate).ceil() as usize,
+            duration: Duration::from_secs(if args.quick { 3 } else { 5 }),
+        });
+        Ok(Setup {
+            workload,
+            file: file.to_path_buf(),
+            pods,
+            scale,
+            rates,
+            step_duration,
+            requests_per_step,
+            seed: args.seed.unwrap_or(workload.seed),
+            scrape_interval: args.scrape_interval,
+            scrape_delay: args.scrape_delay,
+            sample_period: SAMPLE_PERIOD.mul_f64(workload.fleet.speedup.max(1.0)),
+            max_concurrency: (MAX_CONCURRENCY * scale.rate).ceil().max(1.0) as usize,
+            timeout: TIMEOUT,
+            warmup,
+        })
+    }
+}
+
+/// What a simulation cost and covered, beside its measurements.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SimStats {
+    pub workload: String,
+    pub router: Option<RouterKind>,
+    pub pods: usize,
+    /// Arrivals, warm-up included.
+    pub requests: u64,
+    /// Output tokens the engines generated (token events).
+    pub tokens: u64,
+    /// Engine steps and adapter loads processed (a pod's due event).
+    pub engine_wakeups: u64,
+    /// Scrapes of the whole fleet.
+    pub scrapes: u64,
+    /// Arrivals + engine wake-ups + scrapes.
+    pub events: u64,
+    /// Virtual seconds simulated.
+    pub virtual_s: f64,
+    /// Wall seconds it took.
+    pub wall_s: f64,
+    /// Wall seconds inside the policy's routing (kvroute: hashing, matching, pick, reserve).
+    pub route_wall_s: f64,
+    /// Requests not ended when the ladder finished (always 0).
+    pub open_at_end: usize,
+    /// What kvroute's ledgers still held at the end (requests and tokens; always 0).
+    pub held_at_end: u64,
+}
+
+impl SimStats {
+    /// Events per wall second.
+    pub fn events_per_s(&self) -> f64 {
+        if self.wall_s > 0.0 {
+            self.events as f64 / self.wall_s
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The workload files: as given, else every `*.yaml` of the lab's workloads/.
+fn workload_files(args: &SimulateArgs) -> anyhow::Result<Vec<PathBuf>> {
+    if !args.workloads.is_empty() {
+        return Ok(args.workloads.clone());
+    }
+    let dir = Path::new(crate::WORKLOADS_DIR);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot list {} (pass --workloads)", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml"))
+        .collect();
+    files.sort();
+    anyhow::ensure!(!files.is_empty(), "no workload files in {}", dir.display());
+    Ok(files)
+}
+
+type JobResult = anyhow::Result<(RouterRun, SimStats)>;
+
+/// Runs every (setup, router) job on `jobs` threads; results in job order.
+fn run_jobs(setups: &[Setup<'_>], routers: &[Router], jobs: usize) -> Vec<JobResult> {
+    let list: Vec<(usize, Router)> = (0..setups.len())
+        .flat_map(|s| routers.iter().map(move |&r| (s, r)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<JobResult>>> =
+        Mutex::new((0..list.len()).map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.clamp(1, list.len().max(1)) {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(s, router)) = list.get(i) else {
+                        break;
+                    };
+                    let setup = &setups[s];
+                    let result = simulate(setup, router).map(|(run, mut stats)| {
+                        stats.workload = setup.workload.name.clone();
+                        (run, stats)
+                    });
+                    match &result {
+                        Ok((_, st)) => eprintln!(
+                            "  {} / {} ({} pods): {} requests, {:.0} s virtual in {:.1} s wall ({:.2} M events/s)",
+                            setup.workload.name,
+                            router.kind().name(),
+                            setup.pods,
+                            st.requests,
+                            st.virtual_s,
+                            st.wall_s,
+                            st.events_per_s() / 1e6
+                        ),
+                        Err(e) => eprintln!(
+                            "  {} / {} failed: {e:#}",
+                            setup.workload.name,
+                            router.kind().name()
+                        ),
+                    }
+                    let mut all = results.lock().unwrap_or_else(|p| p.into_inner());
+                    all[i] = Some(result);
+                }
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(anyhow::anyhow!("the simulation thread failed"))))
+        .collect()
+}
+
+/// `kvroute-lab simulate`: simulates every policy on every workload, writes the report.
+pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
+    let files = workload_files(&args)?;
+    let mut routers = if args.routers.is_empty() {
+        Router::ALL.to_vec()
+    } else {
+        args.routers.clone()
+    };
+    routers.sort();
+    routers.dedup();
+    let workloads: Vec<(PathBuf, Workload)> = files
+        .iter()
+        .map(|f| Ok((f.clone(), Workload::from_file(f)?)))
+        .collect::<anyhow::Result<_>>()?;
+    let setups: Vec<Setup<'_>> = workloads
+        .iter()
+        .map(|(f, w)| Setup::new(&args, w, f).with_context(|| format!("workload {}", w.name)))
+        .collect::<anyhow::Result<_>>()?;
+    let out = &args.output_dir;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let jobs = args
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let names: Vec<&str> = routers.iter().map(|r| r.kind().name()).collect();
+    eprintln!(
+        "kvroute-lab simulate: {} workload(s) × {}, {} at a time; results in {}",
+        setups.len(),
+        names.join(", "),
+        jobs,
+        out.display()
+    );
+    let wall = Instant::now();
+    let mut results = run_jobs(&setups, &routers, jobs).into_iter();
+    let mut workload_results = Vec::new();
+    let mut sim_stats = Vec::new();
+    for setup in &setups {
+        let mut result = WorkloadResult {
+            workload: setup.workload.name.clone(),
+            file: setup.file.clone(),
+            pods: setup.pods,
+            speedup: 1.0,
+            rates: setup.rates.iter().map(|r| r * setup.scale.rate).collect(),
+            // With --requests, the planned length of the first step's arrivals.
+            step_duration_s: setup.step_duration.map_or_else(
+                || {
+                    let first = setup.rates.first().copied().unwrap_or(1.0) * setup.scale.rate;
+                    setup.requests_per_step.unwrap_or(0) as f64 / first
+                },
+                |d| d.as_secs_f64(),
+            ),
+            runs: Vec::new(),
+            failures: Vec::new(),
+        };
+        for &router in &routers {
+            match results.next() {
+                Some(Ok((run, stats))) => {
+                    let path = out.join(format!(
+                        "{}-{}.json",
+                        setup.workload.name,
+                        router.kind().name()
+                    ));
+                    std::fs::write(&path, serde_json::to_string_pretty(&run)? + "\n")
+                        .with_context(|| format!("cannot write {}", path.display()))?;
+                    result.runs.push(run);
+                    sim_stats.push(stats);
+                }
+                Some(Err(e)) => result.failures.push((router.kind(), format!("{e:#}"))),
+                None => {}
+            }
+        }
+        workload_results.push(result);
+    }
+    let took = wall.elapsed();
+    let md = write_report(
+        &args,
+        &routers,
+        &setups,
+        &workload_results,
+        &sim_stats,
+        out,
+        took,
+        jobs,
+    )?;
+    println!("{md}");
+    eprintln!(
+        "kvroute-lab simulate: {:.1} s; report {}",
+        took.as_secs_f64(),
+        out.join("report.md").display()
+    );
+    Ok(())
+}
+
+/// Column meanings for a simulated report.
+const LEGEND: &str = "\
+Columns as in `kvroute-lab compare`, in virtual (simulated) seconds: `req/s`, `tok/s`:
+successful requests and output tokens per second; `TTFT`: time to first token, from the
+request's arrival at its pod (the simulation has no network, proxy or router CPU time, so
+`TTFT`, `pod TTFT` and `client TTFT` are the same and `path` is empty); ITL: gaps between a
+request's tokens, i.e. the engine's step times (percentiles to 0.5 %); e2e: successful
+requests only; `errors`: failed / planned; `preemptions`, `LoRA loads` (GPU slot loads, disk
++ host): the engines' counters at the step's boundaries, exactly; `prefix hit rate`:
+prefix-cache hit tokens / queried tokens; `KV spread`: mean over samples (every 250 ms × the
+workload's speedup, as `compare` samples) of (max − min) KV-cache use across pods.
+";
+
+#[allow(clippy::too_many_arguments)]
+fn write_report(
+    args: &SimulateArgs,
+    routers: &[Router],
+    setups: &[Setup<'_>],
+    results: &[WorkloadResult],
+    stats: &[SimStats],
+    out: &Path,
+    took: Duration,
+    jobs: usize,
+) -> anyhow::Result<String> {
+    use std::fmt::Write as _;
+    let mut md = String::from("# kvroute simulate\n\n");
+    let command: Vec<String> = std::env::args().collect();
+    let _ = writeln!(
+        md,
+        "Command: `{}`. Machine: {}. Took {:.1} s of wall time ({jobs} simulation(s) at a time). \
+         Virtual time: scrapes every {:?}, seen {:?} late.\n",
+        command.join(" "),
+        machine(),
+        took.as_secs_f64(),
+        args.scrape_interval,
+        args.scrape_delay
+    );
+    md.push_str("Policies:\n\n");
+    for r in routers {
+        let _ = writeln!(md, "- `{}`: {}", r.kind().name(), r.description());
+    }
+    md.push('\n');
+    md.push_str("## Simulation\n\n");
+    md.push_str(
+        "| workload | policy | pods | scale | requests | output tokens | virtual s | wall s | events | events/s | routing µs/request |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for s in stats {
+        let scale = setups
+            .iter()
+            .find(|x| x.workload.name == s.workload)
+            .map_or(1.0, |x| x.scale.rate);
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {scale:.2}× | {} | {} | {:.0} | {:.1} | {} | {:.2} M | {:.2} |",
+            s.workload,
+            s.router.map_or("-", RouterKind::name),
+            s.pods,
+            s.requests,
+            s.tokens,
+            s.virtual_s,
+            s.wall_s,
+            s.events,
+            s.events_per_s() / 1e6,
+            if s.requests > 0 {
+                s.route_wall_s / s.requests as f64 * 1e6
+            } else {
+                0.0
+            }
+        );
+    }
+    md.push('\n');
+    md.push_str(LEGEND);
+    md.push('\n');
+    for r in results {
+        let plots = match report::plots(r, out) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = writeln!(md, "(plots for {} failed: {e})\n", r.workload);
+                Vec::new()
+            }
+        };
+        md.push_str(&report::workload_markdown(r, &plots));
+    }
+    let path = out.join("report.md");
+    std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
+    let path = out.join("results.json");
+    std::fs::write(&path, serde_json::to_string_pretty(results)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    let path = out.join("simulation.json");
+    std::fs::write(&path, serde_json::to_string_pretty(stats)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(md)
+}

@@ -1,0 +1,548 @@
+//! One policy on one workload, in virtual time: the discrete-event loop.
+//!
+//! Everything that happens is an event at a virtual instant, taken in time order (ties in
+//! the order they were scheduled): a request arriving (drawn from the trace when due), a
+//! pod's engine finishing a step or an adapter load (each engine's
+//! [`Engine::next_event_time`], only for the engine that has one), a client timeout, a
+//! scrape starting, a scrape's readings being published, a fleet sample for the report.
+//! Nothing sleeps and nothing reads a clock but the wall-time statistics.
+//!
+//! The ladder runs as `bench` runs it behind `compare`: a short warm-up at the lowest rate
+//! with another seed (not reported), then each step, the next starting when the last
+//! response of the previous one has ended. The fleet keeps its state (caches, adapters)
+//! from step to step.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::{Duration, Instant};
+
+use kvroute_core::scheduler::{PickError, SchedulerConfig};
+use kvroute_sim::engine::{Engine, Event, EventKind, FinishReason, RequestSpec};
+use kvroute_sim::kv::mix;
+
+use super::observe::{pod_metrics, served_models};
+use super::policy::{Kvroute, Policy};
+use super::stats::{FleetCounters, StepAcc, window_of};
+use super::trace::{StepTrace, TraceRequest};
+use super::{Router, Setup, SimStats};
+use crate::compare::report::RouterRun;
+use crate::loadgen::client::ErrorKind;
+use crate::loadgen::report::{REPORT_VERSION, Report};
+
+type SimTime = Duration;
+
+/// Scheduled events; arrivals and timeouts are kept apart (they come in order anyway).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    /// Pod `i`'s engine has something due.
+    Pod(u32),
+    /// Every pod's scrape starts.
+    Scrape,
+    /// The oldest pending scrape is published.
+    Publish,
+    /// The fleet's KV use is sampled for the report.
+    Sample,
+}
+
+struct Pod {
+    engine: Engine,
+    /// Request slot by engine request id (the engine numbers its requests from 0).
+    slots: Vec<u32>,
+    /// The engine event the queue holds for this pod.
+    due: Option<SimTime>,
+}
+
+/// A request between its arrival and its end.
+struct Open {
+    serial: u64,
+    pod: u32,
+    engine_id: u64,
+    step: usize,
+    last_token: Option<SimTime>,
+    /// kvroute's hold on the pod's accounting, released when the request ends (dropped).
+    _reservation: Option<kvroute_core::fleet::Reservation>,
+}
+
+struct World<'s> {
+    setup: &'s Setup<'s>,
+    pods: Vec<Pod>,
+    inflight: Vec<u32>,
+    policy: Policy,
+    queue: BinaryHeap<Reverse<(SimTime, u64, Ev)>>,
+    order: u64,
+    slots: Vec<Option<Open>>,
+    free: Vec<u32>,
+    timeouts: VecDeque<(SimTime, u32, u64)>,
+    serial: u64,
+    open_total: usize,
+    steps: Vec<StepAcc>,
+    adapter_names: Vec<String>,
+    events: Vec<Event>,
+    words: Vec<u8>,
+    max_model_len: u32,
+    stats: SimStats,
+    kv_sample: Vec<f64>,
+}
+
+fn secs(t: SimTime) -> f64 {
+    t.as_secs_f64()
+}
+
+impl<'s> World<'s> {
+    fn new(setup: &'s Setup<'s>, router: Router) -> anyhow::Result<World<'s>> {
+        let fleet = setup.workload.fleet_config()?;
+        let pod = fleet
+            .pods
+            .first()
+            .ok_or_else(|| anyhow::anyhow!("the workload's fleet has no pod"))?;
+        let adapter_names = setup.scale.adapter_names(setup.workload);
+        let pods: Vec<Pod> = (0..setup.pods)
+            .map(|i| {
+                let mut cfg = pod.engine.clone();
+                // As `SimFleet::start` seeds pod i.
+                cfg.seed = mix(setup.seed, i as u64);
+                Pod {
+                    engine: Engine::new(cfg, pod.profile.clone()),
+                    slots: Vec::new(),
+                    due: None,
+                }
+            })
+            .collect();
+        let max_model_len = pods.first().map_or(0, |p| p.engine.max_model_len());
+        let policy = match router {
+            Router::Kvroute => {
+                let config = SchedulerConfig {
+                    // As `compare` runs kvroute: stale after ten scrape periods, at least 1 s.
+                    max_metrics_age: (setup.scrape_interval * 10).max(Duration::from_secs(1)),
+                    ..SchedulerConfig::default()
+                };
+                let models = served_models(&setup.workload.model, &adapter_names);
+                Policy::Kvroute(Box::new(Kvroute::new(
+                    setup.pods,
+                    models,
+                    config,
+                    mix(setup.seed, 0x91c6),
+                )))
+            }
+            Router::RoundRobin => Policy::RoundRobin { next: 0 },
+            Router::LeastRequest => Policy::LeastRequest {
+                rng: rand::SeedableRng::seed_from_u64(mix(setup.seed, 0x1ea5)),
+            },
+        };
+        Ok(World {
+            setup,
+            inflight: vec![0; setup.pods],
+            pods,
+            policy,
+            queue: BinaryHeap::new(),
+            order: 0,
+            slots: Vec::new(),
+            free: Vec::new(),
+            timeouts: VecDeque::new(),
+            serial: 0,
+            open_total: 0,
+            steps: Vec::new(),
+            adapter_names,
+            events: Vec::new(),
+            words: Vec::new(),
+            max_model_len,
+            stats: SimStats {
+                router: Some(router.kind()),
+                pods: setup.pods,
+                ..SimStats::default()
+            },
+            kv_sample: Vec::with_capacity(setup.pods),
+        })
+    }
+
+    fn schedule(&mut self, at: SimTime, ev: Ev) {
+        self.order += 1;
+        self.queue.push(Reverse((at, self.order, ev)));
+    }
+
+    /// Puts pod `i`'s next engine event in the queue if it changed.
+    fn reschedule(&mut self, i: usize) {
+        let next = self.pods[i].engine.next_event_time();
+        if next != self.pods[i].due {
+            self.pods[i].due = next;
+            if let Some(t) = next {
+                self.schedule(t, Ev::Pod(i as u32));
+            }
+        }
+    }
+
+    fn counters(&self) -> FleetCounters {
+        let mut c = FleetCounters::default();
+        for p in &self.pods {
+            let s = p.engine.stats();
+            let loads = p.engine.lora_loads();
+            c.preemptions += s.preemptions;
+            c.prefix_hits += s.prefix_cache_hits;
+            c.prefix_queries += s.prefix_cache_queries;
+            c.lora_loads_disk += loads.disk;
+            c.lora_loads_host += loads.host;
+        }
+        c
+    }
+
+    /// Takes pod `i`'s engine events and applies them to their requests.
+    fn drain(&mut self, i: usize) {
+        let mut events = std::mem::take(&mut self.events);
+        self.pods[i].engine.take_events(&mut events);
+        for ev in events.drain(..) {
+            let Some(&slot) = self.pods[i].slots.get(ev.id as usize) else {
+                continue;
+            };
+            self.stats.tokens += u64::from(matches!(ev.kind, EventKind::Token { .. }));
+            match ev.kind {
+                EventKind::Token { .. } => {
+                    let Some(open) = self.slots.get_mut(slot as usize).and_then(Option::as_mut)
+                    else {
+                        continue;
+                    };
+                    if let Some(last) = open.last_token {
+                        self.steps[open.step].itl.observe(secs(ev.at - last));
+                    }
+                    open.last_token = Some(ev.at);
+                }
+                EventKind::Finished(summary) => {
+                    let Some(open) = self.close(slot) else {
+                        continue;
+                    };
+                    let step = &mut self.steps[open.step];
+                    if summary.completion_tokens == 0 {
+                        step.error(ErrorKind::Stream, Some(200));
+                    } else {
+                        step.success(
+                            open.pod as usize,
+                            secs(summary.ttft),
+                            secs(summary.e2e),
+                            summary.completion_tokens,
+                            summary.prompt_tokens,
+                            summary.cached_tokens,
+                        );
+                    }
+                }
+            }
+        }
+        self.events = events;
+    }
+
+    /// Ends the request in `slot`: releases its pod's accounting (dropping the
+    /// reservation) and its step's count.
+    fn close(&mut self, slot: u32) -> Option<Open> {
+        let open = self.slots.get_mut(slot as usize)?.take()?;
+        self.free.push(slot);
+        self.inflight[open.pod as usize] -= 1;
+        self.open_total -= 1;
+        self.steps[open.step].open -= 1;
+        Some(open)
+    }
+
+    fn arrive(&mut self, now: SimTime, step: usize, request: &TraceRequest) {
+        self.stats.requests += 1;
+        self.steps[step].planned += 1;
+        if self.open_total >= self.setup.max_concurrency {
+            self.steps[step].error(ErrorKind::Dropped, None);
+            return;
+        }
+        let api = self.setup.workload.api;
+        let model = match request.adapter {
+            Some(a) => self.adapter_names.get(a as usize).map(String::as_str),
+            None => Some(self.setup.workload.model.as_str()),
+        }
+        .unwrap_or_default();
+        let words = &mut self.words;
+        let wall = Instant::now();
+        let routed = self
+            .policy
+            .route(&self.inflight, || request.inference(api, model, words));
+        self.stats.route_wall_s += wall.elapsed().as_secs_f64();
+        let routed = match routed {
+            Ok(r) => r,
+            Err(e) => {
+                let status = match e {
+                    PickError::UnknownModel(_) => 404,
+                    _ => 503,
+                };
+                self.steps[step].error(ErrorKind::Http, Some(status));
+                return;
+            }
+        };
+        let prompt = request.engine_tokens(api, &mut self.words);
+        // The simulator's API refuses what can never fit (HTTP 400) before its engine.
+        if prompt.len() as u64 + u64::from(request.max_tokens) > u64::from(self.max_model_len) {
+            self.steps[step].error(ErrorKind::Http, Some(400));
+            return;
+        }
+        self.serial += 1;
+        let serial = self.serial;
+        let spec = RequestSpec {
+            prompt,
+            adapter: request
+                .adapter
+                .and_then(|a| self.adapter_names.get(a as usize).cloned()),
+            max_output: request.max_tokens,
+            finish_reason: FinishReason::Length,
+            // Output token ids only seed cache blocks no later prompt reads.
+            output_seed: mix(self.setup.seed, serial),
+        };
+        let i = routed.pod;
+        let slot = self.free.pop().unwrap_or_else(|| {
+            self.slots.push(None);
+            (self.slots.len() - 1) as u32
+        });
+        let engine_id = self.pods[i].engine.add_request(now, spec);
+        let slots = &mut self.pods[i].slots;
+        if engine_id as usize >= slots.len() {
+            slots.resize(engine_id as usize + 1, u32::MAX);
+        }
+        slots[engine_id as usize] = slot;
+        self.slots[slot as usize] = Some(Open {
+            serial,
+            pod: i as u32,
+            engine_id,
+            step,
+            last_token: None,
+            _reservation: routed.reservation,
+        });
+        self.inflight[i] += 1;
+        self.open_total += 1;
+        self.steps[step].open += 1;
+        self.timeouts
+            .push_back((now + self.setup.timeout, slot, serial));
+        self.drain(i);
+        self.reschedule(i);
+    }
+
+    /// The client gives up on the request in `slot` (`bench --timeout`).
+    fn time_out(&mut self, now: SimTime, slot: u32, serial: u64) {
+        let live = self
+            .slots
+            .get(slot as usize)
+            .and_then(Option::as_ref)
+            .is_some_and(|o| o.serial == serial);
+        if !live {
+            return;
+        }
+        if let Some(open) = self.close(slot) {
+            let i = open.pod as usize;
+            self.pods[i].engine.abort(now, open.engine_id);
+            self.steps[open.step].error(ErrorKind::Timeout, None);
+            self.drain(i);
+            self.reschedule(i);
+        }
+    }
+
+    fn scrape(&mut self, now: SimTime) {
+        self.stats.scrapes += 1;
+        for i in 0..self.pods.len() {
+            self.pods[i].engine.advance(now);
+            self.drain(i);
+            self.reschedule(i);
+        }
+        if let Policy::Kvroute(k) = &mut self.policy {
+            let pods = &self.pods;
+            k.scrape(now, |i| pod_metrics(&pods[i].engine));
+        }
+    }
+
+    fn publish(&mut self, now: SimTime) {
+        if let Policy::Kvroute(k) = &mut self.policy {
+            k.publish(now);
+        }
+    }
+
+    fn sample(&mut self, step: usize) {
+        self.kv_sample.clear();
+        self.kv_sample
+            .extend(self.pods.iter().map(|p| p.engine.gauges().2));
+        let sample = std::mem::take(&mut self.kv_sample);
+        self.steps[step].sample(&sample);
+        self.kv_sample = sample;
+    }
+
+    /// Handles the next event before `arrival` (if any); returns its time, or None when the
+    /// arrival comes first.
+    fn next_before(&mut self, arrival: Option<SimTime>, step: usize) -> Option<SimTime> {
+        let queued = self.queue.peek().map(|Reverse((t, _, _))| *t);
+        let timeout = self.timeouts.front().map(|(t, _, _)| *t);
+        let first = [queued, timeout].into_iter().flatten().min()?;
+        if arrival.is_some_and(|a| a < first) {
+            return None;
+        }
+        if timeout == Some(first) && queued.is_none_or(|q| first < q) {
+            if let Some((t, slot, serial)) = self.timeouts.pop_front() {
+                self.time_out(t, slot, serial);
+            }
+            return Some(first);
+        }
+        let Some(Reverse((t, _, ev))) = self.queue.pop() else {
+            return Some(first);
+        };
+        match ev {
+            Ev::Pod(i) => {
+                let i = i as usize;
+                if self.pods[i].due == Some(t) {
+                    self.stats.engine_wakeups += 1;
+                    self.pods[i].due = None;
+                    self.pods[i].engine.advance(t);
+                    self.drain(i);
+                    self.reschedule(i);
+                }
+            }
+            Ev::Scrape => {
+                self.scrape(t);
+                let delay = self.setup.scrape_delay;
+                if delay.is_zero() {
+                    self.publish(t);
+                } else {
+                    self.schedule(t + delay, Ev::Publish);
+                }
+                self.schedule(t + self.setup.scrape_interval, Ev::Scrape);
+            }
+            Ev::Publish => self.publish(t),
+            Ev::Sample => {
+                self.sample(step);
+                self.schedule(t + self.setup.sample_period, Ev::Sample);
+            }
+        }
+        Some(t)
+    }
+
+    /// Runs one step (or the warm-up) from `start` to its last response; returns its end.
+    fn run_step(&mut self, start: SimTime, step: usize, mut trace: StepTrace<'_>) -> SimTime {
+        let mut now = start;
+        self.steps[step].start_s = secs(start);
+        self.steps[step].counters_start = self.counters();
+        let mut next = trace.next();
+        loop {
+            let arrival = next.as_ref().map(|r| start + r.at);
+            if arrival.is_none() && self.steps[step].open == 0 {
+                break;
+            }
+            match self.next_before(arrival, step) {
+                Some(t) => now = now.max(t),
+                None => {
+                    if let Some(request) = next.take() {
+                        now = now.max(start + request.at);
+                        self.arrive(now, step, &request);
+                        next = trace.next();
+                    }
+                }
+            }
+        }
+        self.steps[step].end_s = secs(now);
+        self.steps[step].counters_end = self.counters();
+        now
+    }
+}
+
+/// Runs `router` over the setup's ladder; returns the run as `compare` records one, and
+/// the simulation's own statistics.
+pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun, SimStats)> {
+    let wall = Instant::now();
+    let mut world = World::new(setup, router)?;
+    let scale = setup.scale;
+    // kvroute is ready once it has a snapshot: a first scrape at time zero, published at once.
+    if matches!(world.policy, Policy::Kvroute(_)) {
+        world.scrape(Duration::ZERO);
+        world.publish(Duration::ZERO);
+        world.schedule(setup.scrape_interval, Ev::Scrape);
+    }
+    world.schedule(Duration::ZERO, Ev::Sample);
+    let mut now = Duration::ZERO;
+    let lowest = setup.rates.iter().copied().fold(f64::INFINITY, f64::min);
+    if let Some(warm) = setup.warmup {
+        world.steps.push(StepAcc::new(
+            lowest * scale.rate,
+            secs(warm.duration),
+            setup.pods,
+        ));
+        let trace = StepTrace::new(
+            setup.workload,
+            setup.seed ^ 0x77a1_6d00,
+            0,
+            lowest,
+            scale,
+            warm.duration,
+            Some(warm.requests),
+        );
+        now = world.run_step(now, 0, trace);
+    }
+    let first = world.steps.len();
+    for (i, &rate) in setup.rates.iter().enumerate() {
+        let index = world.steps.len();
+        let duration = setup.step_duration.unwrap_or(Duration::MAX);
+        world.steps.push(StepAcc::new(
+            rate * scale.rate,
+            setup.step_duration.map_or(
+                setup.requests_per_step.unwrap_or(0) as f64 / (rate * scale.rate),
+                secs,
+            ),
+            setup.pods,
+        ));
+        let trace = StepTrace::new(
+            setup.workload,
+            setup.seed,
+            i,
+            rate,
+            scale,
+            duration,
+            setup.requests_per_step,
+        );
+        now = world.run_step(now, index, trace);
+    }
+    let measured = &world.steps[first..];
+    let mut spreads = Vec::new();
+    let (mut usage_sum, mut usage_n) = (0.0, 0);
+    for s in measured {
+        spreads.extend_from_slice(&s.spreads);
+        usage_sum += s.usage_sum;
+        usage_n += s.usage_n;
+    }
+    let fleet_total = match (measured.first(), measured.last()) {
+        (Some(a), Some(b)) => window_of(
+            a.counters_start,
+            b.counters_end,
+            &spreads,
+            usage_sum,
+            usage_n,
+        ),
+        _ => Default::default(),
+    };
+    let wall_s = wall.elapsed().as_secs_f64();
+    let mut stats = std::mem::take(&mut world.stats);
+    stats.virtual_s = secs(now);
+    stats.wall_s = wall_s;
+    stats.events = stats.requests + stats.engine_wakeups + stats.scrapes;
+    let bench = Report {
+        version: REPORT_VERSION,
+        workload: setup.workload.name.clone(),
+        target: format!("kvroute-lab simulate ({} pods)", setup.pods),
+        endpoint: String::new(),
+        seed: setup.seed,
+        speedup: 1.0,
+        max_concurrency: setup.max_concurrency,
+        started_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64()
+            - wall_s,
+        wall_s,
+        steps: measured.iter().map(StepAcc::report).collect(),
+    };
+    let run = RouterRun {
+        router: router.kind(),
+        bench,
+        fleet_steps: measured.iter().map(StepAcc::window).collect(),
+        fleet_total,
+        wall_s,
+    };
+    // Every request ended, and kvroute holds nothing any more.
+    stats.open_at_end = world.open_total;
+    if let Policy::Kvroute(k) = &world.policy {
+        stats.held_at_end = k.held();
+    }
+    Ok((run, stats))
+}
