@@ -14,6 +14,7 @@
 //! Age is read where it is exact: the responder stamps every `/metrics` request it serves,
 //! and at random instants of the measured window a pod's age is the time since its last
 //! scrape began (what the scheduler sees, less the snapshot's publish delay of ≤ 5 ms).
+//! `--whole-page` makes the pods ignore the `name[]` filter (what filtering saves).
 //! Extra arguments after `--kvroute-args` go to `kvroute serve`; `--kvroute PATH` measures
 //! another kvroute binary (an earlier build, for before-and-after runs).
 
@@ -156,6 +157,8 @@ struct Responder {
     models: Vec<u8>,
     scrapes: Vec<Mutex<Vec<Instant>>>,
     bytes_served: AtomicU64,
+    /// Ignore `name[]` and send the whole page, as a server without the filter would.
+    whole_page: bool,
 }
 
 impl Responder {
@@ -204,6 +207,7 @@ impl Responder {
             let (content_type, body): (&str, Arc<Vec<u8>>) = match path {
                 "/metrics" => {
                     self.scrapes[pod].lock().unwrap().push(Instant::now());
+                    let query = if self.whole_page { None } else { query };
                     (
                         "text/plain; version=0.0.4; charset=utf-8",
                         self.metrics_body(query),
@@ -332,6 +336,7 @@ async fn main() {
         models: models_json().into_bytes(),
         scrapes: (0..pods).map(|_| Mutex::new(Vec::new())).collect(),
         bytes_served: AtomicU64::new(0),
+        whole_page: std::env::args().any(|a| a == "--whole-page"),
         full,
     });
     let mut endpoints = Vec::with_capacity(pods);
