@@ -2,6 +2,7 @@
 //! (what it serves) now and then. The parsers are pure and live in `kvroute-core`;
 //! this module owns the HTTP side and its settings.
 
+mod connection;
 mod poller;
 
 use std::path::PathBuf;

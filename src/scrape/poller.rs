@@ -14,24 +14,31 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use reqwest::Url;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
+use tokio_rustls::TlsConnector;
 use tracing::{debug, warn};
 
 use kvroute_core::vllm::{
     ModelsError, VllmMetricsError, metrics_query, parse_models, parse_vllm_metrics,
 };
 
+use super::connection::PodClient;
 use super::{ApiKey, ScrapeConfig};
 use crate::store::PodStore;
 use crate::telemetry;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScrapeError {
-    #[error("request failed: {0}")]
-    Http(#[from] reqwest::Error),
+    #[error("cannot connect: {0}")]
+    Connect(std::io::Error),
+    #[error("HTTP: {0}")]
+    Http(#[from] hyper::Error),
+    #[error("the pod closed the connection")]
+    Closed,
+    #[error("cannot form the request: {0}")]
+    Request(String),
     #[error("timed out after {0:?}")]
     Timeout(Duration),
     #[error("answered HTTP {0}")]
@@ -59,8 +66,8 @@ impl ScrapeError {
     /// A bounded label value for the scrape-error counter.
     pub fn kind(&self) -> &'static str {
         match self {
-            ScrapeError::Http(e) if e.is_connect() => "connect",
-            ScrapeError::Http(_) => "http",
+            ScrapeError::Connect(_) => "connect",
+            ScrapeError::Http(_) | ScrapeError::Closed | ScrapeError::Request(_) => "http",
             ScrapeError::Timeout(_) => "timeout",
             ScrapeError::Status(_) => "status",
             ScrapeError::TooLarge(_) => "too_large",
@@ -72,52 +79,39 @@ impl ScrapeError {
 }
 
 /// Starts and stops the per-pod pollers as the endpoint set changes.
-#[derive(Debug)]
 pub struct ScrapeManager {
     store: Arc<PodStore>,
-    client: reqwest::Client,
+    /// HTTPS to the pods when `--pod-ca-bundle` is set.
+    tls: Option<TlsConnector>,
     config: ScrapeConfig,
     /// `None`: no bound beyond one scrape per pod.
     permits: Option<Arc<Semaphore>>,
     tasks: Mutex<HashMap<SocketAddr, JoinHandle<()>>>,
 }
 
+impl std::fmt::Debug for ScrapeManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScrapeManager")
+            .field("config", &self.config)
+            .field("https", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 impl ScrapeManager {
     pub fn new(store: Arc<PodStore>, config: ScrapeConfig) -> anyhow::Result<Self> {
-        let mut builder = reqwest::Client::builder()
-            // Pods are addressed by IP on the cluster network: a proxy from the
-            // environment would be wrong here.
-            .no_proxy()
-            .connect_timeout(config.timeout)
-            .pool_max_idle_per_host(2);
-        if let Some(path) = &config.pod_ca_bundle {
-            // HTTPS to pods, trusting the given CAs only; a pod's certificate must name
-            // its IP address (pods are scraped by IP).
-            let pem = std::fs::read(path)
-                .with_context(|| format!("cannot read --pod-ca-bundle {}", path.display()))?;
-            let cas = reqwest::Certificate::from_pem_bundle(&pem).with_context(|| {
-                format!(
-                    "--pod-ca-bundle {} holds no PEM certificate",
-                    path.display()
-                )
-            })?;
-            anyhow::ensure!(
-                !cas.is_empty(),
-                "--pod-ca-bundle {} holds no PEM certificate",
-                path.display()
-            );
-            builder = builder.tls_built_in_root_certs(false).https_only(true);
-            for ca in cas {
-                builder = builder.add_root_certificate(ca);
-            }
-        }
-        let client = builder.build()?;
+        // Pods are addressed by IP on the cluster network, without a proxy.
+        let tls = config
+            .pod_ca_bundle
+            .as_deref()
+            .map(tls_connector)
+            .transpose()?;
         Ok(ScrapeManager {
             permits: config
                 .concurrency
                 .map(|bound| Arc::new(Semaphore::new(bound))),
             store,
-            client,
+            tls,
             config,
             tasks: Mutex::new(HashMap::new()),
         })
@@ -139,7 +133,7 @@ impl ScrapeManager {
                 let poller = PodPoller {
                     endpoint,
                     store: Arc::clone(&self.store),
-                    client: self.client.clone(),
+                    client: PodClient::new(endpoint, self.tls.clone()),
                     config: self.config.clone(),
                     permits: self.permits.clone(),
                     series: telemetry::PodSeries::new(endpoint, &ScrapeError::KINDS),
@@ -162,7 +156,7 @@ impl Drop for ScrapeManager {
 struct PodPoller {
     endpoint: SocketAddr,
     store: Arc<PodStore>,
-    client: reqwest::Client,
+    client: PodClient,
     config: ScrapeConfig,
     permits: Option<Arc<Semaphore>>,
     series: telemetry::PodSeries,
@@ -170,25 +164,8 @@ struct PodPoller {
 
 impl PodPoller {
     async fn run(mut self) {
-        let scheme = if self.config.pod_ca_bundle.is_some() {
-            "https"
-        } else {
-            "http"
-        };
         // Only the series kvroute reads (vLLM then skips rendering its histograms).
-        // Parsed once: parsing the long query at every scrape cost more than the scrape's
-        // own parsing of the answer.
-        let (Ok(metrics_url), Ok(models_url)) = (
-            Url::parse(&format!(
-                "{scheme}://{}/metrics?{}",
-                self.endpoint,
-                metrics_query()
-            )),
-            Url::parse(&format!("{scheme}://{}/v1/models", self.endpoint)),
-        ) else {
-            warn!(endpoint = %self.endpoint, "cannot form the pod's URLs; not polling it");
-            return;
-        };
+        let metrics_path = format!("/metrics?{}", metrics_query());
         // The first scrape at once (a new pod is read without delay), the next ones at the
         // pod's own phase of the interval: pollers started together (a fleet discovered at
         // once) would otherwise scrape in one burst every interval.
@@ -205,8 +182,8 @@ impl PodPoller {
             let Some(load) = self.store.load(self.endpoint) else {
                 return;
             };
-            let _permit = match &self.permits {
-                Some(permits) => match permits.acquire().await {
+            let _permit = match self.permits.clone() {
+                Some(permits) => match permits.acquire_owned().await {
                     Ok(permit) => Some(permit),
                     Err(_) => return,
                 },
@@ -215,7 +192,7 @@ impl PodPoller {
             let ticket = load.scrape_started();
             let started = Instant::now();
             let outcome = self
-                .fetch(&metrics_url, None)
+                .fetch(&metrics_path, None)
                 .await
                 .and_then(|body| Ok(parse_vllm_metrics(&String::from_utf8_lossy(&body))?));
             let elapsed = started.elapsed();
@@ -237,8 +214,9 @@ impl PodPoller {
                 .record_scrape(elapsed, error_kind, healthy, load.inflight());
 
             if Instant::now() >= models_due {
+                let key = self.config.pod_api_key.clone();
                 let models = self
-                    .fetch(&models_url, self.config.pod_api_key.as_ref())
+                    .fetch("/v1/models", key.as_ref())
                     .await
                     .and_then(|body| Ok(parse_models(&body)?));
                 match models {
@@ -270,31 +248,38 @@ impl PodPoller {
         }
     }
 
-    /// GETs `url`, within the timeout and the size limit.
-    async fn fetch(&self, url: &Url, key: Option<&ApiKey>) -> Result<Vec<u8>, ScrapeError> {
-        let limit = self.config.max_response_bytes;
-        let request = async {
-            let mut request = self.client.get(url.clone());
-            if let Some(ApiKey(key)) = key {
-                request = request.bearer_auth(key);
-            }
-            let mut response = request.send().await?;
-            if !response.status().is_success() {
-                return Err(ScrapeError::Status(response.status().as_u16()));
-            }
-            let mut body = Vec::new();
-            while let Some(chunk) = response.chunk().await? {
-                if body.len() + chunk.len() > limit {
-                    return Err(ScrapeError::TooLarge(limit));
-                }
-                body.extend_from_slice(&chunk);
-            }
-            Ok(body)
-        };
-        tokio::time::timeout(self.config.timeout, request)
-            .await
-            .unwrap_or(Err(ScrapeError::Timeout(self.config.timeout)))
+    /// GETs `path` from the pod, within the timeout and the size limit.
+    async fn fetch(&mut self, path: &str, key: Option<&ApiKey>) -> Result<Vec<u8>, ScrapeError> {
+        let (limit, timeout) = (self.config.max_response_bytes, self.config.timeout);
+        self.client.get(path, key, limit, timeout).await
     }
+}
+
+/// TLS to pods trusting only the CAs in the PEM bundle at `path`.
+fn tls_connector(path: &std::path::Path) -> anyhow::Result<TlsConnector> {
+    use tokio_rustls::rustls::pki_types::CertificateDer;
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto};
+    let pem = std::fs::read(path)
+        .with_context(|| format!("cannot read --pod-ca-bundle {}", path.display()))?;
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&pem) {
+        let cert = cert.with_context(|| format!("--pod-ca-bundle {}", path.display()))?;
+        roots
+            .add(cert)
+            .with_context(|| format!("--pod-ca-bundle {}", path.display()))?;
+    }
+    anyhow::ensure!(
+        !roots.is_empty(),
+        "--pod-ca-bundle {} holds no PEM certificate",
+        path.display()
+    );
+    let config = ClientConfig::builder_with_provider(Arc::new(crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .context("TLS to pods")?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(TlsConnector::from(Arc::new(config)))
 }
 
 /// A fraction in [0, 1) fixed by the endpoint, spreading pods over the scrape interval.
