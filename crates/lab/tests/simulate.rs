@@ -31,6 +31,7 @@ fn args(pods: Option<usize>, rates: &[f64], duration: Duration) -> SimulateArgs 
         seed: None,
         jobs: Some(1),
         no_warmup: false,
+        diagnose: None,
         output_dir: PathBuf::new(),
     }
 }

@@ -7,7 +7,7 @@
 
 use super::lora::{Serves, ServesModel};
 use super::{PickError, Relaxed, SchedulerConfig, free_kv_tokens};
-use crate::fleet::{BLOCK_TOKENS, Fleet, PodLoad, PodView, PrefixMatches};
+use crate::fleet::{BLOCK_TOKENS, Fleet, LoadSignals, PodLoad, PodView, PrefixMatches};
 use crate::request::RouteRequest;
 
 /// Soft-filter outcomes of one pod, as bits: a pod passes a filter when its bit is set.
@@ -90,7 +90,7 @@ impl Candidate {
         let cached = demand.cached_at(index);
         let needed = demand.needed(cached);
         let mut flags = 0;
-        if !is_saturated(pod, u64::from(cached), demand.prompt, config) {
+        if !is_saturated(pod, load, u64::from(cached), demand.prompt, config) {
             flags |= NOT_SATURATED;
         }
         if free_kv.is_none_or(|free| free >= needed) {
@@ -261,10 +261,34 @@ fn trust(pod: &PodView, config: &SchedulerConfig) -> u8 {
 /// shared-prefix load pods run near full *because* their requests share cached contexts,
 /// and sending a request away from its context allocates the context again elsewhere and
 /// evicts others' (the filter that checks free KV still applies to what it needs anew).
-fn is_saturated(pod: &PodView, cached: u64, prompt: u64, config: &SchedulerConfig) -> bool {
+///
+/// KV use is the pod's report plus the KV that the requests kvroute sent it since will
+/// need (their uncached prompt and expected output: the report cannot show them), as free
+/// KV counts it. The report alone is up to two scrape periods old: when nearly every pod's
+/// queue was full, the few pods it showed below the threshold took every request that had
+/// nowhere better to go until the next scrape (tens each on a simulated fleet of hundreds,
+/// as the number grows with the fleet's rate), then kept those requests' contexts, so
+/// their tenants came back to them.
+fn is_saturated(
+    pod: &PodView,
+    load: &PodLoad,
+    cached: u64,
+    prompt: u64,
+    config: &SchedulerConfig,
+) -> bool {
     pod.signals().is_some_and(|s| {
         let shares_its_context = cached > 0 && cached * 2 >= prompt;
         s.waiting >= config.saturation.queue_depth
-            || (!shares_its_context && f64::from(s.kv_usage) >= config.saturation.kv_usage)
+            || (!shares_its_context && kv_usage_now(s, load) >= config.saturation.kv_usage)
     })
+}
+
+/// The pod's reported KV use plus the share of its capacity that the requests kvroute sent
+/// it since that report will need.
+fn kv_usage_now(signals: &LoadSignals, load: &PodLoad) -> f64 {
+    let reported = f64::from(signals.kv_usage);
+    match signals.kv_capacity_tokens {
+        0 => reported,
+        capacity => reported + load.unscraped_tokens() as f64 / capacity as f64,
+    }
 }

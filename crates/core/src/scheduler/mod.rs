@@ -7,7 +7,9 @@
 //!    list cannot be read, as it may serve it), healthy (else 503). Then
 //!    soft filters, each applied only when it leaves at least one pod (the decision records
 //!    every one it had to relax): not saturated (queue, or KV use unless the
-//!    pod caches most of this request's prompt); enough free KV for the request's
+//!    pod caches most of this request's prompt; KV use as reported plus what kvroute sent
+//!    the pod since, so the few pods a scrape showed unsaturated do not take every request
+//!    until the next one); enough free KV for the request's
 //!    uncached prompt plus expected output, counting what kvroute has in flight there
 //!    ([`free_kv_tokens`]).
 //! 2. [`score`]. A weighted sum, highest wins:

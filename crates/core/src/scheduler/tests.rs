@@ -424,6 +424,42 @@ fn when_every_pod_is_saturated_the_least_bad_is_picked() {
     assert_eq!(decision.reason, Reason::Fallback);
 }
 
+/// The funnel seen at 256 and 1,000 simulated pods: when nearly every pod's queue is
+/// full, the last scrape shows a few pods below the thresholds, and until the next scrape
+/// every request with nowhere better to go lands there. Pod 1 reported half its KV in
+/// use, but kvroute has sent it 48,000 tokens since: it is full, and saturated for a
+/// request that shares nothing with it, so the request goes where it fits.
+#[test]
+fn what_kvroute_sent_since_the_last_scrape_counts_toward_kv_saturation() {
+    let half_full = |n| with_metrics(pod(n), |m| m.kv_usage = 0.5);
+    let queued = |n| {
+        with_metrics(pod(n), |m| {
+            m.kv_usage = 0.5;
+            m.waiting = 6;
+        })
+    };
+    let filled = (half_full(1), Arc::new(PodLoad::with_values(0, 48_000)));
+    let snapshot = Fleet::new(
+        vec![
+            filled,
+            (queued(2), Arc::default()),
+            (queued(3), Arc::default()),
+        ],
+        1,
+        1,
+    );
+    let decision = pick_seeded(&request("base", 4_000), &snapshot).expect("placed");
+    assert_ne!(decision.endpoint, endpoint(1), "{decision:?}");
+    assert!(decision.relaxed.saturation, "{decision:?}");
+    assert!(!decision.relaxed.kv_headroom, "{decision:?}");
+
+    // Before kvroute sent it anything, pod 1 is the one unsaturated pod, and takes it.
+    let fresh = fleet(vec![half_full(1), queued(2), queued(3)]);
+    let decision = pick_seeded(&request("base", 4_000), &fresh).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+    assert!(!decision.relaxed.any(), "{decision:?}");
+}
+
 #[test]
 fn fallbacks_are_ordered_best_first_and_exclude_the_winner() {
     let snapshot = fleet(vec![

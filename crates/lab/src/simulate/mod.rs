@@ -20,8 +20,10 @@
 //!
 //! Layout: `trace` draws the requests (the load generator's draws, lazily), `observe` is
 //! what a scrape of a simulated pod reads, `policy` the routers, `run` the event loop,
-//! `stats` the per-step accumulators behind `compare`'s report types.
+//! `stats` the per-step accumulators behind `compare`'s report types, `diagnose` the
+//! optional decision and per-pod traces (`--diagnose N`).
 
+mod diagnose;
 mod observe;
 mod policy;
 mod run;
@@ -130,6 +132,12 @@ pub struct SimulateArgs {
     /// Skip the warm-up `compare` runs before each ladder.
     #[arg(long, env = "KVROUTE_SIMULATE_NO_WARMUP")]
     pub no_warmup: bool,
+    /// Diagnostics: write every N-th kvroute decision (relaxed filters, the best
+    /// candidates' score breakdowns) to `<workload>-kvroute-decisions.jsonl` and each pod's
+    /// queue, running requests, KV use, requests in flight and requests routed at every
+    /// fleet sample to `<workload>-<policy>-pods.csv` in the output directory.
+    #[arg(long, env = "KVROUTE_SIMULATE_DIAGNOSE", value_name = "N")]
+    pub diagnose: Option<u64>,
     /// Where report.md, the plots and the JSON go.
     #[arg(
         long,
@@ -173,6 +181,8 @@ pub struct Setup<'w> {
     pub max_concurrency: usize,
     pub timeout: Duration,
     pub warmup: Option<Warmup>,
+    /// `--diagnose`: keep every N-th decision, write the files into this directory.
+    pub diagnose: Option<(u64, PathBuf)>,
 }
 
 impl<'w> Setup<'w> {
@@ -226,6 +236,7 @@ impl<'w> Setup<'w> {
             max_concurrency: (MAX_CONCURRENCY * scale.rate).ceil().max(1.0) as usize,
             timeout: TIMEOUT,
             warmup,
+            diagnose: args.diagnose.map(|n| (n, args.output_dir.clone())),
         })
     }
 }
@@ -256,6 +267,10 @@ pub struct SimStats {
     pub open_at_end: usize,
     /// What kvroute's ledgers still held at the end (requests and tokens; always 0).
     pub held_at_end: u64,
+    /// kvroute's decisions, and those that relaxed each soft filter (nothing passed it).
+    pub decisions: u64,
+    pub relaxed_saturation: u64,
+    pub relaxed_kv_headroom: u64,
 }
 
 impl SimStats {

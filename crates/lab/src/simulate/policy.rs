@@ -27,7 +27,7 @@ use kvroute_core::fleet::{
     Reservation, ScrapeTicket, ServedModels, adapter_key, block_hashes,
 };
 use kvroute_core::request::{InferenceRequest, RouteRequest};
-use kvroute_core::scheduler::{self, PickError, SchedulerConfig};
+use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
 
 /// The address standing for pod `i`: ordered as the pods, so a snapshot's position of a pod
 /// is its index.
@@ -41,6 +41,8 @@ pub fn endpoint(i: usize) -> SocketAddr {
 pub struct Routed {
     pub pod: usize,
     pub reservation: Option<Reservation>,
+    /// kvroute's decision (the other policies have none).
+    pub decision: Option<Decision>,
 }
 
 /// One scrape of the fleet in flight: when it started, and per pod what it read with the
@@ -179,7 +181,11 @@ impl Kvroute {
             .snapshot()
             .position(decision.endpoint)
             .ok_or(PickError::NoReadyEndpoint)?;
-        Ok(Routed { pod, reservation })
+        Ok(Routed {
+            pod,
+            reservation,
+            decision: Some(decision),
+        })
     }
 }
 
@@ -211,6 +217,7 @@ impl Policy {
                 Ok(Routed {
                     pod,
                     reservation: None,
+                    decision: None,
                 })
             }
             Policy::LeastRequest { rng } => {
@@ -224,6 +231,7 @@ impl Policy {
                 Ok(Routed {
                     pod,
                     reservation: None,
+                    decision: None,
                 })
             }
         }

@@ -20,6 +20,7 @@ use kvroute_core::scheduler::{PickError, SchedulerConfig};
 use kvroute_sim::engine::{Engine, Event, EventKind, FinishReason, RequestSpec};
 use kvroute_sim::kv::mix;
 
+use super::diagnose::{Diagnostics, PodSample};
 use super::observe::{pod_metrics, served_models};
 use super::policy::{Kvroute, Policy};
 use super::stats::{FleetCounters, StepAcc, window_of};
@@ -82,6 +83,10 @@ struct World<'s> {
     max_model_len: u32,
     stats: SimStats,
     kv_sample: Vec<f64>,
+    /// Requests routed to each pod since the step began.
+    routed: Vec<u32>,
+    diagnostics: Option<Diagnostics>,
+    pod_samples: Vec<PodSample>,
 }
 
 fn secs(t: SimTime) -> f64 {
@@ -152,6 +157,16 @@ impl<'s> World<'s> {
                 ..SimStats::default()
             },
             kv_sample: Vec::with_capacity(setup.pods),
+            routed: vec![0; setup.pods],
+            diagnostics: match &setup.diagnose {
+                Some((every, dir)) => Some(Diagnostics::create(
+                    dir,
+                    &format!("{}-{}", setup.workload.name, router.kind().name()),
+                    *every,
+                )?),
+                None => None,
+            },
+            pod_samples: Vec::new(),
         })
     }
 
@@ -239,12 +254,12 @@ impl<'s> World<'s> {
         Some(open)
     }
 
-    fn arrive(&mut self, now: SimTime, step: usize, request: &TraceRequest) {
+    fn arrive(&mut self, now: SimTime, step: usize, request: &TraceRequest) -> anyhow::Result<()> {
         self.stats.requests += 1;
         self.steps[step].planned += 1;
         if self.open_total >= self.setup.max_concurrency {
             self.steps[step].error(ErrorKind::Dropped, None);
-            return;
+            return Ok(());
         }
         let api = self.setup.workload.api;
         let model = match request.adapter {
@@ -266,14 +281,25 @@ impl<'s> World<'s> {
                     _ => 503,
                 };
                 self.steps[step].error(ErrorKind::Http, Some(status));
-                return;
+                return Ok(());
             }
         };
+        if let Some(decision) = &routed.decision {
+            self.stats.decisions += 1;
+            self.stats.relaxed_saturation += u64::from(decision.relaxed.saturation);
+            self.stats.relaxed_kv_headroom += u64::from(decision.relaxed.kv_headroom);
+            if let Some(d) = &mut self.diagnostics {
+                d.decision(secs(now), step, request, routed.pod, decision)?;
+            }
+        }
+        if let Some(n) = self.routed.get_mut(routed.pod) {
+            *n += 1;
+        }
         let prompt = request.engine_tokens(api, &mut self.words);
         // The simulator's API refuses what can never fit (HTTP 400) before its engine.
         if prompt.len() as u64 + u64::from(request.max_tokens) > u64::from(self.max_model_len) {
             self.steps[step].error(ErrorKind::Http, Some(400));
-            return;
+            return Ok(());
         }
         self.serial += 1;
         let serial = self.serial;
@@ -313,6 +339,7 @@ impl<'s> World<'s> {
             .push_back((now + self.setup.timeout, slot, serial));
         self.drain(i);
         self.reschedule(i);
+        Ok(())
     }
 
     /// The client gives up on the request in `slot` (`bench --timeout`).
@@ -353,32 +380,56 @@ impl<'s> World<'s> {
         }
     }
 
-    fn sample(&mut self, step: usize) {
+    fn sample(&mut self, now: SimTime, step: usize) -> anyhow::Result<()> {
         self.kv_sample.clear();
         self.kv_sample
             .extend(self.pods.iter().map(|p| p.engine.gauges().2));
         let sample = std::mem::take(&mut self.kv_sample);
         self.steps[step].sample(&sample);
         self.kv_sample = sample;
+        if let Some(d) = &mut self.diagnostics {
+            self.pod_samples.clear();
+            self.pod_samples
+                .extend(self.pods.iter().zip(&self.inflight).zip(&self.routed).map(
+                    |((p, &inflight), &routed)| {
+                        let (waiting, running, kv_usage) = p.engine.gauges();
+                        PodSample {
+                            waiting,
+                            running,
+                            kv_usage,
+                            inflight,
+                            routed,
+                        }
+                    },
+                ));
+            d.pods(secs(now), step, &self.pod_samples)?;
+        }
+        Ok(())
     }
 
     /// Handles the next event before `arrival` (if any); returns its time, or None when the
     /// arrival comes first.
-    fn next_before(&mut self, arrival: Option<SimTime>, step: usize) -> Option<SimTime> {
+    fn next_before(
+        &mut self,
+        arrival: Option<SimTime>,
+        step: usize,
+    ) -> anyhow::Result<Option<SimTime>> {
         let queued = self.queue.peek().map(|Reverse((t, _, _))| *t);
         let timeout = self.timeouts.front().map(|(t, _, _)| *t);
-        let first = [queued, timeout].into_iter().flatten().min()?;
+        let Some(first) = [queued, timeout].into_iter().flatten().min() else {
+            return Ok(None);
+        };
         if arrival.is_some_and(|a| a < first) {
-            return None;
+            return Ok(None);
         }
         if timeout == Some(first) && queued.is_none_or(|q| first < q) {
             if let Some((t, slot, serial)) = self.timeouts.pop_front() {
                 self.time_out(t, slot, serial);
             }
-            return Some(first);
+            return Ok(Some(first));
         }
         let Some(Reverse((t, _, ev))) = self.queue.pop() else {
-            return Some(first);
+            return Ok(Some(first));
         };
         match ev {
             Ev::Pod(i) => {
@@ -403,16 +454,22 @@ impl<'s> World<'s> {
             }
             Ev::Publish => self.publish(t),
             Ev::Sample => {
-                self.sample(step);
+                self.sample(t, step)?;
                 self.schedule(t + self.setup.sample_period, Ev::Sample);
             }
         }
-        Some(t)
+        Ok(Some(t))
     }
 
     /// Runs one step (or the warm-up) from `start` to its last response; returns its end.
-    fn run_step(&mut self, start: SimTime, step: usize, mut trace: StepTrace<'_>) -> SimTime {
+    fn run_step(
+        &mut self,
+        start: SimTime,
+        step: usize,
+        mut trace: StepTrace<'_>,
+    ) -> anyhow::Result<SimTime> {
         let mut now = start;
+        self.routed.fill(0);
         self.steps[step].start_s = secs(start);
         self.steps[step].counters_start = self.counters();
         let mut next = trace.next();
@@ -421,12 +478,12 @@ impl<'s> World<'s> {
             if arrival.is_none() && self.steps[step].open == 0 {
                 break;
             }
-            match self.next_before(arrival, step) {
+            match self.next_before(arrival, step)? {
                 Some(t) => now = now.max(t),
                 None => {
                     if let Some(request) = next.take() {
                         now = now.max(start + request.at);
-                        self.arrive(now, step, &request);
+                        self.arrive(now, step, &request)?;
                         next = trace.next();
                     }
                 }
@@ -434,7 +491,7 @@ impl<'s> World<'s> {
         }
         self.steps[step].end_s = secs(now);
         self.steps[step].counters_end = self.counters();
-        now
+        Ok(now)
     }
 }
 
@@ -468,7 +525,7 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
             warm.duration,
             Some(warm.requests),
         );
-        now = world.run_step(now, 0, trace);
+        now = world.run_step(now, 0, trace)?;
     }
     let first = world.steps.len();
     for (i, &rate) in setup.rates.iter().enumerate() {
@@ -491,7 +548,7 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
             duration,
             setup.requests_per_step,
         );
-        now = world.run_step(now, index, trace);
+        now = world.run_step(now, index, trace)?;
     }
     let measured = &world.steps[first..];
     let mut spreads = Vec::new();
@@ -543,6 +600,9 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
     stats.open_at_end = world.open_total;
     if let Policy::Kvroute(k) = &world.policy {
         stats.held_at_end = k.held();
+    }
+    if let Some(d) = world.diagnostics.take() {
+        d.finish()?;
     }
     Ok((run, stats))
 }
