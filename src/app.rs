@@ -512,6 +512,7 @@ async fn render_metrics(
     State(MetricsState { prometheus, picker }): State<MetricsState>,
 ) -> impl IntoResponse {
     telemetry::record_allocator_stats();
+    telemetry::touch_standing_series();
     let (entries, capacity) = picker.prefix_index_size();
     telemetry::record_prefix_index(entries, capacity);
     (

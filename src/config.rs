@@ -199,8 +199,9 @@ pub struct ServeArgs {
     /// (two missed, a second apart).
     #[arg(long, env = "KVROUTE_DRAIN_GRACE", default_value = "3s", value_parser = humantime::parse_duration)]
     pub drain_grace: Duration,
-    /// A gauge no one has set for this long leaves /metrics: the per-pod series of a pod
-    /// that left the fleet (set at every scrape while it is there).
+    /// A series no one has updated for this long leaves /metrics: the per-pod series of a
+    /// pod that left the fleet (updated at every scrape while it is there), those of a
+    /// model no longer requested.
     #[arg(long, env = "KVROUTE_IDLE_GAUGE_TIMEOUT", default_value = "2m", value_parser = humantime::parse_duration)]
     pub idle_gauge_timeout: Duration,
     /// HTTP/2 ping interval on gRPC connections (ext_proc, health, admin); also the TCP

@@ -114,14 +114,11 @@ pub enum TelemetryError {
 
 static HANDLE: OnceLock<Result<PrometheusHandle, TelemetryError>> = OnceLock::new();
 
-/// Installs the process-wide recorder once and returns its handle (later calls, e.g.
-/// several servers in one test process, share it, with the first call's settings).
-/// Gauges no one sets for `idle_gauge_timeout` leave the exposition.
 /// How often recorded histogram samples are folded into their buckets.
 pub const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Folds the histogram samples recorded since the last pass into their buckets, and
-/// expires idle gauges, every `every`. The exporter otherwise keeps each sample until the
+/// expires idle series, every `every`. The exporter otherwise keeps each sample until the
 /// next `/metrics` render: with no Prometheus scraping kvroute, memory grew with every
 /// request (about 0.5 MiB a minute at 200 requests/s in the soak).
 pub async fn run_upkeep(handle: PrometheusHandle, every: Duration) {
@@ -129,10 +126,16 @@ pub async fn run_upkeep(handle: PrometheusHandle, every: Duration) {
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
+        touch_standing_series();
         handle.run_upkeep();
     }
 }
 
+/// Installs the process-wide recorder once and returns its handle (later calls, e.g.
+/// several servers in one test process, share it, with the first call's settings).
+/// A series nobody updates for `idle_timeout` leaves the exposition: the series of a pod
+/// that left the fleet, of a model or adapter no longer requested. Series that must stay
+/// at zero are touched before every render ([`touch_standing_series`]).
 pub fn install(idle_gauge_timeout: Duration) -> Result<PrometheusHandle, TelemetryError> {
     HANDLE
         .get_or_init(|| build_and_install(idle_gauge_timeout))
@@ -151,10 +154,10 @@ fn build_and_install(idle_gauge_timeout: Duration) -> Result<PrometheusHandle, T
         0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
     ];
     let recorder = PrometheusBuilder::new()
-        // Per-pod gauges are set at every scrape; a pod that left the fleet sets them no
-        // more, and its series go after this long. Counters and histograms never expire:
-        // a counter at zero must stay visible (dashboards read "no data" otherwise).
-        .idle_timeout(MetricKindMask::GAUGE, Some(idle_gauge_timeout))
+        // A pod's series are updated at every scrape (its counters at zero too); a pod
+        // that left the fleet updates them no more, and they go after this long, so a
+        // fleet whose pods come and go does not grow kvroute's exposition for ever.
+        .idle_timeout(MetricKindMask::ALL, Some(idle_gauge_timeout))
         .set_buckets_for_metric(Matcher::Full(PICK_DURATION.into()), &latency_buckets)
         .and_then(|b| {
             b.set_buckets_for_metric(Matcher::Full(REQUEST_DURATION.into()), &request_buckets)
@@ -267,18 +270,31 @@ fn describe() {
     );
 }
 
+/// Counters that exist from the start and stay, at 0 until their first event.
+static STANDING: OnceLock<Vec<Counter>> = OnceLock::new();
+
 /// The counters dashboards rate exist from the start, at 0: a rate over no series shows
 /// "no data" rather than 0 on a fleet where nothing went wrong yet.
 fn register_counters() {
     let other = ModelLabels::other();
-    for outcome in Outcome::ALL {
-        counter!(REQUESTS, "model" => other.model.clone(), "adapter" => other.adapter.clone(), "outcome" => outcome.as_str())
-            .increment(0);
-    }
-    counter!(COMPLETION_TOKENS, "model" => other.model.clone(), "adapter" => other.adapter)
-        .increment(0);
-    for reason in Reason::all() {
-        counter!(DECISIONS, "reason" => reason.as_str()).increment(0);
+    let mut standing: Vec<Counter> = Outcome::ALL
+        .iter()
+        .map(|outcome| {
+            counter!(REQUESTS, "model" => other.model.clone(), "adapter" => other.adapter.clone(), "outcome" => outcome.as_str())
+        })
+        .collect();
+    standing.push(
+        counter!(COMPLETION_TOKENS, "model" => other.model.clone(), "adapter" => other.adapter),
+    );
+    standing.extend(Reason::all().map(|reason| counter!(DECISIONS, "reason" => reason.as_str())));
+    let _ = STANDING.set(standing);
+    touch_standing_series();
+}
+
+/// Marks the standing counters as current, so that the idle timeout never takes them.
+pub fn touch_standing_series() {
+    for counter in STANDING.get().into_iter().flatten() {
+        counter.increment(0);
     }
 }
 
@@ -286,13 +302,14 @@ fn register_counters() {
 /// handle skips the registry's lookup (a label string built, hashed and compared per
 /// series): at 1,000 pods polled every 50 ms that lookup was a tenth of the scraper's CPU.
 ///
-/// The exporter drops a gauge nobody set for `--idle-gauge-timeout`, and a handle held
-/// across that would keep setting a series that is no longer exported. The health and
-/// in-flight gauges are set at every scrape, so they never go idle while the pod is
-/// polled; the load gauges are set only by successful scrapes, so they are resolved
-/// again on the first success after a failure.
+/// The exporter drops a series nobody updated for `--idle-gauge-timeout`, and a handle
+/// held across that would keep updating a series that is no longer exported. Every scrape
+/// updates the counters (at zero too), the scrape histogram and the health and in-flight
+/// gauges, so they never go idle while the pod is polled; the load gauges are set only by
+/// successful scrapes, so they are resolved again on the first success after a failure.
 pub struct PodSeries {
     pod: String,
+    unreachable: Counter,
     scrapes: Counter,
     scrape_duration: Histogram,
     /// By kind, as [`PodSeries::new`] was given them.
@@ -315,7 +332,8 @@ impl PodSeries {
     /// error is a series from the start.
     pub fn new(endpoint: SocketAddr, error_kinds: &[&'static str]) -> Self {
         let pod = pod_label(endpoint);
-        counter!(UPSTREAM_UNREACHABLE, "pod" => pod.clone()).increment(0);
+        let unreachable = counter!(UPSTREAM_UNREACHABLE, "pod" => pod.clone());
+        unreachable.increment(0);
         let scrapes = counter!(SCRAPES, "pod" => pod.clone());
         scrapes.increment(0);
         let errors = error_kinds
@@ -330,6 +348,7 @@ impl PodSeries {
             scrape_duration: histogram!(SCRAPE_DURATION, "pod" => pod.clone()),
             healthy: gauge!(POD_HEALTHY, "pod" => pod.clone()),
             inflight: gauge!(POD_INFLIGHT, "pod" => pod.clone()),
+            unreachable,
             scrapes,
             errors,
             load: None,
@@ -351,6 +370,11 @@ impl PodSeries {
         if let Some(kind) = error_kind {
             self.record_error(kind);
         }
+        // The pod's counters at zero stay while it is polled: touched, they never idle.
+        for (_, counter) in &self.errors {
+            counter.increment(0);
+        }
+        self.unreachable.increment(0);
         self.healthy.set(if healthy { 1.0 } else { 0.0 });
         self.inflight.set(f64::from(inflight));
     }

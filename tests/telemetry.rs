@@ -85,15 +85,25 @@ async fn every_counter_the_dashboard_rates_exists_at_zero_before_its_first_event
     }
 }
 
-fn has_pod_gauge(text: &str, pod: &str) -> bool {
+fn has_pod_series(text: &str, pod: &str, name: &str) -> bool {
     let samples = kvroute_core::exposition::parse(text).expect("valid exposition");
     samples
         .iter()
-        .any(|s| s.name == "kvroute_pod_kv_cache_usage_ratio" && s.label("pod") == Some(pod))
+        .any(|s| s.name == name && s.label("pod") == Some(pod))
 }
 
+/// Every kind of per-pod series: gauges, counters (a scrape-error kind at zero among
+/// them) and the scrape histogram.
+const POD_SERIES: [&str; 5] = [
+    "kvroute_pod_kv_cache_usage_ratio",
+    "kvroute_scrapes_total",
+    "kvroute_scrape_errors_total",
+    "kvroute_pod_unreachable_total",
+    "kvroute_scrape_duration_seconds_count",
+];
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pod_that_leaves_the_fleet_takes_its_gauges_with_it() {
+async fn a_pod_that_leaves_the_fleet_takes_its_series_with_it() {
     let pods = [
         FakePod::start("pod-0", "llama", &[]).await,
         FakePod::start("pod-1", "llama", &[]).await,
@@ -104,22 +114,33 @@ async fn a_pod_that_leaves_the_fleet_takes_its_gauges_with_it() {
     kvroute.wait_until_scraped(2).await;
     let (staying, leaving) = (pods[0].addr.to_string(), pods[1].addr.to_string());
     let text = kvroute.metrics_text().await;
-    assert!(has_pod_gauge(&text, &leaving), "{text}");
+    for name in POD_SERIES {
+        assert!(has_pod_series(&text, &leaving, name), "{name}: {text}");
+    }
 
     kvroute.store.set_endpoints(&[pods[0].addr]);
     let started = Instant::now();
     loop {
         let text = kvroute.metrics_text().await;
-        assert!(
-            has_pod_gauge(&text, &staying),
-            "the pod still here keeps its series"
-        );
-        if !has_pod_gauge(&text, &leaving) {
+        for name in POD_SERIES {
+            assert!(
+                has_pod_series(&text, &staying, name),
+                "the pod still here keeps its series, {name} (at zero too)"
+            );
+        }
+        if POD_SERIES
+            .iter()
+            .all(|name| !has_pod_series(&text, &leaving, name))
+        {
+            // Counters kept at zero from the start outlive the idle timeout.
+            for standing in ["kvroute_decisions_total{", "kvroute_requests_total{"] {
+                assert!(text.contains(standing), "{standing} expired:\n{text}");
+            }
             break;
         }
         assert!(
             started.elapsed() < Duration::from_secs(10),
-            "the departed pod's gauges are still exported:\n{text}"
+            "the departed pod's series are still exported:\n{text}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
