@@ -285,6 +285,11 @@ impl EnvoyProcess {
         Err(GatewayError::NotReady(timeout, self.log()))
     }
 
+    /// Envoy's process id (benchmarks read its CPU time).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// A URL on the gateway's listener.
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{}", self.port, path)

@@ -129,9 +129,9 @@ fn bench_args(target: &str, file: &Path, speedup: f64) -> BenchArgs {
 }
 
 /// The workload files: as given, else every `*.yaml` of the lab's workloads/.
-fn workload_files(args: &CompareArgs) -> anyhow::Result<Vec<PathBuf>> {
-    if !args.workloads.is_empty() {
-        return Ok(args.workloads.clone());
+pub(crate) fn workload_files(given: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
+    if !given.is_empty() {
+        return Ok(given.to_vec());
     }
     let dir = Path::new(crate::WORKLOADS_DIR);
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -254,7 +254,7 @@ pub(crate) fn machine() -> String {
 
 /// `kvroute-lab compare`: runs every router on every workload, writes the report.
 pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
-    let files = workload_files(&args)?;
+    let files = workload_files(&args.workloads)?;
     let mut kinds = if args.routers.is_empty() {
         RouterKind::ALL.to_vec()
     } else {

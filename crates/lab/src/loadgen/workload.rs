@@ -63,7 +63,7 @@ mod load;
 pub use dist::Dist;
 pub use format::{Adapters, Api, ClassSpec, FleetSpec, LoraTraffic, SharedPrefix, Workload};
 pub use generator::Request;
-pub(crate) use generator::{WORDS, words};
+pub(crate) use generator::{WORDS, cdf, draw, words};
 pub use load::WorkloadError;
 
 #[cfg(test)]

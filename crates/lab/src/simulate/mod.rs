@@ -284,22 +284,6 @@ impl SimStats {
     }
 }
 
-/// The workload files: as given, else every `*.yaml` of the lab's workloads/.
-fn workload_files(args: &SimulateArgs) -> anyhow::Result<Vec<PathBuf>> {
-    if !args.workloads.is_empty() {
-        return Ok(args.workloads.clone());
-    }
-    let dir = Path::new(crate::WORKLOADS_DIR);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot list {} (pass --workloads)", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml"))
-        .collect();
-    files.sort();
-    anyhow::ensure!(!files.is_empty(), "no workload files in {}", dir.display());
-    Ok(files)
-}
-
 type JobResult = anyhow::Result<(RouterRun, SimStats)>;
 
 /// Runs every (setup, router) job on `jobs` threads; results in job order.
@@ -356,7 +340,7 @@ fn run_jobs(setups: &[Setup<'_>], routers: &[Router], jobs: usize) -> Vec<JobRes
 
 /// `kvroute-lab simulate`: simulates every policy on every workload, writes the report.
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
-    let files = workload_files(&args)?;
+    let files = crate::compare::workload_files(&args.workloads)?;
     let mut routers = if args.routers.is_empty() {
         Router::ALL.to_vec()
     } else {

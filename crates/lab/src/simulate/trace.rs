@@ -28,7 +28,7 @@ use kvroute_core::request::{
 use kvroute_sim::kv::mix;
 use kvroute_sim::tokens::VOCAB;
 
-use crate::loadgen::workload::{Api, WORDS, Workload};
+use crate::loadgen::workload::{Api, WORDS, Workload, cdf, draw};
 
 /// Words of a system prompt rewritten per tenant copy.
 const COPY_WORDS: usize = 3;
@@ -323,29 +323,6 @@ fn words(rng: &mut impl Rng, n: u32) -> Vec<u8> {
     (0..n)
         .map(|_| rng.random_range(0..WORDS.len()) as u8)
         .collect()
-}
-
-fn cdf(weights: impl Iterator<Item = f64>) -> Vec<f64> {
-    let mut acc = 0.0;
-    let mut v: Vec<f64> = weights
-        .map(|w| {
-            acc += w;
-            acc
-        })
-        .collect();
-    if let Some(total) = v.last().copied().filter(|t| *t > 0.0) {
-        for x in &mut v {
-            *x /= total;
-        }
-    }
-    v
-}
-
-fn draw(cdf: &[f64], rng: &mut impl Rng) -> usize {
-    let u: f64 = rng.random();
-    cdf.iter()
-        .position(|&c| u < c)
-        .unwrap_or(cdf.len().saturating_sub(1))
 }
 
 /// The load generator's request contents (`loadgen::workload::generator::Generator`),

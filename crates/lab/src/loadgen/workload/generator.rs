@@ -129,7 +129,8 @@ struct Generator<'w> {
     pools: Vec<Option<PrefixPool>>,
 }
 
-fn cdf(weights: impl Iterator<Item = f64>) -> Vec<f64> {
+/// Cumulative shares of `weights` (the last is 1), for [`draw`].
+pub(crate) fn cdf(weights: impl Iterator<Item = f64>) -> Vec<f64> {
     let mut acc = 0.0;
     let mut v: Vec<f64> = weights
         .map(|w| {
@@ -145,7 +146,8 @@ fn cdf(weights: impl Iterator<Item = f64>) -> Vec<f64> {
     v
 }
 
-fn draw(cdf: &[f64], rng: &mut impl Rng) -> usize {
+/// An index drawn by the cumulative shares `cdf`.
+pub(crate) fn draw(cdf: &[f64], rng: &mut impl Rng) -> usize {
     let u: f64 = rng.random();
     cdf.iter()
         .position(|&c| u < c)
