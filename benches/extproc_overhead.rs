@@ -24,6 +24,8 @@
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -42,6 +44,7 @@ use kvroute::config::ServeConfig;
 use kvroute::extproc::messages;
 use kvroute_lab::envoy::{EnvoyProcess, Gateway, envoy_binary};
 use kvroute_lab::soak::procstat;
+use support::{arg, flag};
 
 const BODY: &str = r#"{"model":"llama","prompt":"Summarise the following text in one sentence: the quick brown fox jumps over the lazy dog.","max_tokens":64}"#;
 
@@ -484,40 +487,29 @@ async fn response_path(rates: &[f64], seconds: f64, tokens: usize, fail_open: bo
     }
 }
 
-fn arg<T: std::str::FromStr>(args: &[String], name: &str) -> Option<T> {
-    args.windows(2)
-        .find(|w| w[0] == name)
-        .and_then(|w| w[1].parse().ok())
-}
-
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
     // `cargo test --benches` runs bench targets in test mode: nothing to measure there.
-    if args.iter().any(|a| a == "--test" || a == "--list") {
+    if flag("--test") || flag("--list") {
         return;
     }
-    let requests = args
-        .windows(2)
-        .find(|w| w[0] == "--requests")
-        .and_then(|w| w[1].parse().ok())
-        .unwrap_or(2_000usize);
+    let requests: usize = arg("--requests").unwrap_or(2_000);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("runtime");
-    if let Some(rates) = arg::<String>(&args, "--rates") {
+    if let Some(rates) = arg::<String>("--rates") {
         let rates: Vec<f64> = rates
             .split(',')
             .map(|r| r.trim().parse().expect("--rates: numbers, comma-separated"))
             .collect();
-        let gap = Duration::from_millis(arg(&args, "--token-ms").unwrap_or(5));
+        let gap = Duration::from_millis(arg("--token-ms").unwrap_or(5));
         let _ = TOKEN_GAP.set(gap);
         runtime.block_on(response_path(
             &rates,
-            arg(&args, "--seconds").unwrap_or(10.0),
-            arg(&args, "--tokens").unwrap_or(32),
-            args.iter().any(|a| a == "--fail-open"),
+            arg("--seconds").unwrap_or(10.0),
+            arg("--tokens").unwrap_or(32),
+            flag("--fail-open"),
         ));
         return;
     }

@@ -12,27 +12,16 @@
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map_or(default, |v| v.parse().expect("a number"))
-}
-
-fn extra_kvroute_args() -> Vec<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == "--kvroute-args")
-        .map_or_else(Vec::new, |i| args[i + 1..].to_vec())
-}
+use support::{Killed, arg, extra_kvroute_args};
 
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
@@ -42,15 +31,6 @@ fn rss_kib(pid: u32) -> u64 {
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
         .expect("VmRSS")
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// kvroute's own count of open ext_proc streams.
@@ -72,8 +52,8 @@ fn mib(kib: u64) -> f64 {
 
 #[tokio::main]
 async fn main() {
-    let streams = arg("--streams", 20_000);
-    let connections = arg("--connections", 4).max(1);
+    let streams = arg("--streams").unwrap_or(20_000);
+    let connections = arg("--connections").unwrap_or(4).max(1);
     let port = kvroute_lab::envoy::free_port().expect("port");
     let grpc = SocketAddr::from(([127, 0, 0, 1], port));
     let metrics = SocketAddr::from((

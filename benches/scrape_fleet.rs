@@ -21,9 +21,11 @@
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -46,16 +48,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_stream::wrappers::ReceiverStream;
 
+use support::{Killed, arg, extra_kvroute_args, flag};
+
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 const ADAPTERS: [&str; 3] = ["sql-lora", "chat-lora", "code-lora"];
-
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map_or(default, |v| v.parse().ok().expect("a number"))
-}
 
 /// The kvroute binary to measure: `--kvroute PATH` (another build, for before and after
 /// in the same minutes), else this build's.
@@ -66,22 +62,6 @@ fn kvroute_binary() -> String {
         .and_then(|i| args.get(i + 1))
         .cloned()
         .unwrap_or_else(|| env!("CARGO_BIN_EXE_kvroute").to_owned())
-}
-
-fn extra_kvroute_args() -> Vec<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == "--kvroute-args")
-        .map_or_else(Vec::new, |i| args[i + 1..].to_vec())
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// A busy pod's whole `/metrics` page, from the simulator's renderer: requests running and
@@ -325,10 +305,10 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 
 #[tokio::main]
 async fn main() {
-    let pods: usize = arg("--pods", 1000);
-    let interval_ms: u64 = arg("--interval-ms", 50);
-    let seconds: u64 = arg("--seconds", 20);
-    let fill: u64 = arg("--fill-prefix", 20_000);
+    let pods: usize = arg("--pods").unwrap_or(1000);
+    let interval_ms: u64 = arg("--interval-ms").unwrap_or(50);
+    let seconds: u64 = arg("--seconds").unwrap_or(20);
+    let fill: u64 = arg("--fill-prefix").unwrap_or(20_000);
 
     let full = full_page();
     let responder = Arc::new(Responder {
@@ -336,7 +316,7 @@ async fn main() {
         models: models_json().into_bytes(),
         scrapes: (0..pods).map(|_| Mutex::new(Vec::new())).collect(),
         bytes_served: AtomicU64::new(0),
-        whole_page: std::env::args().any(|a| a == "--whole-page"),
+        whole_page: flag("--whole-page"),
         full,
     });
     let mut endpoints = Vec::with_capacity(pods);
