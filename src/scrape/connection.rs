@@ -83,7 +83,7 @@ impl PodClient {
         limit: usize,
         timeout: Duration,
     ) -> Result<Vec<u8>, ScrapeError> {
-        let outcome = tokio::time::timeout(timeout, self.exchange(path, key, limit, timeout))
+        let outcome = tokio::time::timeout(timeout, self.exchange(path, key, limit))
             .await
             .unwrap_or(Err(ScrapeError::Timeout(timeout)));
         if outcome.is_err() {
@@ -97,34 +97,20 @@ impl PodClient {
         path: &str,
         key: Option<&ApiKey>,
         limit: usize,
-        connect_timeout: Duration,
     ) -> Result<Vec<u8>, ScrapeError> {
         let kept = self.open.as_mut().is_some_and(Open::usable);
         if !kept {
-            self.open =
-                Some(Self::reconnect(self.endpoint, self.tls.clone(), connect_timeout).await?);
+            self.open = Some(Self::connect(self.endpoint, self.tls.clone()).await?);
         }
         match self.request(path, key, limit).await {
             // The pod closed a kept connection as the request went out (a keep-alive
             // timeout racing it): a GET is safe to send again, once, on a new one.
             Err(ScrapeError::Closed | ScrapeError::Http(_)) if kept => {
-                self.open =
-                    Some(Self::reconnect(self.endpoint, self.tls.clone(), connect_timeout).await?);
+                self.open = Some(Self::connect(self.endpoint, self.tls.clone()).await?);
                 self.request(path, key, limit).await
             }
             outcome => outcome,
         }
-    }
-
-    /// A new connection, ready for a request.
-    async fn reconnect(
-        endpoint: SocketAddr,
-        tls: Option<TlsConnector>,
-        timeout: Duration,
-    ) -> Result<Open, ScrapeError> {
-        let mut open = Self::connect(endpoint, tls, timeout).await?;
-        drive(&mut open.driver, open.sender.ready()).await??;
-        Ok(open)
     }
 
     /// One GET on the open connection.
@@ -161,35 +147,27 @@ impl PodClient {
         Ok(body)
     }
 
-    /// Opens a connection to the pod (TLS over it with `tls`).
-    async fn connect(
-        endpoint: SocketAddr,
-        tls: Option<TlsConnector>,
-        timeout: Duration,
-    ) -> Result<Open, ScrapeError> {
-        let connect = async {
-            let tcp = TcpStream::connect(endpoint)
-                .await
-                .map_err(ScrapeError::Connect)?;
-            // Requests are small and answered at once: no Nagle delay on them.
-            let _ = tcp.set_nodelay(true);
-            let stream: Box<dyn PodStream> = match &tls {
-                None => Box::new(tcp),
-                Some(tls) => {
-                    // Pods are scraped by IP: their certificates must name it.
-                    let name = ServerName::IpAddress(endpoint.ip().into());
-                    Box::new(tls.connect(name, tcp).await.map_err(ScrapeError::Connect)?)
-                }
-            };
-            let (sender, connection) = http1::handshake(TokioIo::new(stream)).await?;
-            Ok(Open {
-                sender,
-                driver: Some(Box::pin(connection)),
-            })
-        };
-        tokio::time::timeout(timeout, connect)
+    /// Opens a connection to the pod (TLS over it with `tls`); [`PodClient::get`]'s
+    /// timeout bounds it with the request.
+    async fn connect(endpoint: SocketAddr, tls: Option<TlsConnector>) -> Result<Open, ScrapeError> {
+        let tcp = TcpStream::connect(endpoint)
             .await
-            .unwrap_or(Err(ScrapeError::Timeout(timeout)))
+            .map_err(ScrapeError::Connect)?;
+        // Requests are small and answered at once: no Nagle delay on them.
+        let _ = tcp.set_nodelay(true);
+        let stream: Box<dyn PodStream> = match &tls {
+            None => Box::new(tcp),
+            Some(tls) => {
+                // Pods are scraped by IP: their certificates must name it.
+                let name = ServerName::IpAddress(endpoint.ip().into());
+                Box::new(tls.connect(name, tcp).await.map_err(ScrapeError::Connect)?)
+            }
+        };
+        let (sender, connection) = http1::handshake(TokioIo::new(stream)).await?;
+        Ok(Open {
+            sender,
+            driver: Some(Box::pin(connection)),
+        })
     }
 }
 

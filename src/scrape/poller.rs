@@ -175,6 +175,7 @@ impl PodPoller {
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut models_due = Instant::now();
         let mut warned_auth = false;
+        let (permits, api_key) = (self.permits.clone(), self.config.pod_api_key.clone());
         loop {
             if !std::mem::take(&mut first) {
                 ticker.tick().await;
@@ -182,8 +183,8 @@ impl PodPoller {
             let Some(load) = self.store.load(self.endpoint) else {
                 return;
             };
-            let _permit = match self.permits.clone() {
-                Some(permits) => match permits.acquire_owned().await {
+            let _permit = match &permits {
+                Some(permits) => match permits.acquire().await {
                     Ok(permit) => Some(permit),
                     Err(_) => return,
                 },
@@ -214,9 +215,8 @@ impl PodPoller {
                 .record_scrape(elapsed, error_kind, healthy, load.inflight());
 
             if Instant::now() >= models_due {
-                let key = self.config.pod_api_key.clone();
                 let models = self
-                    .fetch("/v1/models", key.as_ref())
+                    .fetch("/v1/models", api_key.as_ref())
                     .await
                     .and_then(|body| Ok(parse_models(&body)?));
                 match models {

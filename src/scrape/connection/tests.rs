@@ -1,3 +1,4 @@
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -41,8 +42,6 @@ async fn pod(body: &'static str, answers_per_connection: usize) -> (SocketAddr, 
     });
     (addr, accepted)
 }
-
-use std::sync::Arc;
 
 const SECOND: Duration = Duration::from_secs(1);
 
