@@ -65,14 +65,15 @@ pub struct FleetSample {
     pub pods: Vec<Option<PodSample>>,
 }
 
-/// Fleet-wide counter totals of one sample (a pod whose scrape failed keeps its last value).
+/// Fleet-wide counter totals at one time (from samples, a pod whose scrape failed keeps
+/// its last value; or read off simulated engines).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Totals {
-    preemptions: f64,
-    prefix_hits: f64,
-    prefix_queries: f64,
-    lora_loads_disk: f64,
-    lora_loads_host: f64,
+pub(crate) struct Totals {
+    pub(crate) preemptions: f64,
+    pub(crate) prefix_hits: f64,
+    pub(crate) prefix_queries: f64,
+    pub(crate) lora_loads_disk: f64,
+    pub(crate) lora_loads_host: f64,
 }
 
 impl Totals {
@@ -166,10 +167,6 @@ pub struct WindowStats {
 pub fn window(samples: &[FleetSample], from: f64, to: f64) -> WindowStats {
     let series = totals(samples);
     let (a, b) = (totals_at(&series, from), totals_at(&series, to));
-    let d = |x: f64, y: f64| (y - x).max(0.0);
-    let prefix_hits = d(a.prefix_hits, b.prefix_hits);
-    let prefix_queries = d(a.prefix_queries, b.prefix_queries);
-    let lora_loads_disk = d(a.lora_loads_disk, b.lora_loads_disk);
     let (mut spreads, mut usage, mut usage_n) = (Vec::new(), 0.0, 0usize);
     for s in samples.iter().filter(|s| s.t >= from && s.t <= to) {
         let kv: Vec<f64> = s.pods.iter().flatten().map(|p| p.kv_usage).collect();
@@ -177,6 +174,22 @@ pub fn window(samples: &[FleetSample], from: f64, to: f64) -> WindowStats {
         usage_n += kv.len();
         spreads.extend(kv_spread(&kv));
     }
+    window_between(a, b, &spreads, usage, usage_n)
+}
+
+/// The fleet's activity between counter totals `a` and `b`, with the KV spreads and the
+/// sum and count of KV usages sampled between them.
+pub(crate) fn window_between(
+    a: Totals,
+    b: Totals,
+    spreads: &[f64],
+    usage: f64,
+    usage_n: usize,
+) -> WindowStats {
+    let d = |x: f64, y: f64| (y - x).max(0.0);
+    let prefix_hits = d(a.prefix_hits, b.prefix_hits);
+    let prefix_queries = d(a.prefix_queries, b.prefix_queries);
+    let lora_loads_disk = d(a.lora_loads_disk, b.lora_loads_disk);
     let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
     WindowStats {
         preemptions: d(a.preemptions, b.preemptions),
@@ -185,7 +198,7 @@ pub fn window(samples: &[FleetSample], from: f64, to: f64) -> WindowStats {
         prefix_hits,
         prefix_queries,
         prefix_hit_rate: (prefix_queries > 0.0).then(|| prefix_hits / prefix_queries),
-        kv_spread_mean: mean(&spreads),
+        kv_spread_mean: mean(spreads),
         kv_spread_max: spreads.iter().copied().reduce(f64::max),
         kv_usage_mean: (usage_n > 0).then(|| usage / usage_n as f64),
         samples: spreads.len(),

@@ -128,8 +128,27 @@ fn bench_args(target: &str, file: &Path, speedup: f64) -> BenchArgs {
     }
 }
 
+/// The workloads of the files `given`, else of every `*.yaml` of the lab's workloads/.
+pub(crate) fn load_workloads(given: &[PathBuf]) -> anyhow::Result<Vec<(PathBuf, Workload)>> {
+    workload_files(given)?
+        .into_iter()
+        .map(|f| {
+            let workload = Workload::from_file(&f)?;
+            Ok((f, workload))
+        })
+        .collect()
+}
+
+/// The routers `given`, else `all`, each once, sorted.
+pub(crate) fn chosen<T: Ord + Clone>(given: &[T], all: &[T]) -> Vec<T> {
+    let mut chosen = if given.is_empty() { all } else { given }.to_vec();
+    chosen.sort();
+    chosen.dedup();
+    chosen
+}
+
 /// The workload files: as given, else every `*.yaml` of the lab's workloads/.
-pub(crate) fn workload_files(given: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
+fn workload_files(given: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
     if !given.is_empty() {
         return Ok(given.to_vec());
     }
@@ -254,18 +273,8 @@ pub(crate) fn machine() -> String {
 
 /// `kvroute-lab compare`: runs every router on every workload, writes the report.
 pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
-    let files = workload_files(&args.workloads)?;
-    let mut kinds = if args.routers.is_empty() {
-        RouterKind::ALL.to_vec()
-    } else {
-        args.routers.clone()
-    };
-    kinds.sort();
-    kinds.dedup();
-    let workloads: Vec<(PathBuf, Workload)> = files
-        .iter()
-        .map(|f| Ok((f.clone(), Workload::from_file(f)?)))
-        .collect::<anyhow::Result<_>>()?;
+    let workloads = load_workloads(&args.workloads)?;
+    let kinds = chosen(&args.routers, &RouterKind::ALL);
     for (_, w) in &workloads {
         let (rates, step) = ladder(&args, w);
         // Refuse bad overrides before anything starts.

@@ -340,18 +340,8 @@ fn run_jobs(setups: &[Setup<'_>], routers: &[Router], jobs: usize) -> Vec<JobRes
 
 /// `kvroute-lab simulate`: simulates every policy on every workload, writes the report.
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
-    let files = crate::compare::workload_files(&args.workloads)?;
-    let mut routers = if args.routers.is_empty() {
-        Router::ALL.to_vec()
-    } else {
-        args.routers.clone()
-    };
-    routers.sort();
-    routers.dedup();
-    let workloads: Vec<(PathBuf, Workload)> = files
-        .iter()
-        .map(|f| Ok((f.clone(), Workload::from_file(f)?)))
-        .collect::<anyhow::Result<_>>()?;
+    let workloads = crate::compare::load_workloads(&args.workloads)?;
+    let routers = crate::compare::chosen(&args.routers, &Router::ALL);
     let setups: Vec<Setup<'_>> = workloads
         .iter()
         .map(|(f, w)| Setup::new(&args, w, f).with_context(|| format!("workload {}", w.name)))

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::compare::fleet_stats::{WindowStats, kv_spread};
+use crate::compare::fleet_stats::{Totals, WindowStats, kv_spread, window_between};
 use crate::loadgen::client::ErrorKind;
 use crate::loadgen::report::{Counts, Latency, StepReport, Throughput, Tokens};
 
@@ -256,22 +256,18 @@ pub fn window_of(
     usage_sum: f64,
     usage_n: usize,
 ) -> WindowStats {
-    let d = |x: u64, y: u64| y.saturating_sub(x) as f64;
-    let prefix_hits = d(a.prefix_hits, b.prefix_hits);
-    let prefix_queries = d(a.prefix_queries, b.prefix_queries);
-    let lora_loads_disk = d(a.lora_loads_disk, b.lora_loads_disk);
-    let mean = (!spreads.is_empty()).then(|| spreads.iter().sum::<f64>() / spreads.len() as f64);
-    WindowStats {
-        preemptions: d(a.preemptions, b.preemptions),
-        lora_loads: lora_loads_disk + d(a.lora_loads_host, b.lora_loads_host),
-        lora_loads_disk,
-        prefix_hits,
-        prefix_queries,
-        prefix_hit_rate: (prefix_queries > 0.0).then(|| prefix_hits / prefix_queries),
-        kv_spread_mean: mean,
-        kv_spread_max: spreads.iter().copied().reduce(f64::max),
-        kv_usage_mean: (usage_n > 0).then(|| usage_sum / usage_n as f64),
-        samples: spreads.len(),
+    window_between(a.into(), b.into(), spreads, usage_sum, usage_n)
+}
+
+impl From<FleetCounters> for Totals {
+    fn from(c: FleetCounters) -> Totals {
+        Totals {
+            preemptions: c.preemptions as f64,
+            prefix_hits: c.prefix_hits as f64,
+            prefix_queries: c.prefix_queries as f64,
+            lora_loads_disk: c.lora_loads_disk as f64,
+            lora_loads_host: c.lora_loads_host as f64,
+        }
     }
 }
 
