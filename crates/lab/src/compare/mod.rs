@@ -398,6 +398,17 @@ fn write_report(
              colours: kvroute red, round-robin blue, least-request green, sglang orange, vllm-router purple.\n\n",
         ),
     }
+    write_results(&mut md, results, out)?;
+    Ok(md)
+}
+
+/// Appends each workload's tables and plots to the report `md`, and writes it to
+/// `out/report.md` and the raw results to `out/results.json`.
+pub(crate) fn write_results(
+    md: &mut String,
+    results: &[WorkloadResult],
+    out: &Path,
+) -> anyhow::Result<()> {
     for r in results {
         let plots = match report::plots(r, out) {
             Ok(p) => p,
@@ -409,11 +420,11 @@ fn write_report(
         md.push_str(&report::workload_markdown(r, &plots));
     }
     let path = out.join("report.md");
-    std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::write(&path, &*md).with_context(|| format!("cannot write {}", path.display()))?;
     let path = out.join("results.json");
     std::fs::write(&path, serde_json::to_string_pretty(results)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(md)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::compare::report::{self, RouterRun, WorkloadResult};
+use crate::compare::report::{RouterRun, WorkloadResult};
 use crate::compare::{RouterKind, machine, spread_rates};
 use crate::loadgen::Workload;
 
@@ -494,21 +494,7 @@ fn write_report(
     md.push('\n');
     md.push_str(LEGEND);
     md.push('\n');
-    for r in results {
-        let plots = match report::plots(r, out) {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = writeln!(md, "(plots for {} failed: {e})\n", r.workload);
-                Vec::new()
-            }
-        };
-        md.push_str(&report::workload_markdown(r, &plots));
-    }
-    let path = out.join("report.md");
-    std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
-    let path = out.join("results.json");
-    std::fs::write(&path, serde_json::to_string_pretty(results)? + "\n")
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    crate::compare::write_results(&mut md, results, out)?;
     let path = out.join("simulation.json");
     std::fs::write(&path, serde_json::to_string_pretty(stats)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
