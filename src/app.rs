@@ -98,6 +98,7 @@ impl App {
             config.scheduler.clone(),
             config.debug_decisions,
             config.prefix_index_bytes,
+            Arc::new(config.flow.clone()),
         ));
         Ok(App {
             config,
@@ -167,6 +168,7 @@ impl App {
             scrapers,
         ));
         let publisher = tokio::spawn(Arc::clone(&store).run_publisher(config.scrape.interval));
+        let waiting_room = tokio::spawn(Arc::clone(&picker).run_waiting_room());
         let metrics_upkeep = tokio::spawn(telemetry::run_upkeep(
             prometheus.clone(),
             telemetry::UPKEEP_INTERVAL,
@@ -188,7 +190,8 @@ impl App {
         let (stopping, aborting) = (stop.1, abort.1);
         let policy = RequestPolicy::new(config.max_body_bytes, &config.allowed_paths)
             .with_held_body_budget(config.max_held_body_bytes)
-            .with_read_timeout(config.request_read_timeout);
+            .with_read_timeout(config.request_read_timeout)
+            .with_flow(Arc::new(config.flow.clone()));
         let extproc = ExtProcService::new(Arc::clone(&picker), policy, aborting.clone());
         let shutdown_driver = tokio::spawn(drive_shutdown(
             shutdown,
@@ -255,6 +258,7 @@ impl App {
             ),
         );
         publisher.abort();
+        waiting_room.abort();
         metrics_upkeep.abort();
         readiness.abort();
         shutdown_driver.abort();

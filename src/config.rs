@@ -18,6 +18,7 @@ use kvroute_core::fleet::HealthPolicy;
 use kvroute_core::scheduler::{Saturation, SchedulerConfig, Weights};
 
 use crate::extproc::policy::DEFAULT_ALLOWED_PATHS;
+use crate::flow::FlowSettings;
 use crate::scrape::{ApiKey, ScrapeConfig};
 
 #[derive(Debug, thiserror::Error)]
@@ -176,6 +177,25 @@ pub struct ServeArgs {
     /// (override_host); ORIGINAL_DST needs a single endpoint [default: 0].
     #[arg(long, env = "KVROUTE_FALLBACKS")]
     pub fallbacks: Option<usize>,
+    /// Longest a request waits at the gateway for a pod with room (flow control); then it
+    /// is answered 429 (503 when no pod is ready). 0 turns the queue off: a request that
+    /// fits no pod goes to the least loaded one. The gateway's ext_proc filter must allow
+    /// this plus 1 s in `max_message_timeout` (the shipped configs allow up to 60 s).
+    #[arg(long, env = "KVROUTE_MAX_QUEUE_WAIT", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub max_queue_wait: Duration,
+    /// Most requests waiting at the gateway at once; beyond it a request that fits no pod
+    /// is answered 429 at once.
+    #[arg(long, env = "KVROUTE_MAX_QUEUE_LENGTH", default_value_t = crate::flow::DEFAULT_MAX_WAITING)]
+    pub max_queue_length: usize,
+    /// With no ready pod for a request, answer 503 at once instead of holding it up to
+    /// --max-queue-wait for a pod to come up (scale from zero, a rollout).
+    #[arg(long, env = "KVROUTE_NO_WAIT_FOR_ENDPOINTS")]
+    pub no_wait_for_endpoints: bool,
+    /// Priority of each inference objective (the x-gateway-inference-objective header), as
+    /// NAME=PRIORITY, comma-separated or repeated: higher is served first, negative is
+    /// sheddable (429 when no pod has room, never queued). Objectives not listed: 0.
+    #[arg(long, env = "KVROUTE_OBJECTIVE_PRIORITY", value_delimiter = ',', value_parser = crate::flow::parse_objective)]
+    pub objective_priority: Vec<(String, i32)>,
     /// Keep the last N decisions with their scores at GET /debug/decisions (0: off).
     #[arg(long, env = "KVROUTE_DEBUG_DECISIONS", default_value_t = 0)]
     pub debug_decisions: usize,
@@ -394,6 +414,8 @@ pub struct ServeConfig {
     /// See [`ServeArgs::grpc_max_streams_per_connection`].
     pub grpc_max_streams_per_connection: u32,
     pub debug_decisions: usize,
+    /// Flow control: the gateway queue, priorities, tenants.
+    pub flow: FlowSettings,
     /// See [`ServeArgs::prefix_index_mib`]; in bytes.
     pub prefix_index_bytes: usize,
     pub drain_timeout: Duration,
@@ -455,6 +477,7 @@ impl ServeConfig {
             request_read_timeout: crate::extproc::policy::DEFAULT_READ_TIMEOUT,
             grpc_max_streams_per_connection: 1024,
             debug_decisions: 0,
+            flow: FlowSettings::default(),
             prefix_index_bytes: kvroute_core::fleet::DEFAULT_PREFIX_BUDGET_BYTES,
             drain_timeout: Duration::from_secs(10),
             drain_grace: Duration::from_secs(3),
@@ -510,6 +533,14 @@ impl ServeConfig {
             trace_candidates: defaults.trace_candidates,
             adapters: file.adapters,
         };
+        let mut objectives = HashMap::new();
+        for (name, priority) in &args.objective_priority {
+            if objectives.insert(name.clone(), *priority).is_some() {
+                return Err(ConfigError::Invalid(format!(
+                    "--objective-priority names the objective `{name}` twice"
+                )));
+            }
+        }
         let config = ServeConfig {
             grpc_addr: args.grpc_addr,
             health_addr: args.health_addr.0,
@@ -538,6 +569,12 @@ impl ServeConfig {
             request_read_timeout: args.request_read_timeout,
             grpc_max_streams_per_connection: args.grpc_max_streams_per_connection,
             debug_decisions: args.debug_decisions,
+            flow: FlowSettings {
+                max_wait: args.max_queue_wait,
+                max_waiting: args.max_queue_length,
+                hold_without_endpoints: !args.no_wait_for_endpoints,
+                objectives,
+            },
             prefix_index_bytes: (args.prefix_index_mib as usize) << 20,
             drain_timeout: args.drain_timeout,
             drain_grace: args.drain_grace,
@@ -570,6 +607,7 @@ impl ServeConfig {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |msg: &str| Err(ConfigError::Invalid(msg.to_owned()));
+
         match &self.kubernetes {
             None if self.endpoints.is_empty() => return Err(ConfigError::NoEndpoints),
             None => {}

@@ -3,7 +3,8 @@
 //!
 //! Data flow: `extproc` (Envoy protocol; parses the body with `kvroute_core::request`) →
 //! `picker` (takes the current fleet, runs `kvroute_core::scheduler::pick`, reserves the
-//! winner) → `extproc` answers. Beside it: `discovery` feeds the `store` with endpoints,
+//! winner; a request that fits no pod waits in its waiting room, ordered as `flow` says)
+//! → `extproc` answers. Beside it: `discovery` feeds the `store` with endpoints,
 //! `scrape` polls each endpoint's `/metrics` and `/v1/models` into the `store`, which
 //! publishes fleet snapshots; `telemetry` owns kvroute's own metrics; `admin` serves the
 //! decision tap and endpoint list; `config` validates flags before `app` binds and runs.
@@ -14,6 +15,7 @@ pub mod app;
 pub mod config;
 pub mod discovery;
 pub mod extproc;
+pub mod flow;
 pub mod listener;
 pub mod picker;
 pub mod scrape;

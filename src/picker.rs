@@ -1,25 +1,51 @@
 //! The live router: runs the pure scheduler over the current snapshot, reserves the
 //! chosen pod's in-flight accounting, and records what happened (metrics, debug log,
 //! the live decision tap that the admin API's watchers subscribe to).
+//!
+//! Flow control: a request that fits no pod now (every pod saturated or short of the KV it
+//! needs) is not placed on the least bad pod, where it would queue in the engine or make
+//! it preempt: it waits in the [`waiting`] room until a pod has room, is refused at once
+//! when sheddable (negative priority) or when the room is full, and gets 429 when its wait
+//! runs out. A newcomer does not pass requests of its priority or higher already waiting.
+
+mod waiting;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use kvroute_core::fleet::{
     Fleet, ModelClass, PrefillEnd, PrefixIndex, Reservation, Snapshot, adapter_key, block_hashes,
 };
+use kvroute_core::flow::is_sheddable;
 use kvroute_core::request::RouteRequest;
 use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
 use serde::Serialize;
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, oneshot};
 use tracing::{debug, warn};
 
 use crate::extproc::messages::ErrorReply;
-use crate::extproc::{InFlight, ResponseSummary, Routed, Router, Unrouted, UnroutedKind};
+use crate::extproc::{
+    InFlight, Placement, ResponseSummary, Routed, Router, Unrouted, UnroutedKind, Waiting,
+};
+use crate::flow::{DropReason, FlowSettings, RequestClass};
 use crate::store::PodStore;
-use crate::telemetry::{self, ModelLabels, Outcome};
+use crate::telemetry::{self, ModelLabels, Outcome, QueueExit};
+
+use waiting::{Waiter, WaitingRoom};
+
+/// Requests a dispatch pass may find without room before it stops: each costs a pick,
+/// and the next change of capacity starts a new pass.
+const MAX_MISSES_PER_PASS: usize = 16;
+
+/// What placing a request came to.
+enum Placed {
+    Routed(Decision, Option<Reservation>),
+    /// No pod has room now; nothing was reserved.
+    NoRoom(Decision),
+}
 
 /// The router kvroute serves with.
 pub struct LivePicker {
@@ -34,6 +60,8 @@ pub struct LivePicker {
     decisions: DecisionLog,
     /// Each decision, for live watchers; built only while someone is subscribed.
     tap: broadcast::Sender<Arc<DecisionRecord>>,
+    /// Requests that fit no pod yet.
+    room: Arc<WaitingRoom>,
 }
 
 /// Decisions a watcher may fall behind by before it starts missing some.
@@ -45,6 +73,7 @@ impl LivePicker {
         config: SchedulerConfig,
         keep_decisions: usize,
         prefix_budget_bytes: usize,
+        flow: Arc<FlowSettings>,
     ) -> Self {
         LivePicker {
             store,
@@ -53,6 +82,251 @@ impl LivePicker {
             prefix: PrefixIndex::with_budget(prefix_budget_bytes),
             decisions: DecisionLog::new(keep_decisions),
             tap: broadcast::channel(TAP_CAPACITY).0,
+            room: Arc::new(WaitingRoom::new(flow)),
+        }
+    }
+
+    /// Requests waiting for room now.
+    pub fn waiting(&self) -> usize {
+        if self.room.is_empty() {
+            0
+        } else {
+            self.room.lock().queue.len()
+        }
+    }
+
+    /// Routes held requests as room appears, and answers those whose wait ran out. Runs
+    /// until the store is dropped; wakes on a request's end, a new fleet, a new held
+    /// request and the next deadline.
+    pub async fn run_waiting_room(self: Arc<Self>) {
+        let mut fleets = self.store.subscribe();
+        loop {
+            let deadline = self.room.next_deadline();
+            let until_deadline = async {
+                match deadline {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = self.room.wake.notified() => {}
+                changed = fleets.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+                () = until_deadline => {}
+            }
+            self.dispatch_waiting(tokio::time::Instant::now());
+        }
+    }
+
+    /// One pass over the waiting room at `now`: answers the requests whose wait ran out,
+    /// then routes, in flow control's order, those that fit.
+    fn dispatch_waiting(&self, now: tokio::time::Instant) {
+        if self.room.is_empty() {
+            return;
+        }
+        let fleet = self.store.fleet();
+        let starving_after = self.room.settings.max_wait / 2;
+        let mut held = self.room.lock();
+        let expired = self.room.expire(&mut held, now);
+        let routed = held.queue.dispatch(
+            MAX_MISSES_PER_PASS,
+            |waiter| waiter.pods_key,
+            |waiter| now.saturating_duration_since(waiter.since) >= starving_after,
+            |waiter| self.try_place(waiter, &fleet),
+        );
+        self.room.changed(&held);
+        drop(held);
+        for waiter in expired {
+            // What its last try found: pods without room, or no ready pod at all.
+            let any_ready = !waiter.no_endpoint.load(Ordering::Relaxed);
+            let (reason, kind, outcome) = if any_ready {
+                (DropReason::TtlExpired, UnroutedKind::Shed, Outcome::Shed)
+            } else {
+                (
+                    DropReason::NoEndpoints,
+                    UnroutedKind::Unavailable,
+                    Outcome::NoCapacity,
+                )
+            };
+            telemetry::record_queue_wait(waiter.priority, QueueExit::Dropped, now - waiter.since);
+            telemetry::record_dropped(reason);
+            telemetry::record_request(&waiter.labels, outcome);
+            let waited = self.room.settings.max_wait;
+            let message = if any_ready {
+                format!("no endpoint had room for the request within {waited:?}; retry later")
+            } else {
+                format!("no ready endpoint could serve the request within {waited:?}")
+            };
+            let request = RouteRequest {
+                inference: waiter.request.as_ref(),
+                subset: waiter.subset.as_ref(),
+            };
+            let waited = now.saturating_duration_since(waiter.since);
+            self.record_after_wait(
+                &request,
+                Err(format!("dropped ({}): {message}", reason.as_str())),
+                waited,
+            );
+            let _ = waiter.answer.send(Err(Unrouted {
+                kind,
+                message,
+                dropped: Some(reason),
+            }));
+        }
+        for (waiter, routed) in routed {
+            telemetry::record_queue_wait(waiter.priority, QueueExit::Routed, now - waiter.since);
+            // A client that left meanwhile drops the route, and with it the reservation.
+            let _ = waiter.answer.send(Ok(routed));
+        }
+    }
+
+    /// Places a held request if a pod has room now; records it when it does.
+    fn try_place(&self, waiter: &Waiter, fleet: &Fleet) -> Option<Routed<InFlightRequest>> {
+        let request = RouteRequest {
+            inference: waiter.request.as_ref(),
+            subset: waiter.subset.as_ref(),
+        };
+        let started = Instant::now();
+        match self.place(
+            &request,
+            &waiter.blocks,
+            fleet,
+            waiter.first_token_visible,
+            true,
+        ) {
+            Ok(Placed::Routed(decision, reservation)) => Some(self.routed(
+                &request,
+                decision,
+                reservation,
+                waiter.labels.clone(),
+                started.elapsed(),
+                Some(waiter.since.elapsed()),
+            )),
+            // Still no room, or no ready pod yet: it waits on.
+            Ok(Placed::NoRoom(_)) => {
+                waiter.no_endpoint.store(false, Ordering::Relaxed);
+                None
+            }
+            Err(error) => {
+                let none_ready =
+                    matches!(error, PickError::NoEndpoints | PickError::NoReadyEndpoint);
+                waiter.no_endpoint.store(none_ready, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// Records a placed request and builds its route.
+    fn routed(
+        &self,
+        request: &RouteRequest<'_>,
+        decision: Decision,
+        reservation: Option<Reservation>,
+        labels: ModelLabels,
+        elapsed: std::time::Duration,
+        waited: Option<std::time::Duration>,
+    ) -> Routed<InFlightRequest> {
+        telemetry::record_pick(elapsed, decision.reason.as_str());
+        telemetry::record_request(&labels, Outcome::Routed);
+        debug!(
+            endpoint = %decision.endpoint,
+            reason = decision.reason.as_str(),
+            candidates = decision.candidates,
+            tokens = decision.tokens_needed,
+            "routed"
+        );
+        match waited {
+            Some(waited) => self.record_after_wait(request, Ok(&decision), waited),
+            None => self.record(request, Ok(&decision)),
+        }
+        let endpoints = std::iter::once(decision.endpoint)
+            .chain(decision.fallbacks)
+            .collect();
+        Routed {
+            endpoints,
+            ticket: InFlightRequest {
+                endpoint: decision.endpoint,
+                reservation,
+                store: Arc::clone(&self.store),
+                labels,
+                routed_at: Instant::now(),
+                room: Arc::clone(&self.room),
+            },
+        }
+    }
+
+    /// Holds a request that found no room, or refuses it: a sheddable one, or any once
+    /// the room is full. `no_endpoints`: it found no ready pod at all (503, not 429).
+    fn hold(
+        &self,
+        request: &RouteRequest<'_>,
+        class: &RequestClass,
+        blocks: Vec<u64>,
+        labels: ModelLabels,
+        first_token_visible: bool,
+        no_endpoints: bool,
+    ) -> Placement<InFlightRequest> {
+        let settings = &self.room.settings;
+        let shed = |reason: DropReason, message: String| {
+            let (kind, outcome) = match reason {
+                DropReason::NoEndpoints => (UnroutedKind::Unavailable, Outcome::NoCapacity),
+                _ => (UnroutedKind::Shed, Outcome::Shed),
+            };
+            telemetry::record_dropped(reason);
+            telemetry::record_request(&labels, outcome);
+            telemetry::record_tenant(&class.tenant, false);
+            Placement::Unrouted(Unrouted {
+                kind,
+                message,
+                dropped: Some(reason),
+            })
+        };
+        if is_sheddable(class.priority) || !settings.queues() {
+            return if no_endpoints {
+                shed(
+                    DropReason::NoEndpoints,
+                    "no ready endpoint can serve the request".into(),
+                )
+            } else {
+                shed(
+                    DropReason::Saturated,
+                    "every endpoint is at capacity and the request is sheddable; retry later"
+                        .into(),
+                )
+            };
+        }
+        let pods_key = request.model().map_or(0, |model| {
+            pods_key(model, self.store.fleet().snapshot(), &self.config)
+        });
+        let (answer, answered) = oneshot::channel();
+        let waiter = Waiter {
+            request: request.inference.cloned(),
+            subset: request.subset.cloned(),
+            blocks,
+            first_token_visible,
+            labels: labels.clone(),
+            pods_key,
+            priority: class.priority,
+            no_endpoint: AtomicBool::new(no_endpoints),
+            since: tokio::time::Instant::now(),
+            answer,
+        };
+        match self.room.hold(&class.tenant, waiter) {
+            Some(place) => {
+                telemetry::record_tenant(&class.tenant, true);
+                self.record_held(request, class.priority);
+                Placement::Waiting(Waiting::new(answered, Box::new(place), settings.max_wait))
+            }
+            None => shed(
+                DropReason::Saturated,
+                format!(
+                    "every endpoint is at capacity and {} requests already wait; retry later",
+                    settings.max_waiting
+                ),
+            ),
         }
     }
 
@@ -67,6 +341,35 @@ impl LivePicker {
     /// lock (`receiver_count`) when neither wants it: nothing is built or cloned.
     fn record(&self, request: &RouteRequest<'_>, outcome: Result<&Decision, &PickError>) {
         self.publish(|| DecisionRecord::new(request, outcome));
+    }
+
+    /// Records a request that found no room and now waits.
+    fn record_held(&self, request: &RouteRequest<'_>, priority: i32) {
+        self.publish(|| DecisionRecord {
+            held: Some(priority),
+            ..DecisionRecord::about(request)
+        });
+    }
+
+    /// Records a held request's decision, with how long it waited.
+    fn record_after_wait(
+        &self,
+        request: &RouteRequest<'_>,
+        outcome: Result<&Decision, String>,
+        waited: std::time::Duration,
+    ) {
+        self.publish(|| {
+            let (decision, error) = match outcome {
+                Ok(decision) => (Some(decision.clone()), None),
+                Err(error) => (None, Some(error)),
+            };
+            DecisionRecord {
+                decision,
+                error,
+                queued_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+                ..DecisionRecord::about(request)
+            }
+        });
     }
 
     /// Records a request refused before routing, as a decision with its error.
@@ -88,6 +391,8 @@ impl LivePicker {
                     "refused {} {} on {shown}: {}",
                     reply.status, reply.code, reply.message
                 )),
+                held: None,
+                queued_ms: 0,
             }
         });
     }
@@ -118,13 +423,15 @@ impl LivePicker {
 
     /// Picks under the placement lock and reserves the winner's capacity, so the next
     /// pick sees this request. `blocks` are the prompt's prefix-block hashes.
+    /// With `hold`, a request no pod has room for is not placed ([`Placed::NoRoom`]).
     fn place(
         &self,
         request: &RouteRequest<'_>,
         blocks: &[u64],
         fleet: &Fleet,
         first_token_visible: bool,
-    ) -> Result<(Decision, Option<Reservation>), PickError> {
+        hold: bool,
+    ) -> Result<Placed, PickError> {
         // Matching reads the index's own shards: concurrent requests match in parallel.
         let matches = self.prefix.matches(blocks, fleet.snapshot());
         let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
@@ -135,6 +442,9 @@ impl LivePicker {
             &self.config,
             &mut rand::rng(),
         )?;
+        if hold && decision.lacks_room() {
+            return Ok(Placed::NoRoom(decision));
+        }
         let mut capacity = 0;
         let reservation = fleet.pod(decision.endpoint).map(|(pod, load)| {
             capacity = pod.signals().map_or(0, |s| s.kv_capacity_tokens);
@@ -163,7 +473,7 @@ impl LivePicker {
         });
         drop(placement);
         self.prefix.record(decision.endpoint, blocks, capacity);
-        Ok((decision, reservation))
+        Ok(Placed::Routed(decision, reservation))
     }
 }
 
@@ -177,42 +487,52 @@ impl Router for LivePicker {
     fn route(
         &self,
         request: &RouteRequest<'_>,
+        class: &RequestClass,
         first_token_visible: bool,
-    ) -> Result<Routed<InFlightRequest>, Unrouted> {
+    ) -> Placement<InFlightRequest> {
         let fleet = self.store.fleet();
         let labels = model_labels(request.model(), fleet.snapshot(), &self.config);
         // Hashing is the costly part of prefix matching, so it happens before the lock.
         let blocks = request.inference.map_or_else(Vec::new, |r| {
             block_hashes(&r.model, r.prefix_context, &r.prompt_prefix)
         });
+        let queues = self.room.settings.queues();
+        if queues && request.model().is_some() && self.room.must_queue_behind(class.priority) {
+            return self.hold(request, class, blocks, labels, first_token_visible, false);
+        }
+        // Sheddable requests are refused rather than placed without room, queue or not.
+        // A request without a model (GET /v1/models) takes no KV: it never waits for room.
+        let hold = (queues || is_sheddable(class.priority)) && request.model().is_some();
         let started = Instant::now();
-        let placed = self.place(request, &blocks, &fleet, first_token_visible);
+        let placed = self.place(request, &blocks, &fleet, first_token_visible, hold);
         let elapsed = started.elapsed();
         match placed {
-            Ok((decision, reservation)) => {
-                telemetry::record_pick(elapsed, decision.reason.as_str());
-                telemetry::record_request(&labels, Outcome::Routed);
+            Ok(Placed::Routed(decision, reservation)) => {
+                telemetry::record_tenant(&class.tenant, true);
+                Placement::Routed(self.routed(
+                    request,
+                    decision,
+                    reservation,
+                    labels,
+                    elapsed,
+                    None,
+                ))
+            }
+            Ok(Placed::NoRoom(decision)) => {
                 debug!(
-                    endpoint = %decision.endpoint,
                     reason = decision.reason.as_str(),
-                    candidates = decision.candidates,
                     tokens = decision.tokens_needed,
-                    "routed"
+                    "no pod has room"
                 );
-                self.record(request, Ok(&decision));
-                let endpoints = std::iter::once(decision.endpoint)
-                    .chain(decision.fallbacks)
-                    .collect();
-                Ok(Routed {
-                    endpoints,
-                    ticket: InFlightRequest {
-                        endpoint: decision.endpoint,
-                        reservation,
-                        store: Arc::clone(&self.store),
-                        labels,
-                        routed_at: Instant::now(),
-                    },
-                })
+                self.hold(request, class, blocks, labels, first_token_visible, false)
+            }
+            // A pod whose model list kvroute cannot read is a configuration problem, not
+            // one a wait mends: it is answered at once, below.
+            Err(PickError::NoEndpoints | PickError::NoReadyEndpoint)
+                if queues && self.room.settings.hold_without_endpoints =>
+            {
+                // Pods may be starting (scale from zero, a rollout): hold rather than 503.
+                self.hold(request, class, blocks, labels, first_token_visible, true)
             }
             Err(error) => {
                 debug!(%error, "not routed");
@@ -229,9 +549,10 @@ impl Router for LivePicker {
                     }
                 };
                 telemetry::record_request(&labels, outcome);
-                Err(Unrouted {
+                Placement::Unrouted(Unrouted {
                     kind,
                     message: error.to_string(),
+                    dropped: None,
                 })
             }
         }
@@ -249,6 +570,19 @@ pub struct InFlightRequest {
     store: Arc<PodStore>,
     labels: ModelLabels,
     routed_at: Instant,
+    /// Told when the request ends: its pod has room again.
+    room: Arc<WaitingRoom>,
+}
+
+impl Drop for InFlightRequest {
+    fn drop(&mut self) {
+        // The reservation goes with this request (whichever way it ends): a held request
+        // may fit now.
+        self.reservation = None;
+        if !self.room.is_empty() {
+            self.room.wake.notify_one();
+        }
+    }
 }
 
 impl InFlight for InFlightRequest {
@@ -292,6 +626,21 @@ impl InFlight for InFlightRequest {
     }
 }
 
+/// What a request competes for in the waiting room: a digest of its base model (an adapter
+/// runs on its base model's pods).
+fn pods_key(model: &str, snapshot: &Snapshot, config: &SchedulerConfig) -> u64 {
+    let base = match config.adapters.get(model) {
+        Some(base) => base.as_str(),
+        None => match snapshot.models.class(model) {
+            Some(ModelClass::Adapter { base }) => base.as_str(),
+            _ => model,
+        },
+    };
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    std::hash::Hash::hash(base, &mut hasher);
+    std::hash::Hasher::finish(&hasher)
+}
+
 /// Bounded telemetry labels: a model only when the fleet (or the config) knows it.
 fn model_labels(model: Option<&str>, snapshot: &Snapshot, config: &SchedulerConfig) -> ModelLabels {
     let Some(model) = model else {
@@ -328,21 +677,42 @@ pub struct DecisionRecord {
     pub decision: Option<Decision>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The request found no pod with room and waits, at this priority.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held: Option<i32>,
+    /// How long the request waited for room before this decision.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub queued_ms: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 impl DecisionRecord {
+    /// A record of `request` with no outcome yet.
+    fn about(request: &RouteRequest<'_>) -> Self {
+        DecisionRecord {
+            unix_ms: unix_ms(),
+            model: request.model().map(str::to_owned),
+            prompt_tokens: request.prompt_tokens(),
+            max_output_tokens: request.max_output_tokens(),
+            decision: None,
+            error: None,
+            held: None,
+            queued_ms: 0,
+        }
+    }
+
     fn new(request: &RouteRequest<'_>, outcome: Result<&Decision, &PickError>) -> Self {
         let (decision, error) = match outcome {
             Ok(decision) => (Some(decision.clone()), None),
             Err(error) => (None, Some(error.to_string())),
         };
         DecisionRecord {
-            unix_ms: unix_ms(),
-            model: request.model().map(str::to_owned),
-            prompt_tokens: request.prompt_tokens(),
-            max_output_tokens: request.max_output_tokens(),
             decision,
             error,
+            ..DecisionRecord::about(request)
         }
     }
 }

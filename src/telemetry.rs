@@ -17,6 +17,9 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use metrics_util::MetricKindMask;
 
 use kvroute_core::fleet::PodMetrics;
+use kvroute_core::flow::Priority;
+
+use crate::flow::{DEFAULT_TENANT, DropReason};
 use kvroute_core::scheduler::Reason;
 
 /// How long a gauge no one sets stays exported by default: a departed pod's gauges leave
@@ -47,6 +50,14 @@ pub const MEMORY_ALLOCATED: &str = "kvroute_memory_allocated_bytes";
 pub const MEMORY_RESIDENT: &str = "kvroute_memory_resident_bytes";
 pub const PREFIX_INDEX_ENTRIES: &str = "kvroute_prefix_index_entries";
 pub const PREFIX_INDEX_CAPACITY: &str = "kvroute_prefix_index_capacity_entries";
+pub const FLOW_QUEUE: &str = "kvroute_flow_queue_requests";
+pub const FLOW_QUEUE_WAIT: &str = "kvroute_flow_queue_wait_seconds";
+pub const FLOW_DROPPED: &str = "kvroute_flow_dropped_total";
+pub const FLOW_TENANT_REQUESTS: &str = "kvroute_flow_tenant_requests_total";
+
+/// Distinct tenants that get their own label value in [`FLOW_TENANT_REQUESTS`]; later
+/// ones count as `other`, so a client inventing ids cannot grow the exposition.
+pub const MAX_TENANT_LABELS: usize = 64;
 
 /// Request outcomes, the `outcome` label of [`REQUESTS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,10 +71,12 @@ pub enum Outcome {
     Misconfigured,
     /// A path outside the routed inference API.
     NotFound,
+    /// No pod had room, and flow control refused to hold the request (longer): 429.
+    Shed,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 7] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::Routed,
         Outcome::BadRequest,
         Outcome::UnknownModel,
@@ -71,6 +84,7 @@ impl Outcome {
         Outcome::NoCapacity,
         Outcome::Misconfigured,
         Outcome::NotFound,
+        Outcome::Shed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -82,6 +96,7 @@ impl Outcome {
             Outcome::NoCapacity => "no_capacity",
             Outcome::Misconfigured => "misconfigured_gateway",
             Outcome::NotFound => "not_found",
+            Outcome::Shed => "shed",
         }
     }
 }
@@ -150,6 +165,9 @@ fn build_and_install(idle_gauge_timeout: Duration) -> Result<PrometheusHandle, T
     let request_buckets = [
         0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
     ];
+    let wait_buckets = [
+        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ];
     let scrape_buckets = [
         0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
     ];
@@ -164,6 +182,9 @@ fn build_and_install(idle_gauge_timeout: Duration) -> Result<PrometheusHandle, T
         })
         .and_then(|b| {
             b.set_buckets_for_metric(Matcher::Full(SCRAPE_DURATION.into()), &scrape_buckets)
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(Matcher::Full(FLOW_QUEUE_WAIT.into()), &wait_buckets)
         })
         .map_err(|e| TelemetryError::Buckets(e.to_string()))?
         .build_recorder();
@@ -265,6 +286,23 @@ fn describe() {
         "(pod, prompt block) pairs kvroute remembers for prefix-cache affinity."
     );
     describe_gauge!(
+        FLOW_QUEUE,
+        "Requests waiting at the gateway for a pod with room, by priority."
+    );
+    describe_histogram!(
+        FLOW_QUEUE_WAIT,
+        Unit::Seconds,
+        "Time requests waited at the gateway for room, by priority and how the wait ended (routed, dropped, left)."
+    );
+    describe_counter!(
+        FLOW_DROPPED,
+        "Requests flow control refused or dropped, by reason (the x-llm-d-request-dropped-reason value)."
+    );
+    describe_counter!(
+        FLOW_TENANT_REQUESTS,
+        "Requests admitted (routed or queued) and shed, by tenant (fairness id; after 64 distinct ids, other)."
+    );
+    describe_gauge!(
         PREFIX_INDEX_CAPACITY,
         "The most (pod, prompt block) pairs the prefix index keeps (--prefix-index-mib); at it, each pod keeps an equal share of its most recent blocks."
     );
@@ -287,14 +325,30 @@ fn register_counters() {
         counter!(COMPLETION_TOKENS, "model" => other.model.clone(), "adapter" => other.adapter),
     );
     standing.extend(Reason::all().map(|reason| counter!(DECISIONS, "reason" => reason.as_str())));
+    standing.extend(
+        DropReason::ALL
+            .iter()
+            .map(|reason| counter!(FLOW_DROPPED, "reason" => reason.as_str())),
+    );
+    standing.extend(["admitted", "shed"].map(
+        |outcome| counter!(FLOW_TENANT_REQUESTS, "tenant" => DEFAULT_TENANT, "outcome" => outcome),
+    ));
     let _ = STANDING.set(standing);
+    // The default band's queue length, at 0 until something waits.
+    let _ = STANDING_GAUGES.set(vec![gauge!(FLOW_QUEUE, "priority" => "0")]);
     touch_standing_series();
 }
 
-/// Marks the standing counters as current, so that the idle timeout never takes them.
+/// Gauges that exist from the start and stay.
+static STANDING_GAUGES: OnceLock<Vec<Gauge>> = OnceLock::new();
+
+/// Marks the standing series as current, so that the idle timeout never takes them.
 pub fn touch_standing_series() {
     for counter in STANDING.get().into_iter().flatten() {
         counter.increment(0);
+    }
+    for gauge in STANDING_GAUGES.get().into_iter().flatten() {
+        gauge.increment(0.0);
     }
 }
 
@@ -530,4 +584,73 @@ pub fn record_fleet(healthy: usize, unhealthy: usize, oldest_metrics: Option<Dur
     gauge!(ENDPOINTS, "health" => "healthy").set(healthy as f64);
     gauge!(ENDPOINTS, "health" => "unhealthy").set(unhealthy as f64);
     gauge!(SNAPSHOT_AGE).set(oldest_metrics.map_or(0.0, |age| age.as_secs_f64()));
+}
+
+/// How a request's wait at the gateway ended, the `outcome` label of [`FLOW_QUEUE_WAIT`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueExit {
+    Routed,
+    Dropped,
+    /// The client went away.
+    Left,
+}
+
+impl QueueExit {
+    fn as_str(self) -> &'static str {
+        match self {
+            QueueExit::Routed => "routed",
+            QueueExit::Dropped => "dropped",
+            QueueExit::Left => "left",
+        }
+    }
+}
+
+/// Priorities that had requests waiting at the last update: their gauge is set to 0 when
+/// their band empties, rather than left at its last length.
+static QUEUED_BANDS: std::sync::Mutex<Vec<Priority>> = std::sync::Mutex::new(Vec::new());
+
+/// Sets the queue gauges from the lengths of the bands now waiting.
+pub fn record_queue_lengths(bands: impl Iterator<Item = (Priority, usize)>) {
+    let mut previous = QUEUED_BANDS.lock().unwrap_or_else(|p| p.into_inner());
+    let now: Vec<(Priority, usize)> = bands.collect();
+    for priority in previous.iter() {
+        if !now.iter().any(|(p, _)| p == priority) {
+            gauge!(FLOW_QUEUE, "priority" => priority.to_string()).set(0.0);
+        }
+    }
+    for (priority, length) in &now {
+        gauge!(FLOW_QUEUE, "priority" => priority.to_string()).set(*length as f64);
+    }
+    *previous = now.into_iter().map(|(p, _)| p).collect();
+}
+
+/// One request's wait at the gateway, ended as `exit`.
+pub fn record_queue_wait(priority: Priority, exit: QueueExit, waited: Duration) {
+    histogram!(FLOW_QUEUE_WAIT, "priority" => priority.to_string(), "outcome" => exit.as_str())
+        .record(waited.as_secs_f64());
+}
+
+/// A request flow control refused or dropped.
+pub fn record_dropped(reason: DropReason) {
+    counter!(FLOW_DROPPED, "reason" => reason.as_str()).increment(1);
+}
+
+/// Tenants with a label of their own so far.
+static TENANT_LABELS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// A request of `tenant` admitted (routed or queued) or shed.
+pub fn record_tenant(tenant: &str, admitted: bool) {
+    let label = {
+        let mut known = TENANT_LABELS.lock().unwrap_or_else(|p| p.into_inner());
+        if known.iter().any(|t| t == tenant) {
+            tenant.to_owned()
+        } else if known.len() < MAX_TENANT_LABELS {
+            known.push(tenant.to_owned());
+            tenant.to_owned()
+        } else {
+            "other".to_owned()
+        }
+    };
+    let outcome = if admitted { "admitted" } else { "shed" };
+    counter!(FLOW_TENANT_REQUESTS, "tenant" => label, "outcome" => outcome).increment(1);
 }

@@ -263,7 +263,11 @@ async fn readiness_follows_whether_any_pod_is_scraped_while_liveness_always_serv
     let pod = FakePod::start("pod-0", "llama", &[]).await;
     // A pod whose /metrics fails: nothing is scraped, so kvroute is not ready.
     pod.override_metrics(Some((500, "engine dead")));
-    let kvroute = Kvroute::start(test_config(vec![pod.addr])).await;
+    let mut config = test_config(vec![pod.addr]);
+    // Answer at once rather than hold the request for a pod to come up (the default,
+    // tested in src/picker/tests.rs), so that the answer shows the state now.
+    config.flow.hold_without_endpoints = false;
+    let kvroute = Kvroute::start(config).await;
     let grpc = kvroute.addrs.grpc;
     assert_eq!(
         health_status(grpc, "liveness").await,

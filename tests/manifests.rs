@@ -1427,6 +1427,8 @@ impl Drop for Prometheus {
 }
 
 const MODEL: &str = "llama";
+/// The model of the dashboard test's full pod.
+const FULL_MODEL: &str = "mistral";
 
 /// POSTs `body` (raw) to Envoy; returns the status.
 async fn post(client: &reqwest::Client, url: &str, body: String) -> u16 {
@@ -1447,7 +1449,7 @@ async fn traffic_round(
     url: &str,
 ) -> Vec<(&'static str, u16, &'static [u16])> {
     let mut outcomes = Vec::new();
-    let requests: [(&str, Value, &[u16]); 6] = [
+    let requests: [(&str, Value, &[u16]); 7] = [
         (
             "base model",
             json!({"model": MODEL, "prompt": "hello", "max_tokens": 8}),
@@ -1476,6 +1478,12 @@ async fn traffic_round(
             &[404],
         ),
         ("no model", json!({"prompt": "hi"}), &[400]),
+        (
+            "a model whose pods have no room",
+            json!({"model": FULL_MODEL, "prompt": "hi", "max_tokens": 8}),
+            // It waits --max-queue-wait, then 429.
+            &[429],
+        ),
     ];
     for (what, body, expected) in requests {
         outcomes.push((what, post(client, url, body.to_string()).await, expected));
@@ -1511,12 +1519,22 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus_scraping_kvro
     let failing = FakePod::start("pod-2", MODEL, &[]).await;
     failing.override_metrics(Some((500, "engine dead")));
     let down = failing.addr;
-    let live: Vec<SocketAddr> = pods.iter().map(|p| p.addr).collect();
+    // A pod of another model with no room: its requests wait, then are dropped (flow
+    // control's series).
+    let full = FakePod::start("pod-3", FULL_MODEL, &[]).await;
+    full.set_metrics(FakeMetrics {
+        kv_usage: 0.97,
+        ..FakeMetrics::default()
+    });
+    let mut live: Vec<SocketAddr> = pods.iter().map(|p| p.addr).collect();
+    live.push(full.addr);
     let mut endpoints = live.clone();
     endpoints.push(down);
     // As the binary does: jemalloc's counters feed the memory gauges.
     kvroute::telemetry::register_allocator_stats(kvroute::telemetry::jemalloc_stats);
-    let kvroute = Kvroute::start(test_config(endpoints)).await;
+    let mut config = test_config(endpoints);
+    config.flow.max_wait = Duration::from_millis(100);
+    let kvroute = Kvroute::start(config).await;
     kvroute
         .wait_for(
             "the live pods scraped, the failing one listed and down",

@@ -129,10 +129,13 @@ impl Admin for AdminService {
 
 /// The wire form of one decision.
 pub fn event(record: &DecisionRecord) -> pb::DecisionEvent {
-    let outcome = match (&record.decision, &record.error) {
-        (Some(decision), _) => Some(pb::decision_event::Outcome::Routed(routed(decision))),
-        (None, Some(error)) => Some(pb::decision_event::Outcome::Error(error.clone())),
-        (None, None) => None,
+    let outcome = match (&record.decision, &record.error, record.held) {
+        (Some(decision), _, _) => Some(pb::decision_event::Outcome::Routed(routed(decision))),
+        (None, Some(error), _) => Some(pb::decision_event::Outcome::Error(error.clone())),
+        (None, None, Some(priority)) => {
+            Some(pb::decision_event::Outcome::Held(pb::Held { priority }))
+        }
+        (None, None, None) => None,
     };
     pb::DecisionEvent {
         unix_ms: u64::try_from(record.unix_ms).unwrap_or(u64::MAX),
@@ -140,6 +143,7 @@ pub fn event(record: &DecisionRecord) -> pb::DecisionEvent {
         prompt_tokens: record.prompt_tokens,
         max_output_tokens: record.max_output_tokens,
         outcome,
+        queued_ms: record.queued_ms,
     }
 }
 

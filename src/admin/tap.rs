@@ -143,6 +143,9 @@ pub fn render_event(event: &pb::DecisionEvent, top: usize) -> String {
             if !routed.fallbacks.is_empty() {
                 let _ = write!(out, " fallbacks={}", routed.fallbacks.join(","));
             }
+            if event.queued_ms > 0 {
+                let _ = write!(out, " waited={}ms", event.queued_ms);
+            }
             if let Some(relaxed) = &routed.relaxed {
                 let names: Vec<&str> = [
                     (relaxed.saturation, "saturation"),
@@ -184,6 +187,16 @@ pub fn render_event(event: &pb::DecisionEvent, top: usize) -> String {
         }
         Some(Outcome::Error(error)) => {
             let _ = write!(out, " -> not routed: {error}");
+            if event.queued_ms > 0 {
+                let _ = write!(out, " (after waiting {}ms)", event.queued_ms);
+            }
+        }
+        Some(Outcome::Held(held)) => {
+            let _ = write!(
+                out,
+                " -> held: no endpoint has room (priority {})",
+                held.priority
+            );
         }
         Some(Outcome::Missed(_)) | None => {}
     }
@@ -266,6 +279,7 @@ mod tests {
             model: Some("llama".into()),
             prompt_tokens: 12,
             max_output_tokens: None,
+            queued_ms: 0,
             outcome: Some(Outcome::Routed(pb::Routed {
                 endpoint: "10.0.0.1:8000".into(),
                 reason: "least_loaded".into(),

@@ -10,6 +10,8 @@ fn record(model: Option<&str>) -> DecisionRecord {
         model: model.map(str::to_owned),
         prompt_tokens: 100,
         max_output_tokens: Some(50),
+        held: None,
+        queued_ms: 0,
         decision: Some(Decision {
             endpoint,
             fallbacks: vec!["10.0.0.2:8000".parse().expect("addr")],
@@ -20,6 +22,7 @@ fn record(model: Option<&str>) -> DecisionRecord {
             },
             tokens_needed: 150,
             candidates: 2,
+            could_fit: true,
             ranked: vec![CandidateScore {
                 endpoint,
                 total: 3.5,

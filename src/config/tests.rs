@@ -304,3 +304,55 @@ fn resource_bounds_have_documented_defaults_and_refuse_nonsense() {
         assert!(parse(&args).is_err(), "{bad:?} must be refused");
     }
 }
+
+#[test]
+fn flow_control_flags_set_the_queue_and_the_objectives() {
+    let defaults = parse(&["--endpoints", "10.0.0.1:8000"]).expect("valid");
+    assert_eq!(defaults.flow, FlowSettings::default());
+    assert_eq!(defaults.flow.max_wait, Duration::from_secs(15));
+    let config = parse(&[
+        "--endpoints",
+        "10.0.0.1:8000",
+        "--max-queue-wait",
+        "2s",
+        "--max-queue-length",
+        "10",
+        "--no-wait-for-endpoints",
+        "--objective-priority",
+        "critical=100,batch=-10",
+        "--objective-priority",
+        "standard=0",
+    ])
+    .expect("valid");
+    assert_eq!(config.flow.max_wait, Duration::from_secs(2));
+    assert_eq!(config.flow.max_waiting, 10);
+    assert!(!config.flow.hold_without_endpoints);
+    assert_eq!(
+        config.flow.objectives,
+        HashMap::from([
+            ("critical".to_owned(), 100),
+            ("batch".to_owned(), -10),
+            ("standard".to_owned(), 0)
+        ])
+    );
+}
+
+#[test]
+fn a_malformed_or_repeated_objective_is_refused_with_its_text() {
+    let malformed = parse(&[
+        "--endpoints",
+        "10.0.0.1:8000",
+        "--objective-priority",
+        "critical=high",
+    ])
+    .expect_err("not a number");
+    assert!(malformed.contains("critical=high"), "{malformed}");
+    let repeated = parse(&[
+        "--endpoints",
+        "10.0.0.1:8000",
+        "--objective-priority",
+        "critical=1,critical=2",
+    ])
+    .expect_err("named twice");
+    assert!(repeated.contains("`critical` twice"), "{repeated}");
+}

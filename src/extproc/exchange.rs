@@ -14,6 +14,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -34,7 +35,11 @@ use kvroute_core::request::{
     ApiKind, EndpointSubset, InferenceRequest, RequestError, parse_request,
 };
 
-use super::{InFlight, ResponseSummary, RouteRequest, Router, Unrouted, UnroutedKind};
+use super::{
+    InFlight, Placement, ResponseSummary, RouteRequest, Routed, Router, Unrouted, UnroutedKind,
+    Waiting,
+};
+use crate::flow::{ClassError, DropReason, FAIRNESS_HEADERS, OBJECTIVE_HEADERS, RequestClass};
 use crate::telemetry::{self, ModelLabels, Outcome};
 
 /// How Envoy sends a body, from `protocol_config`.
@@ -73,6 +78,8 @@ enum Phase {
     Start,
     /// Collecting the request body.
     ReadingBody,
+    /// The request waits at the gateway for a pod with room (see [`Waiting`]).
+    Waiting,
     /// The request has been routed and forwarded; response phases may follow.
     Forwarded,
     /// An error reply was sent; Envoy ends the request.
@@ -87,8 +94,13 @@ pub struct Exchange<R: Router> {
     response_mode: BodyMode,
     path: String,
     subset: Option<EndpointSubset>,
+    class: RequestClass,
     body: Vec<u8>,
     phase: Phase,
+    /// How the routing answer goes out, once the request waiting for it is placed.
+    answer_in: AnswerIn,
+    /// The wait of a request held by flow control, until the stream takes it.
+    waiting: Option<Waiting<R::Ticket>>,
     /// What the routed request holds until its response ends.
     ticket: Option<R::Ticket>,
     response: ResponseSummary,
@@ -105,8 +117,11 @@ impl<R: Router> Exchange<R> {
             response_mode: BodyMode::None,
             path: String::new(),
             subset: None,
+            class: RequestClass::default(),
             body: Vec::new(),
             phase: Phase::Start,
+            answer_in: AnswerIn::Headers,
+            waiting: None,
             ticket: None,
             response: ResponseSummary::default(),
             first_token_seen: false,
@@ -151,7 +166,13 @@ impl<R: Router> Exchange<R> {
         match self.phase {
             Phase::Start | Phase::ReadingBody => {
                 self.drop_body();
-                vec![self.refuse(shutting_down(), Outcome::NoCapacity)]
+                vec![self.refuse(shutting_down(None), Outcome::NoCapacity)]
+            }
+            Phase::Waiting => {
+                self.waiting = None;
+                self.drop_body();
+                let reply = shutting_down(Some(DropReason::ShuttingDown));
+                vec![self.refuse(reply, Outcome::NoCapacity)]
             }
             Phase::Forwarded | Phase::Rejected => Vec::new(),
         }
@@ -171,7 +192,32 @@ impl<R: Router> Exchange<R> {
                 self.drop_body();
                 vec![self.refuse(read_timeout(), Outcome::BadRequest)]
             }
-            Phase::Start | Phase::Forwarded | Phase::Rejected => Vec::new(),
+            Phase::Start | Phase::Waiting | Phase::Forwarded | Phase::Rejected => Vec::new(),
+        }
+    }
+
+    /// The wait of a request flow control holds, for the stream to await; then
+    /// [`Exchange::placed`] answers with its outcome.
+    pub fn take_waiting(&mut self) -> Option<Waiting<R::Ticket>> {
+        self.waiting.take()
+    }
+
+    /// The held request's wait resolved: answers with its route or its refusal.
+    pub fn placed(
+        &mut self,
+        outcome: Result<Routed<R::Ticket>, Unrouted>,
+    ) -> Vec<ProcessingResponse> {
+        if self.phase != Phase::Waiting {
+            // Answered meanwhile (the drain aborted it): a late route is dropped here,
+            // which releases what it reserved.
+            return Vec::new();
+        }
+        match outcome {
+            Ok(routed) => self.forward(routed),
+            Err(unrouted) => {
+                self.drop_body();
+                vec![self.reject(no_route(unrouted))]
+            }
         }
     }
 
@@ -185,7 +231,7 @@ impl<R: Router> Exchange<R> {
     /// request was already answered.
     pub fn body_too_large(&mut self) -> Vec<ProcessingResponse> {
         match self.phase {
-            Phase::Rejected | Phase::Forwarded => Vec::new(),
+            Phase::Rejected | Phase::Waiting | Phase::Forwarded => Vec::new(),
             Phase::Start | Phase::ReadingBody => {
                 self.drop_body();
                 vec![self.refuse(too_large(self.policy.max_body_bytes), Outcome::TooLarge)]
@@ -227,10 +273,24 @@ impl<R: Router> Exchange<R> {
             return vec![self.refuse(bad_request(&RequestError::EmptyBody), Outcome::BadRequest)];
         }
         self.subset = metadata.as_ref().and_then(subset_hint);
+        let (objective, fairness_id) = headers.headers.as_ref().map_or((None, None), |map| {
+            (
+                first_header(map, &OBJECTIVE_HEADERS),
+                first_header(map, &FAIRNESS_HEADERS),
+            )
+        });
+        match self
+            .policy
+            .flow
+            .classify(objective.as_deref(), fairness_id.as_deref())
+        {
+            Ok(class) => self.class = class,
+            Err(error) => return vec![self.refuse(bad_class(&error), Outcome::BadRequest)],
+        }
         if headers.end_of_stream || self.request_mode == BodyMode::None {
             // Nothing to read (GET /v1/models, or a filter that sends no body): any
             // ready pod can answer.
-            return vec![self.route(None, AnswerIn::Headers)];
+            return self.route(None, AnswerIn::Headers);
         }
         self.phase = Phase::ReadingBody;
         match self.request_mode {
@@ -243,7 +303,7 @@ impl<R: Router> Exchange<R> {
         if self.phase != Phase::ReadingBody {
             // After a rejection Envoy may still deliver chunks already in flight.
             return match (self.phase, self.request_mode) {
-                (Phase::Rejected, _) | (_, BodyMode::FullDuplex) => Vec::new(),
+                (Phase::Rejected | Phase::Waiting, _) | (_, BodyMode::FullDuplex) => Vec::new(),
                 _ => vec![messages::continue_request_body()],
             };
         }
@@ -270,9 +330,8 @@ impl<R: Router> Exchange<R> {
             // it, not kvroute.
             _ => {
                 let parsed = self.parse_body();
-                let answer = self.route_parsed(parsed, AnswerIn::Body);
                 self.drop_body();
-                vec![answer]
+                self.route_parsed(parsed, AnswerIn::Body)
             }
         }
     }
@@ -281,14 +340,8 @@ impl<R: Router> Exchange<R> {
         match (self.phase, self.request_mode) {
             // Trailers end the body in full duplex: route, stream the body back, then
             // answer the trailers.
-            (Phase::ReadingBody, BodyMode::FullDuplex) => {
-                let mut answers = self.route_full_duplex(true);
-                if self.phase == Phase::Forwarded {
-                    answers.push(messages::continue_request_trailers());
-                }
-                answers
-            }
-            (Phase::Rejected, _) => Vec::new(),
+            (Phase::ReadingBody, BodyMode::FullDuplex) => self.route_full_duplex(true),
+            (Phase::Rejected | Phase::Waiting, _) => Vec::new(),
             _ => vec![messages::continue_request_trailers()],
         }
     }
@@ -372,30 +425,45 @@ impl<R: Router> Exchange<R> {
         vec![answer]
     }
 
+    /// Full duplex: the body has ended (by its last chunk, or by trailers); routes it.
     fn route_full_duplex(&mut self, ended_by_trailers: bool) -> Vec<ProcessingResponse> {
         let parsed = self.parse_body();
-        let first = self.route_parsed(parsed, AnswerIn::Headers);
-        if self.phase != Phase::Forwarded {
-            self.drop_body();
-            return vec![first];
-        }
+        self.route_parsed(
+            parsed,
+            AnswerIn::Streamed {
+                trailers: ended_by_trailers,
+            },
+        )
+    }
+
+    /// Sends a routed request on: the routing answer, and in full duplex the body streamed
+    /// back (then the trailers' answer, if they ended it).
+    fn forward(&mut self, routed: Routed<R::Ticket>) -> Vec<ProcessingResponse> {
+        let destination = routed.destination();
+        self.ticket = Some(routed.ticket);
+        self.phase = Phase::Forwarded;
+        let trailers = match self.answer_in {
+            AnswerIn::Headers => return vec![messages::route_in_headers(&destination)],
+            AnswerIn::Body => return vec![messages::route_in_body(&destination)],
+            AnswerIn::Streamed { trailers } => trailers,
+        };
         let body = std::mem::take(&mut self.body);
         self.policy.held_body_budget.give_back(body.len());
-        let mut answers = Vec::with_capacity(2 + body.len() / MAX_STREAMED_CHUNK);
-        answers.push(first);
+        let mut answers = Vec::with_capacity(3 + body.len() / MAX_STREAMED_CHUNK);
+        answers.push(messages::route_in_headers(&destination));
         if body.is_empty() {
-            answers.push(messages::streamed_request_body(
-                Vec::new(),
-                !ended_by_trailers,
-            ));
+            answers.push(messages::streamed_request_body(Vec::new(), !trailers));
         }
         let chunks = body.len().div_ceil(MAX_STREAMED_CHUNK);
         for (index, chunk) in body.chunks(MAX_STREAMED_CHUNK).enumerate() {
             let last = index + 1 == chunks;
             answers.push(messages::streamed_request_body(
                 chunk.to_vec(),
-                last && !ended_by_trailers,
+                last && !trailers,
             ));
+        }
+        if trailers {
+            answers.push(messages::continue_request_trailers());
         }
         answers
     }
@@ -418,10 +486,13 @@ impl<R: Router> Exchange<R> {
         &mut self,
         parsed: Result<Option<InferenceRequest>, RequestError>,
         answer_in: AnswerIn,
-    ) -> ProcessingResponse {
+    ) -> Vec<ProcessingResponse> {
         match parsed {
             Ok(request) => self.route(request.as_ref(), answer_in),
-            Err(error) => self.refuse(bad_request(&error), Outcome::BadRequest),
+            Err(error) => {
+                self.drop_body();
+                vec![self.refuse(bad_request(&error), Outcome::BadRequest)]
+            }
         }
     }
 
@@ -429,26 +500,38 @@ impl<R: Router> Exchange<R> {
         &mut self,
         request: Option<&InferenceRequest>,
         answer_in: AnswerIn,
-    ) -> ProcessingResponse {
+    ) -> Vec<ProcessingResponse> {
         let route_request = RouteRequest {
             inference: request,
             subset: self.subset.as_ref(),
         };
+        self.answer_in = answer_in;
         // The router records routed and unrouted requests itself: it knows their models.
         // Only a streamed response body shows its first token as it leaves the pod; a
         // buffered one arrives whole, at the end.
         let first_token_visible = self.response_mode == BodyMode::FullDuplex;
-        match self.router.route(&route_request, first_token_visible) {
-            Ok(routed) => {
-                let destination = routed.destination();
-                self.ticket = Some(routed.ticket);
-                self.phase = Phase::Forwarded;
+        match self
+            .router
+            .route(&route_request, &self.class, first_token_visible)
+        {
+            Placement::Routed(routed) => self.forward(routed),
+            Placement::Unrouted(unrouted) => {
+                self.drop_body();
+                vec![self.reject(no_route(unrouted))]
+            }
+            Placement::Waiting(waiting) => {
+                self.phase = Phase::Waiting;
+                let max_wait = waiting.max_wait;
+                self.waiting = Some(waiting);
                 match answer_in {
-                    AnswerIn::Headers => messages::route_in_headers(&destination),
-                    AnswerIn::Body => messages::route_in_body(&destination),
+                    // Full duplex runs no message timer; the others would fail the
+                    // request over after `message_timeout` without this.
+                    AnswerIn::Streamed { .. } => Vec::new(),
+                    AnswerIn::Headers | AnswerIn::Body => {
+                        vec![messages::extend_message_timeout(max_wait + ANSWER_MARGIN)]
+                    }
                 }
             }
-            Err(unrouted) => self.reject(no_route(unrouted)),
         }
     }
 
@@ -483,8 +566,23 @@ impl<R: Router> Drop for Exchange<R> {
 /// picked a host yet), or the one to the buffered body.
 #[derive(Debug, Clone, Copy)]
 enum AnswerIn {
+    /// A request without a body: the headers' answer.
     Headers,
+    /// The buffered body's answer.
     Body,
+    /// Full duplex: the headers' answer, then the body streamed back, then (`trailers`:
+    /// they ended the body) the trailers' answer.
+    Streamed { trailers: bool },
+}
+
+/// How much longer than flow control's own bound the gateway is asked to wait for the
+/// answer to a held request: flow control answers at its bound, and the answer must reach
+/// Envoy before Envoy gives up on it.
+const ANSWER_MARGIN: Duration = Duration::from_secs(1);
+
+/// The value of the first of `names` present.
+fn first_header(map: &HeaderMap, names: &[&str]) -> Option<String> {
+    names.iter().find_map(|name| header_value(map, name))
 }
 
 fn header_value(map: &HeaderMap, name: &str) -> Option<String> {
@@ -567,6 +665,7 @@ fn bad_request(error: &RequestError) -> ErrorReply {
         code: error.code(),
         message: error.to_string(),
         retry_after: None,
+        dropped: None,
     }
 }
 
@@ -586,6 +685,7 @@ fn unknown_path(path: &str) -> ErrorReply {
              (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, ...)"
         ),
         retry_after: None,
+        dropped: None,
     }
 }
 
@@ -599,16 +699,29 @@ fn unroutable_mode(mode: &str) -> ErrorReply {
              cannot be routed; configure FULL_DUPLEX_STREAMED, BUFFERED or NONE"
         ),
         retry_after: None,
+        dropped: None,
     }
 }
 
-fn shutting_down() -> ErrorReply {
+fn shutting_down(dropped: Option<DropReason>) -> ErrorReply {
     ErrorReply {
         status: 503,
         error_type: "service_unavailable",
         code: "shutting_down",
         message: "the endpoint picker is shutting down; retry".into(),
         retry_after: Some(1),
+        dropped,
+    }
+}
+
+fn bad_class(error: &ClassError) -> ErrorReply {
+    ErrorReply {
+        status: 400,
+        error_type: "invalid_request_error",
+        code: "invalid_fairness_id",
+        message: error.to_string(),
+        retry_after: None,
+        dropped: None,
     }
 }
 
@@ -619,6 +732,7 @@ fn overloaded() -> ErrorReply {
         code: "overloaded",
         message: "the endpoint picker holds as many request bodies as it may; retry".into(),
         retry_after: Some(1),
+        dropped: None,
     }
 }
 
@@ -629,6 +743,7 @@ fn read_timeout() -> ErrorReply {
         code: "request_timeout",
         message: "the request body did not arrive in time".into(),
         retry_after: None,
+        dropped: None,
     }
 }
 
@@ -639,6 +754,7 @@ fn partial_body() -> ErrorReply {
         code: "request_too_large",
         message: "request body exceeds what the gateway buffers for routing".into(),
         retry_after: None,
+        dropped: None,
     }
 }
 
@@ -649,10 +765,12 @@ fn too_large(limit: usize) -> ErrorReply {
         code: "request_too_large",
         message: format!("request body exceeds the limit of {limit} bytes"),
         retry_after: None,
+        dropped: None,
     }
 }
 
 fn no_route(unrouted: Unrouted) -> ErrorReply {
+    let dropped = unrouted.dropped;
     match unrouted.kind {
         UnroutedKind::UnknownModel => ErrorReply {
             status: 404,
@@ -660,13 +778,32 @@ fn no_route(unrouted: Unrouted) -> ErrorReply {
             code: "model_not_found",
             message: unrouted.message,
             retry_after: None,
+            dropped,
         },
         UnroutedKind::Unavailable => ErrorReply {
             status: 503,
             error_type: "service_unavailable",
-            code: "no_ready_endpoint",
+            code: if dropped == Some(DropReason::ShuttingDown) {
+                "shutting_down"
+            } else {
+                "no_ready_endpoint"
+            },
             message: unrouted.message,
             retry_after: Some(1),
+            dropped,
+        },
+        // OpenAI's clients read 429 as "slow down and retry".
+        UnroutedKind::Shed => ErrorReply {
+            status: 429,
+            error_type: "rate_limit_error",
+            code: if dropped == Some(DropReason::TtlExpired) {
+                "queue_wait_exceeded"
+            } else {
+                "overloaded"
+            },
+            message: unrouted.message,
+            retry_after: Some(1),
+            dropped,
         },
     }
 }

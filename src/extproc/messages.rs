@@ -9,7 +9,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_response::Response,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
-use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, Struct, Value, value::Kind};
+
+use std::time::Duration;
+
+use crate::flow::{DROPPED_REASON_HEADER, DropReason};
 
 /// Header (and metadata key) carrying the chosen endpoint, per the Gateway API
 /// Inference Extension's endpoint-picker protocol.
@@ -99,6 +103,20 @@ pub fn route_in_body(destination: &str) -> ProcessingResponse {
     }
 }
 
+/// Asks the gateway to wait up to `timeout` for the answer to the message it sent last
+/// (the filter's `message_timeout` would otherwise fail the request over). Envoy accepts it
+/// once per message, up to the filter's `max_message_timeout`, and ignores it while it
+/// runs no timer (full duplex).
+pub fn extend_message_timeout(timeout: Duration) -> ProcessingResponse {
+    ProcessingResponse {
+        override_message_timeout: Some(ProtoDuration {
+            seconds: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
+            nanos: i32::try_from(timeout.subsec_nanos()).unwrap_or(0),
+        }),
+        ..ProcessingResponse::default()
+    }
+}
+
 /// "Continue unchanged" answers for each phase.
 pub fn continue_request_headers() -> ProcessingResponse {
     wrap(Response::RequestHeaders(HeadersResponse::default()))
@@ -179,8 +197,10 @@ pub struct ErrorReply {
     pub error_type: &'static str,
     pub code: &'static str,
     pub message: String,
-    /// Seconds after which a retry may succeed (503).
+    /// Seconds after which a retry may succeed (503, 429).
     pub retry_after: Option<u32>,
+    /// Why flow control dropped the request, if it did.
+    pub dropped: Option<DropReason>,
 }
 
 impl ErrorReply {
@@ -201,6 +221,9 @@ impl ErrorReply {
         let mut headers = vec![header("content-type", "application/json")];
         if let Some(seconds) = self.retry_after {
             headers.push(header("retry-after", &seconds.to_string()));
+        }
+        if let Some(reason) = self.dropped {
+            headers.push(header(DROPPED_REASON_HEADER, reason.as_str()));
         }
         wrap(Response::ImmediateResponse(ImmediateResponse {
             status: Some(HttpStatus {

@@ -6,19 +6,25 @@ mod exchange;
 pub mod messages;
 pub mod policy;
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::StreamExt;
-use tokio::sync::{mpsc, watch};
+use futures::future::OptionFuture;
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::debug;
 
+use crate::flow::{DropReason, RequestClass};
 use crate::shutdown::Phase;
 use crate::telemetry;
 
@@ -55,6 +61,9 @@ pub struct Unrouted {
     pub kind: UnroutedKind,
     /// For the client, in the OpenAI error's `message`.
     pub message: String,
+    /// Flow control's reason, when it dropped the request (sent in
+    /// [`crate::flow::DROPPED_REASON_HEADER`]).
+    pub dropped: Option<DropReason>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +72,70 @@ pub enum UnroutedKind {
     UnknownModel,
     /// Pods may serve it, but none is ready now: 503 with `retry-after`.
     Unavailable,
+    /// Pods serve it, but none has room, and flow control refused to hold it longer (or
+    /// at all): 429 with `retry-after`.
+    Shed,
+}
+
+/// Where a request stands once the router has seen it.
+#[derive(Debug)]
+pub enum Placement<T> {
+    Routed(Routed<T>),
+    Unrouted(Unrouted),
+    /// No pod has room: the request waits at the gateway until [`Waiting`] resolves.
+    Waiting(Waiting<T>),
+}
+
+/// A request held at the gateway: resolves with its route, or its refusal, once flow
+/// control decides. Dropping it (the client left, the stream ended) takes the request out
+/// of the queue at once.
+pub struct Waiting<T> {
+    answer: oneshot::Receiver<Result<Routed<T>, Unrouted>>,
+    /// Leaves the queue when dropped.
+    _place: Box<dyn Send + Sync>,
+    /// The longest the answer can take.
+    pub max_wait: Duration,
+}
+
+impl<T> Waiting<T> {
+    /// A wait resolved through `answer`; `place` takes the request out of the queue when
+    /// dropped.
+    pub fn new(
+        answer: oneshot::Receiver<Result<Routed<T>, Unrouted>>,
+        place: Box<dyn Send + Sync>,
+        max_wait: Duration,
+    ) -> Self {
+        Waiting {
+            answer,
+            _place: place,
+            max_wait,
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for Waiting<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiting")
+            .field("max_wait", &self.max_wait)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> Future for Waiting<T> {
+    type Output = Result<Routed<T>, Unrouted>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.answer).poll(cx).map(|answer| {
+            // The waiting room went away without answering: kvroute is stopping.
+            answer.unwrap_or_else(|_| {
+                Err(Unrouted {
+                    kind: UnroutedKind::Unavailable,
+                    message: "the endpoint picker is shutting down; retry".into(),
+                    dropped: Some(DropReason::ShuttingDown),
+                })
+            })
+        })
+    }
 }
 
 /// How a routed request's response went, as far as the processor saw it.
@@ -97,13 +170,15 @@ pub trait InFlight: Send + 'static {
 pub trait Router: Send + Sync + 'static {
     type Ticket: InFlight;
 
-    /// Routes `request`. `first_token_visible`: the gateway sends response bodies to
-    /// kvroute, so [`InFlight::first_token`] will be called when the first one passes.
+    /// Routes `request` of `class`, now or once a pod has room. `first_token_visible`:
+    /// the gateway sends response bodies to kvroute, so [`InFlight::first_token`] will be
+    /// called when the first one passes.
     fn route(
         &self,
         request: &RouteRequest<'_>,
+        class: &RequestClass,
         first_token_visible: bool,
-    ) -> Result<Routed<Self::Ticket>, Unrouted>;
+    ) -> Placement<Self::Ticket>;
 
     /// The protocol layer refused a request to `path` before any routing (malformed or
     /// empty body, unknown path, too large, a timeout, overload, shutdown) and answered
@@ -222,8 +297,22 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
             // One timer for the stream's life, not one per message.
             let read_deadline = tokio::time::sleep_until(read_by);
             tokio::pin!(read_deadline);
+            // A request flow control holds: awaited beside the inbound stream, whose end
+            // (the client left) drops it, and with it the request's place in the queue.
+            let mut waiting: Option<Waiting<R::Ticket>> = None;
             'stream: loop {
                 let message = tokio::select! {
+                    outcome = OptionFuture::from(waiting.as_mut()), if waiting.is_some() => {
+                        waiting = None;
+                        if let Some(outcome) = outcome {
+                            for answer in exchange.placed(outcome) {
+                                if answers.send(Box::new(Ok(answer))).await.is_err() {
+                                    break 'stream;
+                                }
+                            }
+                        }
+                        continue;
+                    }
                     message = inbound.message() => message,
                     // A stream that never sends, or a request that never ends, does not
                     // hold its memory (and its body) for longer than the read timeout.
@@ -252,6 +341,9 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
                                 break 'stream;
                             }
                         }
+                        if waiting.is_none() {
+                            waiting = exchange.take_waiting();
+                        }
                     }
                     Ok(None) => break,
                     // A body chunk above the gRPC message limit: tonic refuses it from
@@ -273,6 +365,8 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
                     }
                 }
             }
+            // Out of the queue before the request's accounting ends.
+            drop(waiting);
             exchange.finish();
         });
         Ok(Response::new(ReceiverStream::new(stream).map(unbox)))

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use kvroute_core::request::ApiKind;
 
+use crate::flow::FlowSettings;
+
 /// The paths routed by default: the OpenAI inference API a client needs.
 ///
 /// Left out, each for a reason: `/v1/responses` (a `previous_response_id` lives in one
@@ -44,6 +46,8 @@ pub struct RequestPolicy {
     /// How long a stream may take, from its start, to deliver its whole request; then a
     /// request is answered 408 and a stream that sent nothing is closed.
     pub read_timeout: Duration,
+    /// How a request's class headers are read (objective → priority, fairness id).
+    pub flow: Arc<FlowSettings>,
 }
 
 impl RequestPolicy {
@@ -53,7 +57,14 @@ impl RequestPolicy {
             allowed_paths: allowed_paths.into(),
             held_body_budget: BodyBudget::new(DEFAULT_HELD_BODY_BUDGET),
             read_timeout: DEFAULT_READ_TIMEOUT,
+            flow: Arc::new(FlowSettings::default()),
         }
+    }
+
+    /// The same policy, reading request classes with `flow`.
+    pub fn with_flow(mut self, flow: Arc<FlowSettings>) -> Self {
+        self.flow = flow;
+        self
     }
 
     /// The same policy with another read timeout.

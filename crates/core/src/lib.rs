@@ -10,9 +10,12 @@
 //! - [`fleet`]: the snapshot types, and the per-pod bookkeeping kvroute keeps (in-flight
 //!   load, prefix memory, health hysteresis).
 //! - [`scheduler`]: `pick`, a pure function of request, fleet and configuration.
+//! - [`flow`]: the waiting room of flow control: requests that fit no pod now, served by
+//!   priority, tenant in turn and arrival.
 
 pub mod exposition;
 pub mod fleet;
+pub mod flow;
 pub mod request;
 pub mod scheduler;
 pub mod vllm;

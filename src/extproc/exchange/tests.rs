@@ -6,6 +6,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
 
+use tokio::sync::oneshot;
+
 use super::*;
 use crate::extproc::Routed;
 use crate::extproc::messages::DESTINATION_HEADER;
@@ -27,6 +29,9 @@ struct TicketLog {
     unreachable: usize,
 }
 
+/// Where the stub router's held requests get their outcome.
+type HeldAnswer = oneshot::Sender<Result<Routed<StubTicket>, Unrouted>>;
+
 /// Routes everything to POD_A (fallback POD_B) and remembers what it was asked.
 #[derive(Default)]
 struct StubRouter {
@@ -34,12 +39,26 @@ struct StubRouter {
     /// `first_token_visible` of each route call.
     first_token_visible: Mutex<Vec<bool>>,
     fail_with: Option<UnroutedKind>,
+    /// Hold every request: its answer goes into `held`, for the test to give.
+    hold: bool,
+    held: Mutex<Vec<HeldAnswer>>,
+    /// The class of each route call.
+    classes: Mutex<Vec<RequestClass>>,
     tickets: Arc<Mutex<TicketLog>>,
 }
 
 impl StubRouter {
     fn tickets(&self) -> std::sync::MutexGuard<'_, TicketLog> {
         self.tickets.lock().expect("lock")
+    }
+
+    /// A route to POD_A, fallback POD_B, with an open ticket.
+    fn routed(&self) -> Routed<StubTicket> {
+        self.tickets().open += 1;
+        Routed {
+            endpoints: vec![POD_A.parse().expect("addr"), POD_B.parse().expect("addr")],
+            ticket: StubTicket(Arc::clone(&self.tickets)),
+        }
     }
 }
 
@@ -75,8 +94,10 @@ impl Router for StubRouter {
     fn route(
         &self,
         request: &RouteRequest<'_>,
+        class: &RequestClass,
         first_token_visible: bool,
-    ) -> Result<Routed<StubTicket>, Unrouted> {
+    ) -> Placement<StubTicket> {
+        self.classes.lock().expect("lock").push(class.clone());
         self.first_token_visible
             .lock()
             .expect("lock")
@@ -86,16 +107,22 @@ impl Router for StubRouter {
             request.subset.cloned(),
         ));
         if let Some(kind) = self.fail_with {
-            return Err(Unrouted {
+            return Placement::Unrouted(Unrouted {
                 kind,
                 message: "stubbed".into(),
+                dropped: None,
             });
         }
-        self.tickets().open += 1;
-        Ok(Routed {
-            endpoints: vec![POD_A.parse().expect("addr"), POD_B.parse().expect("addr")],
-            ticket: StubTicket(Arc::clone(&self.tickets)),
-        })
+        if self.hold {
+            let (answer, answered) = oneshot::channel();
+            self.held.lock().expect("lock").push(answer);
+            return Placement::Waiting(Waiting::new(
+                answered,
+                Box::new(()),
+                Duration::from_secs(5),
+            ));
+        }
+        Placement::Routed(self.routed())
     }
 }
 
@@ -760,4 +787,185 @@ fn a_request_that_does_not_arrive_in_time_is_answered_408_once_its_headers_came(
     );
     assert!(!stalled.awaiting_request());
     assert!(router.seen.lock().expect("lock").is_empty());
+}
+
+fn holding_router() -> Arc<StubRouter> {
+    Arc::new(StubRouter {
+        hold: true,
+        ..StubRouter::default()
+    })
+}
+
+/// Gives the held request its outcome, as the waiting room would.
+fn answer_held(router: &StubRouter, outcome: Result<Routed<StubTicket>, Unrouted>) {
+    let answer = router.held.lock().expect("lock").remove(0);
+    assert!(answer.send(outcome).is_ok(), "the exchange still waits");
+}
+
+/// The immediate response's header `name`, if any.
+fn immediate_header(answer: &ProcessingResponse, name: &str) -> Option<String> {
+    let Some(Response::ImmediateResponse(reply)) = answer.response.as_ref() else {
+        return None;
+    };
+    reply
+        .headers
+        .as_ref()?
+        .set_headers
+        .iter()
+        .filter_map(|h| h.header.as_ref())
+        .find(|h| h.key == name)
+        .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
+}
+
+/// Drives a held request's wait to its outcome, as the stream does.
+fn settle(ex: &mut Exchange<StubRouter>) -> Vec<ProcessingResponse> {
+    let waiting = ex.take_waiting().expect("the request waits");
+    let outcome = futures::executor::block_on(waiting);
+    ex.placed(outcome)
+}
+
+#[test]
+fn a_held_buffered_request_extends_the_gateway_timeout_then_routes_in_the_body_answer() {
+    let router = holding_router();
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    ex.handle(post("/v1/completions"));
+    let answers = ex.handle(body(COMPLETION, true));
+    assert_eq!(answers.len(), 1);
+    let extended = answers[0]
+        .override_message_timeout
+        .expect("asks the gateway to wait longer");
+    assert_eq!(extended.seconds, 6, "the stub's 5 s wait plus the margin");
+    assert!(
+        answers[0].response.is_none(),
+        "nothing else in that message"
+    );
+    answer_held(&router, Ok(router.routed()));
+    let answers = settle(&mut ex);
+    assert!(matches!(
+        answers[0].response,
+        Some(Response::RequestBody(_))
+    ));
+    assert_eq!(
+        destination_of(&answers[0]),
+        Some((format!("{POD_A},{POD_B}"), true))
+    );
+}
+
+#[test]
+fn a_held_full_duplex_request_sends_nothing_until_routed_then_its_body() {
+    let router = holding_router();
+    let mut ex = exchange(&router, BodySendMode::FullDuplexStreamed);
+    ex.handle(post("/v1/completions"));
+    assert!(
+        ex.handle(body(COMPLETION, true)).is_empty(),
+        "full duplex runs no timer"
+    );
+    answer_held(&router, Ok(router.routed()));
+    let answers = settle(&mut ex);
+    assert!(matches!(
+        answers[0].response,
+        Some(Response::RequestHeaders(_))
+    ));
+    let echoed: Vec<u8> = answers[1..]
+        .iter()
+        .filter_map(streamed_chunk)
+        .flat_map(|(bytes, _)| bytes)
+        .collect();
+    assert_eq!(echoed, COMPLETION, "the held body goes on whole");
+    assert_eq!(router.tickets().open, 1);
+}
+
+#[test]
+fn a_dropped_held_request_is_answered_429_with_the_reason_and_retry_after() {
+    let router = holding_router();
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    ex.handle(post("/v1/completions"));
+    ex.handle(body(COMPLETION, true));
+    answer_held(
+        &router,
+        Err(Unrouted {
+            kind: UnroutedKind::Shed,
+            message: "waited too long".into(),
+            dropped: Some(DropReason::TtlExpired),
+        }),
+    );
+    let answers = settle(&mut ex);
+    let (status, json) = immediate_status(&answers[0]).expect("an immediate response");
+    assert_eq!(status, 429);
+    assert_eq!(json["error"]["code"], "queue_wait_exceeded");
+    assert_eq!(
+        immediate_header(&answers[0], crate::flow::DROPPED_REASON_HEADER).as_deref(),
+        Some("rejected-ttl-expired")
+    );
+    assert_eq!(
+        immediate_header(&answers[0], "retry-after").as_deref(),
+        Some("1")
+    );
+}
+
+#[test]
+fn the_drain_answers_a_held_request_503_shutting_down() {
+    let router = holding_router();
+    let mut ex = exchange(&router, BodySendMode::FullDuplexStreamed);
+    ex.handle(post("/v1/completions"));
+    ex.handle(body(COMPLETION, true));
+    let answers = ex.abort();
+    let (status, _) = immediate_status(&answers[0]).expect("an immediate response");
+    assert_eq!(status, 503);
+    assert_eq!(
+        immediate_header(&answers[0], crate::flow::DROPPED_REASON_HEADER).as_deref(),
+        Some("rejected-shutting-down")
+    );
+    assert!(
+        ex.take_waiting().is_none(),
+        "the wait is let go: the request leaves the queue"
+    );
+}
+
+#[test]
+fn the_objective_and_fairness_headers_give_the_request_its_class() {
+    let router = Arc::new(StubRouter::default());
+    let flow = crate::flow::FlowSettings {
+        objectives: std::collections::HashMap::from([("critical".to_owned(), 100)]),
+        ..crate::flow::FlowSettings::default()
+    };
+    let policy = Arc::new(RequestPolicy::with_default_paths(1 << 20).with_flow(Arc::new(flow)));
+    let mut ex = exchange_under(&router, BodySendMode::Buffered, policy);
+    ex.handle(headers(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/completions"),
+            ("x-gateway-inference-objective", "critical"),
+            ("x-gateway-inference-fairness-id", "team-a"),
+        ],
+        false,
+    ));
+    ex.handle(body(COMPLETION, true));
+    let classes = router.classes.lock().expect("lock").clone();
+    assert_eq!(
+        classes,
+        [RequestClass {
+            priority: 100,
+            tenant: "team-a".into()
+        }]
+    );
+}
+
+#[test]
+fn a_fairness_id_over_the_bound_is_answered_400() {
+    let router = Arc::new(StubRouter::default());
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    let long = "t".repeat(crate::flow::MAX_FAIRNESS_ID_BYTES + 1);
+    let answers = ex.handle(headers(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/completions"),
+            ("x-llm-d-inference-fairness-id", &long),
+        ],
+        false,
+    ));
+    let (status, json) = immediate_status(&answers[0]).expect("refused");
+    assert_eq!(status, 400);
+    assert_eq!(json["error"]["code"], "invalid_fairness_id");
+    assert!(router.seen.lock().expect("lock").is_empty(), "never routed");
 }

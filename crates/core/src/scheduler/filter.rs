@@ -135,6 +135,8 @@ pub(super) struct Filtered {
     /// Accepted flag combinations, as a bitmap over flag values.
     accepted: u16,
     pub(super) relaxed: Relaxed,
+    /// Some candidate's whole KV pool could hold the request, or does not report its size.
+    pub(super) could_fit: bool,
 }
 
 impl Filtered {
@@ -168,6 +170,7 @@ pub(super) fn filter(
     let (mut in_subset, mut serving, mut unlisted) = (0usize, 0usize, 0usize);
     let mut present = [false; COMBINATIONS];
     let mut candidates = Vec::with_capacity(fleet.snapshot().pods().len());
+    let mut could_fit = false;
     for (index, (pod, load)) in fleet.pods().enumerate() {
         if request
             .subset
@@ -191,6 +194,8 @@ pub(super) fn filter(
         if pod.healthy {
             let candidate = Candidate::read(index, pod, load, demand, config);
             present[usize::from(candidate.flags)] = true;
+            could_fit |=
+                candidate.capacity == 0 || candidate.capacity >= demand.needed(candidate.cached);
             candidates.push(candidate);
         }
     }
@@ -212,6 +217,7 @@ pub(super) fn filter(
         candidates,
         accepted,
         relaxed,
+        could_fit,
     })
 }
 

@@ -172,8 +172,20 @@ pub struct Decision {
     pub tokens_needed: u64,
     /// Pods left after filtering.
     pub candidates: usize,
+    /// Whether some candidate's whole KV pool could hold the request (or does not report its
+    /// size): when no pod has room now, waiting for one to drain can succeed.
+    pub could_fit: bool,
     /// The best few candidates with their scores, winner first.
     pub ranked: Vec<CandidateScore>,
+}
+
+impl Decision {
+    /// No pod has room for the request now (each is saturated or lacks the KV it needs;
+    /// the pick is the least bad), yet one could hold it once it drains. Placed now, the
+    /// request would queue in the pod or make it preempt; flow control holds it instead.
+    pub fn lacks_room(&self) -> bool {
+        self.relaxed.any() && self.could_fit
+    }
 }
 
 /// Picks the pod for `request` (see the module docs for the rules). `prefix` holds how
@@ -240,6 +252,7 @@ fn decide(
         relaxed,
         tokens_needed,
         candidates: accepted,
+        could_fit: filtered.could_fit,
         ranked,
     }
 }

@@ -424,6 +424,39 @@ fn when_every_pod_is_saturated_the_least_bad_is_picked() {
     assert_eq!(decision.reason, Reason::Fallback);
 }
 
+#[test]
+fn a_request_lacks_room_when_every_pod_is_saturated_but_not_when_one_is_free() {
+    let a = with_metrics(pod(1), |m| m.waiting = 9);
+    let b = with_metrics(pod(2), |m| m.waiting = 6);
+    let decision = pick_seeded(&request("base", 10), &fleet(vec![a.clone(), b])).expect("placed");
+    assert!(decision.lacks_room(), "{decision:?}");
+    let free = pod(3);
+    let decision = pick_seeded(&request("base", 10), &fleet(vec![a, free])).expect("placed");
+    assert!(!decision.lacks_room(), "{decision:?}");
+}
+
+/// Waiting cannot help a request larger than any pod's whole KV pool: it is placed (and
+/// the pod answers it), not held until its wait runs out.
+#[test]
+fn a_request_larger_than_every_pod_does_not_wait_for_room() {
+    let full = |n| with_metrics(pod(n), |m| m.kv_usage = 0.95);
+    let snapshot = fleet(vec![full(1), full(2)]);
+    let fits_empty = u32::try_from(CAPACITY / 2).expect("small");
+    let decision = pick_seeded(&request("base", fits_empty), &snapshot).expect("placed");
+    assert!(
+        decision.relaxed.kv_headroom && decision.could_fit,
+        "{decision:?}"
+    );
+    assert!(decision.lacks_room());
+    let too_large = u32::try_from(CAPACITY + 1).expect("small");
+    let decision = pick_seeded(&request("base", too_large), &snapshot).expect("placed");
+    assert!(
+        decision.relaxed.kv_headroom && !decision.could_fit,
+        "{decision:?}"
+    );
+    assert!(!decision.lacks_room());
+}
+
 /// The funnel seen at 256 and 1,000 simulated pods: when nearly every pod's queue is
 /// full, the last scrape shows a few pods below the thresholds, and until the next scrape
 /// every request with nowhere better to go lands there. Pod 1 reported half its KV in
