@@ -102,8 +102,14 @@ async fn a_request_held_while_every_pod_is_full_goes_once_one_frees_even_past_en
                 .send()
                 .await
                 .expect("request through Envoy");
+            let timing = response
+                .headers()
+                .get("server-timing")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
             (
                 response.status().as_u16(),
+                timing,
                 response.text().await.expect("body"),
             )
         })
@@ -114,8 +120,15 @@ async fn a_request_held_while_every_pod_is_full_goes_once_one_frees_even_past_en
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     assert_eq!(pods[0].arrivals(), 0, "nothing reached the full pod");
     pods[0].set_metrics(empty());
-    let (status, body) = request.await.expect("request task");
+    let (status, timing, body) = request.await.expect("request task");
     assert_eq!(status, 200, "{body}\n{}", envoy.log());
+    // The client is told how long its request waited at the gateway.
+    let waited_ms: f64 = timing
+        .as_deref()
+        .and_then(|t| t.strip_prefix("kvroute-queue;dur="))
+        .and_then(|ms| ms.parse().ok())
+        .unwrap_or_else(|| panic!("server-timing: {timing:?}"));
+    assert!(waited_ms >= 2_500.0, "waited {waited_ms} ms");
     assert!(started.elapsed() >= Duration::from_millis(2_500));
     assert_eq!(pods[0].arrivals(), 1);
     wait_for_queue(&kvroute, 0, 0).await;

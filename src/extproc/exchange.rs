@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -101,6 +101,10 @@ pub struct Exchange<R: Router> {
     answer_in: AnswerIn,
     /// The wait of a request held by flow control, until the stream takes it.
     waiting: Option<Waiting<R::Ticket>>,
+    /// When flow control started holding the request, then how long it held it: told to
+    /// the client in `server-timing` on the response.
+    held_since: Option<Instant>,
+    queued: Option<Duration>,
     /// What the routed request holds until its response ends.
     ticket: Option<R::Ticket>,
     response: ResponseSummary,
@@ -122,6 +126,8 @@ impl<R: Router> Exchange<R> {
             phase: Phase::Start,
             answer_in: AnswerIn::Headers,
             waiting: None,
+            held_since: None,
+            queued: None,
             ticket: None,
             response: ResponseSummary::default(),
             first_token_seen: false,
@@ -212,6 +218,7 @@ impl<R: Router> Exchange<R> {
             // which releases what it reserved.
             return Vec::new();
         }
+        self.queued = self.held_since.map(|since| since.elapsed());
         match outcome {
             Ok(routed) => self.forward(routed),
             Err(unrouted) => {
@@ -386,10 +393,20 @@ impl<R: Router> Exchange<R> {
         if failure.is_some() {
             strip.push(UPSTREAM_FAILURE_HEADER);
         }
-        let answer = if strip.is_empty() {
-            messages::continue_response_headers()
-        } else {
-            messages::continue_response_headers_without(&strip)
+        // How long the request waited at the gateway, in the header browsers and tools read
+        // for server-side time (W3C Server Timing): the client's TTFT includes it.
+        let timing = self
+            .queued
+            .map(|queued| format!("{QUEUE_TIMING};dur={:.1}", queued.as_secs_f64() * 1e3));
+        let answer = match (&timing, strip.is_empty()) {
+            (None, true) => messages::continue_response_headers(),
+            (timing, _) => messages::continue_response_headers_editing(
+                timing
+                    .as_deref()
+                    .map(|value| ("server-timing", value))
+                    .as_slice(),
+                &strip,
+            ),
         };
         vec![answer]
     }
@@ -521,6 +538,7 @@ impl<R: Router> Exchange<R> {
             }
             Placement::Waiting(waiting) => {
                 self.phase = Phase::Waiting;
+                self.held_since = Some(Instant::now());
                 let max_wait = waiting.max_wait;
                 self.waiting = Some(waiting);
                 match answer_in {
@@ -574,6 +592,9 @@ enum AnswerIn {
     /// they ended the body) the trailers' answer.
     Streamed { trailers: bool },
 }
+
+/// The `server-timing` metric that says how long flow control held a request.
+pub const QUEUE_TIMING: &str = "kvroute-queue";
 
 /// How much longer than flow control's own bound the gateway is asked to wait for the
 /// answer to a held request: flow control answers at its bound, and the answer must reach

@@ -134,14 +134,20 @@ pub fn continue_response_headers() -> ProcessingResponse {
     wrap(Response::ResponseHeaders(HeadersResponse::default()))
 }
 
-/// Continues the response without the headers named in `remove` (kvroute's own signals,
-/// which the client must not see).
-pub fn continue_response_headers_without(remove: &[&str]) -> ProcessingResponse {
+/// Continues the response with the headers in `set` (added, or replacing the pod's) and
+/// without those named in `remove` (kvroute's own signals, which the client must not see).
+pub fn continue_response_headers_editing(
+    set: &[(&str, &str)],
+    remove: &[&str],
+) -> ProcessingResponse {
     wrap(Response::ResponseHeaders(HeadersResponse {
         response: Some(CommonResponse {
             header_mutation: Some(HeaderMutation {
+                set_headers: set
+                    .iter()
+                    .map(|(name, value)| header(name, value))
+                    .collect(),
                 remove_headers: remove.iter().map(|&name| name.to_owned()).collect(),
-                ..HeaderMutation::default()
             }),
             ..CommonResponse::default()
         }),

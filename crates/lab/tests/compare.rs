@@ -111,7 +111,7 @@ fn a_tiny_comparison_writes_tables_plots_and_json_and_leaves_nothing_running() {
         let rows = rows_of(&report, router);
         assert_eq!(rows.len(), 2, "one row per rate for {router}:\n{report}");
         for cells in rows {
-            assert_eq!(cells.len(), 17, "{cells:?}");
+            assert_eq!(cells.len(), 18, "{cells:?}");
             let (errors, planned) = cells[12].split_once('/').expect("errors/planned");
             let errors: usize = errors.parse().expect("errors");
             let planned: usize = planned.parse().expect("planned");
@@ -125,6 +125,10 @@ fn a_tiny_comparison_writes_tables_plots_and_json_and_leaves_nothing_running() {
                     .unwrap_or_else(|_| panic!("{router}: cell {i} {cell:?} is not a number"));
                 assert!(value.is_finite() && value >= 0.0, "{router}: {cells:?}");
             }
+            assert_eq!(
+                cells[13], "0",
+                "nothing is shed without flow control: {cells:?}"
+            );
             let throughput: f64 = cells[0].parse().expect("req/s");
             assert!(throughput > 0.0);
             // TTFT at real scale is the pod's own TTFT plus the time outside the pod.

@@ -15,13 +15,15 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use serde_json::Value;
 
-const SHIPPED: [&str; 6] = [
+const SHIPPED: [&str; 8] = [
     "multi-lora",
     "multi-lora-fits",
     "kv-pressure",
     "shared-prefix-pressure",
     "shared-prefix",
     "mixed",
+    "overload-priority",
+    "noisy-tenant",
 ];
 
 fn workloads_dir() -> PathBuf {
@@ -249,6 +251,45 @@ fn every_shipped_workload_parses_and_builds_a_valid_fleet() {
     assert!(kv.pods[0].engine.num_gpu_blocks < 4_000);
 }
 
+#[test]
+fn the_flow_control_workloads_send_what_docs_workloads_says() {
+    let d = Duration::from_secs(600);
+    let share = |plan: &[Request], class: usize| {
+        plan.iter().filter(|r| r.class == class).count() as f64 / plan.len() as f64
+    };
+    // overload-priority: 40 % critical at every step, half and twice the capacity on the ladder.
+    let w = shipped("overload-priority");
+    let capacity = w.capacity.expect("capacity");
+    assert!(w.rates.contains(&(capacity / 2.0)) && w.rates.contains(&(2.0 * capacity)));
+    let objectives = w.objectives.clone().expect("objectives");
+    assert!(objectives["critical"] > 0 && objectives["sheddable"] < 0);
+    assert_eq!(w.classes[0].objective.as_deref(), Some("critical"));
+    let top = w.rates.len() - 1;
+    let plan = w.plan_step(w.seed, top, w.rates[top], d, None);
+    let critical = share(&plan, 0);
+    assert!((critical - 0.4).abs() < 0.01, "{critical}");
+    // The critical requests alone stay below capacity at the top step.
+    assert!(critical * w.rates[top] < 0.85 * capacity);
+    // noisy-tenant: tenant-b alone first, then tenant-a at 10x tenant-b's unchanged rate,
+    // together above capacity.
+    let w = shipped("noisy-tenant");
+    assert_eq!(w.classes[0].tenant.as_deref(), Some("tenant-a"));
+    assert_eq!(w.classes[1].tenant.as_deref(), Some("tenant-b"));
+    let alone = w.plan_step(w.seed, 0, w.rates[0], d, None);
+    assert!(alone.iter().all(|r| r.class == 1));
+    let shared = w.plan_step(w.seed, 1, w.rates[1], d, None);
+    let b_rate =
+        |plan: &[Request]| plan.iter().filter(|r| r.class == 1).count() as f64 / d.as_secs_f64();
+    let (b_alone, b_shared) = (b_rate(&alone), b_rate(&shared));
+    assert!(
+        (b_shared / b_alone - 1.0).abs() < 0.1,
+        "{b_alone} {b_shared}"
+    );
+    let a_over_b = share(&shared, 0) / share(&shared, 1);
+    assert!((a_over_b - 10.0).abs() < 1.0, "{a_over_b}");
+    assert!(w.rates[1] > w.capacity.expect("capacity"));
+}
+
 fn step(report: &Value, i: usize) -> &Value {
     &report["steps"][i]
 }
@@ -379,7 +420,8 @@ async fn bench_against_one_simulated_pod_reports_every_field_with_zero_errors() 
 async fn every_shipped_workload_runs_against_one_pod_of_its_fleet() {
     for name in SHIPPED {
         let path = workloads_dir().join(format!("{name}.yaml"));
-        let workload = shipped(name);
+        // The first step, with its class weights (a workload may weigh them per step).
+        let workload = shipped(name).select_steps(&[0]);
         let mut config = workload.fleet_config().expect("fleet");
         config.pods.truncate(1);
         config.speedup = 50.0;

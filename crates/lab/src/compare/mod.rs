@@ -4,11 +4,13 @@
 //! workload's `fleet` section (same seed and settings for every router), start the router and
 //! wait until it answers, warm up briefly, run the workload's ladder with `loadgen::bench`
 //! while sampling the fleet's `/metrics` (`fleet_stats`), stop everything. Then write the raw
-//! JSON of every run, `report.md` and the plots (`report`).
+//! JSON of every run, `report.md` and the plots (`report`), with the flow-control target
+//! checks of workloads that send objectives or tenants (`targets`).
 
 pub mod fleet_stats;
 pub mod report;
 pub mod routers;
+pub mod targets;
 
 pub use routers::RouterKind;
 
@@ -22,7 +24,7 @@ use self::report::{RouterRun, WorkloadResult};
 use self::routers::Tools;
 use crate::envoy::envoy_binary;
 use crate::gateway_binary;
-use crate::loadgen::{BenchArgs, Plan, Workload, bench};
+use crate::loadgen::{BenchArgs, Plan, Workload, WorkloadError, bench};
 use kvroute_sim::SimFleet;
 
 /// Flags of `kvroute-lab compare`.
@@ -81,33 +83,46 @@ const QUICK_STEP: Duration = Duration::from_secs(10);
 
 /// Up to `n` rates of `rates`, spread evenly, first and last kept.
 pub fn spread_rates(rates: &[f64], n: usize) -> Vec<f64> {
-    if rates.len() <= n {
-        return rates.to_vec();
+    spread_positions(rates.len(), n)
+        .into_iter()
+        .map(|i| rates[i])
+        .collect()
+}
+
+/// Up to `n` positions of a ladder of `len` steps, spread evenly, first and last kept.
+pub fn spread_positions(len: usize, n: usize) -> Vec<usize> {
+    if len <= n {
+        return (0..len).collect();
     }
     if n < 2 {
-        return rates.iter().copied().take(n).collect();
+        return (0..n).collect();
     }
-    let last = rates.len() - 1;
+    let last = len - 1;
     let mut picked: Vec<usize> = (0..n)
         .map(|i| (i as f64 * last as f64 / (n - 1) as f64).round() as usize)
         .collect();
     picked.dedup();
-    picked.into_iter().map(|i| rates[i]).collect()
+    picked
 }
 
-/// The ladder and step length a workload runs with under these flags.
-fn ladder(args: &CompareArgs, w: &Workload) -> (Vec<f64>, Duration) {
-    let mut rates = if args.rates.is_empty() {
-        w.rates.clone()
-    } else {
-        args.rates.clone()
-    };
+/// The workload as it runs under these flags (`--rates` as its ladder, `--quick` keeping
+/// some steps, each with its own class weights) and its step length.
+pub(crate) fn ladder(
+    args: &CompareArgs,
+    w: &Workload,
+) -> Result<(Workload, Duration), WorkloadError> {
+    let mut w = w.clone();
+    if !args.rates.is_empty() {
+        w.rates.clone_from(&args.rates);
+        // Refuses rates ≤ 0, and a ladder of another length than class weights per step.
+        w.validate()?;
+    }
     let mut step = args.step_duration.unwrap_or(w.step_duration);
     if args.quick {
-        rates = spread_rates(&rates, QUICK_RATES);
+        w = w.select_steps(&spread_positions(w.rates.len(), QUICK_RATES));
         step = step.min(QUICK_STEP);
     }
-    (rates, step)
+    Ok((w, step))
 }
 
 fn bench_args(target: &str, file: &Path, speedup: f64) -> BenchArgs {
@@ -181,7 +196,7 @@ async fn run_router(
     let fleet = SimFleet::start(fleet_config).await?;
     let pods = fleet.endpoints();
     let outcome = async {
-        let router = routers::start(kind, &pods, speedup, &workload.model, tools).await?;
+        let router = routers::start(kind, &pods, speedup, workload, tools).await?;
         let measured = measure(&router.base_url, workload, file, rates, step, quick, &pods).await;
         router.stop().await;
         measured
@@ -215,14 +230,20 @@ async fn measure(
     pods: &[std::net::SocketAddr],
 ) -> anyhow::Result<Measured> {
     let speedup = workload.fleet.speedup;
-    // Warm-up: a few requests at the lowest rate with another seed (so no prompt of the
-    // ladder is cached by it); the same for every router.
+    // Warm-up: a few requests at the lowest rate (with that step's class mix) with another
+    // seed (so no prompt of the ladder is cached by it); the same for every router.
+    let lowest = (0..rates.len())
+        .min_by(|&a, &b| rates[a].total_cmp(&rates[b]))
+        .unwrap_or(0);
+    let mut warm_workload = workload.clone();
+    warm_workload.rates = rates.to_vec();
+    let warm_workload = warm_workload.select_steps(&[lowest]);
     let mut warm = bench_args(base_url, file, speedup);
-    warm.rate = rates.iter().copied().reduce(f64::min);
+    warm.rate = warm_workload.rates.first().copied();
     warm.step_duration = Some(Duration::from_secs(if quick { 3 } else { 5 }));
     warm.requests_per_step = Some(if quick { 8 } else { 16 });
     warm.seed = Some(workload.seed ^ 0x77a1_6d00);
-    let mut warm_plan = Plan::new(&warm, workload.clone())?;
+    let mut warm_plan = Plan::new(&warm, warm_workload)?;
     warm_plan.progress = false;
     let warm_report = bench(&warm_plan).await;
     let warm_ok: usize = warm_report.steps.iter().map(|s| s.requests.ok).sum();
@@ -276,12 +297,12 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
     let workloads = load_workloads(&args.workloads)?;
     let kinds = chosen(&args.routers, &RouterKind::ALL);
     for (_, w) in &workloads {
-        let (rates, step) = ladder(&args, w);
         // Refuse bad overrides before anything starts.
+        let (laddered, step) = ladder(&args, w)?;
         let mut check = bench_args("http://127.0.0.1:1", Path::new(""), w.fleet.speedup);
-        check.rates = rates;
+        check.rates.clone_from(&laddered.rates);
         check.step_duration = Some(step);
-        Plan::new(&check, w.clone()).with_context(|| format!("workload {}", w.name))?;
+        Plan::new(&check, laddered).with_context(|| format!("workload {}", w.name))?;
         w.fleet_config()
             .with_context(|| format!("workload {}: fleet", w.name))?;
     }
@@ -311,7 +332,9 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
     );
     let mut results = Vec::new();
     for (file, w) in &workloads {
-        let (rates, step) = ladder(&args, w);
+        let (w, step) = ladder(&args, w)?;
+        let w = &w;
+        let rates = w.rates.clone();
         let mut result = WorkloadResult {
             workload: w.name.clone(),
             file: file.clone(),
@@ -319,6 +342,8 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
             speedup: w.fleet.speedup,
             rates: rates.clone(),
             step_duration_s: step.as_secs_f64(),
+            objectives: w.objectives.clone().unwrap_or_default(),
+            capacity: w.capacity,
             runs: Vec::new(),
             failures: Vec::new(),
         };
@@ -421,8 +446,23 @@ pub(crate) fn write_results(
     }
     let path = out.join("report.md");
     std::fs::write(&path, &*md).with_context(|| format!("cannot write {}", path.display()))?;
+    // Each workload's results, with its target checks.
+    #[derive(serde::Serialize)]
+    struct Entry<'a> {
+        #[serde(flatten)]
+        result: &'a WorkloadResult,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        targets: Vec<targets::TargetCheck>,
+    }
+    let entries: Vec<Entry<'_>> = results
+        .iter()
+        .map(|result| Entry {
+            result,
+            targets: targets::checks(result),
+        })
+        .collect();
     let path = out.join("results.json");
-    std::fs::write(&path, serde_json::to_string_pretty(results)? + "\n")
+    std::fs::write(&path, serde_json::to_string_pretty(&entries)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
 }
@@ -442,5 +482,56 @@ mod tests {
             spread_rates(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], 3),
             vec![1.0, 4.0, 7.0]
         );
+    }
+
+    fn args(quick: bool, rates: &[f64]) -> CompareArgs {
+        CompareArgs {
+            workloads: Vec::new(),
+            routers: Vec::new(),
+            quick,
+            rates: rates.to_vec(),
+            step_duration: None,
+            output_dir: PathBuf::from("unused"),
+            envoy: None,
+            kvroute: None,
+            kvroute_scrape_interval: None,
+            python: None,
+        }
+    }
+
+    const STEPPED: &str = "
+name: stepped
+rates: [2, 4, 6, 8]
+fleet: {pods: 1, max_loras: 0}
+classes:
+  - name: a
+    step_weights: [0, 1, 2, 3]
+    prompt_tokens: {dist: fixed, value: 8}
+    output_tokens: {dist: fixed, value: 4}
+  - name: b
+    prompt_tokens: {dist: fixed, value: 8}
+    output_tokens: {dist: fixed, value: 4}
+";
+
+    #[test]
+    fn a_quick_ladder_keeps_the_class_weights_of_the_steps_it_keeps() {
+        let w = Workload::from_yaml(STEPPED).expect("valid");
+        let (quick, step) = ladder(&args(true, &[]), &w).expect("ladder");
+        assert_eq!(quick.rates, vec![2.0, 6.0, 8.0]);
+        assert_eq!(quick.class_weights(0), vec![0.0, 1.0]);
+        assert_eq!(quick.class_weights(2), vec![3.0, 1.0]);
+        assert_eq!(step, QUICK_STEP);
+        let (full, _) = ladder(&args(false, &[]), &w).expect("ladder");
+        assert_eq!(full, w);
+    }
+
+    #[test]
+    fn a_rates_override_must_match_class_weights_per_step() {
+        let w = Workload::from_yaml(STEPPED).expect("valid");
+        let e = ladder(&args(false, &[1.0, 2.0]), &w).expect_err("two rates for four steps");
+        assert!(e.to_string().contains("step_weights has 4 entries"), "{e}");
+        let (w4, _) = ladder(&args(false, &[1.0, 3.0, 5.0, 7.0]), &w).expect("four rates");
+        assert_eq!(w4.rates, vec![1.0, 3.0, 5.0, 7.0]);
+        assert_eq!(w4.class_weights(1), vec![1.0, 1.0]);
     }
 }

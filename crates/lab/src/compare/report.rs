@@ -1,7 +1,9 @@
 //! The comparison's results: per-router runs → rows per workload and rate → `report.md`
-//! (tables, ratios kvroute / each other router, the knee rate) and PNG plots (plotters).
-//! The row building, knee and ratio computations are pure.
+//! (tables, ratios kvroute / each other router, the knee rate, per-objective and per-tenant
+//! tables and target checks where requests carried objectives or tenants) and PNG plots
+//! (plotters). The row building, knee and ratio computations are pure.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -11,6 +13,7 @@ use serde::Serialize;
 
 use super::fleet_stats::WindowStats;
 use super::routers::RouterKind;
+use super::targets;
 use crate::loadgen::report::Report;
 
 /// One router's run of one workload: the load generator's report and the fleet's activity.
@@ -43,6 +46,12 @@ pub struct WorkloadResult {
     pub rates: Vec<f64>,
     /// Arrivals per step, simulated seconds.
     pub step_duration_s: f64,
+    /// The workload's objectives and their priorities (empty: none).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub objectives: BTreeMap<String, i32>,
+    /// The workload's estimated capacity, requests per simulated second.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<f64>,
     /// Routers that ran, in report order.
     pub runs: Vec<RouterRun>,
     /// Routers that could not run, with the reason.
@@ -56,10 +65,13 @@ pub struct Row {
     pub rate: f64,
     /// Successful requests per simulated second.
     pub requests_per_s: f64,
+    /// Completed requests per simulated second in the second half of the step's arrivals.
+    pub steady_requests_per_s: Option<f64>,
     /// Output tokens per simulated second.
     pub output_tokens_per_s: f64,
     /// TTFT p50, p90, p99 (s) at real scale: the pods' simulated TTFT plus the wall time
-    /// spent outside them, unscaled; the client's TTFT where the pods report no timing.
+    /// spent outside them, unscaled, except a gateway queue wait (in simulated time); the
+    /// client's TTFT where the pods report no timing.
     pub ttft: [Option<f64>; 3],
     /// TTFT p90 from the client's clock, wall time × speedup (s).
     pub client_ttft_p90: Option<f64>,
@@ -73,6 +85,8 @@ pub struct Row {
     pub e2e_p90: Option<f64>,
     /// Failed requests.
     pub errors: usize,
+    /// Requests the gateway shed.
+    pub shed: usize,
     /// Requests planned.
     pub requests: usize,
     /// Preemptions in the fleet.
@@ -97,6 +111,7 @@ impl RouterRun {
                 Row {
                     rate: s.rate,
                     requests_per_s: s.throughput.requests_per_s,
+                    steady_requests_per_s: s.throughput.steady_requests_per_s,
                     output_tokens_per_s: s.throughput.output_tokens_per_s,
                     ttft: if s.ttft_real_scale_s.p90.is_some() {
                         let t = &s.ttft_real_scale_s;
@@ -110,6 +125,7 @@ impl RouterRun {
                     itl: [s.itl_s.p50, s.itl_s.p90],
                     e2e_p90: s.e2e_s.p90,
                     errors: s.errors,
+                    shed: s.requests.shed,
                     requests: s.requests.planned,
                     preemptions: fleet.preemptions,
                     lora_loads: fleet.lora_loads,
@@ -154,7 +170,7 @@ pub fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 }
 
 impl WorkloadResult {
-    fn run(&self, kind: RouterKind) -> Option<&RouterRun> {
+    pub(crate) fn run(&self, kind: RouterKind) -> Option<&RouterRun> {
         self.runs.iter().find(|r| r.router == kind)
     }
 
@@ -172,7 +188,7 @@ fn num(v: Option<f64>, digits: usize) -> String {
         .map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
 }
 
-fn same_rate(a: f64, b: f64) -> bool {
+pub(crate) fn same_rate(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-9 * a.abs().max(1.0)
 }
 
@@ -220,8 +236,8 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
         };
         let _ = writeln!(s, "### {} at {rate} req/s{marker}\n", w.workload);
         s.push_str(
-            "| router | req/s | tok/s | TTFT p50 s | TTFT p90 s | TTFT p99 s | pod TTFT p90 s | path p50 ms | path p90 ms | client TTFT p90 s | ITL p50 s | ITL p90 s | e2e p90 s | errors | preemptions | LoRA loads | prefix hit rate | KV spread |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "| router | req/s | tok/s | TTFT p50 s | TTFT p90 s | TTFT p99 s | pod TTFT p90 s | path p50 ms | path p90 ms | client TTFT p90 s | ITL p50 s | ITL p90 s | e2e p90 s | errors | shed | preemptions | LoRA loads | prefix hit rate | KV spread |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for (kind, rs) in &rows {
             let Some(r) = rs.iter().find(|r| same_rate(r.rate, rate)) else {
@@ -229,7 +245,7 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
             };
             let _ = writeln!(
                 s,
-                "| {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} | {:.0} | {:.0} | {} | {} |",
+                "| {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} | {} | {:.0} | {:.0} | {} | {} |",
                 kind.name(),
                 r.requests_per_s,
                 r.output_tokens_per_s,
@@ -245,6 +261,7 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
                 num(r.e2e_p90, 3),
                 r.errors,
                 r.requests,
+                r.shed,
                 r.preemptions,
                 r.lora_loads,
                 num(r.prefix_hit_rate, 3),
@@ -254,6 +271,10 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
         s.push('\n');
     }
     s.push_str(&ratio_markdown(w, &rows, knee));
+    if w.has_groups() {
+        s.push_str(&groups_markdown(w));
+    }
+    s.push_str(&targets::markdown(w, &targets::checks(w)));
     if !plots.is_empty() {
         s.push_str("Plots: ");
         let links: Vec<String> = plots.iter().map(|p| format!("[{p}]({p})")).collect();
@@ -321,6 +342,77 @@ fn ratio_markdown(
     s
 }
 
+impl WorkloadResult {
+    /// Whether the runs' requests carried more than one objective or more than one tenant.
+    pub fn has_groups(&self) -> bool {
+        let (mut objectives, mut tenants) = (BTreeSet::new(), BTreeSet::new());
+        for step in self.runs.iter().flat_map(|r| &r.bench.steps) {
+            objectives.extend(step.by_objective.keys());
+            tenants.extend(step.by_tenant.keys());
+        }
+        objectives.len() > 1 || tenants.len() > 1
+    }
+}
+
+/// `n`, then its reasons: `12 (rejected-saturated 10, rejected-ttl-expired 2)`.
+fn shed_cell(n: usize, by_reason: &BTreeMap<String, usize>) -> String {
+    if by_reason.is_empty() {
+        return n.to_string();
+    }
+    let reasons: Vec<String> = by_reason.iter().map(|(r, k)| format!("{r} {k}")).collect();
+    format!("{n} ({})", reasons.join(", "))
+}
+
+/// Each objective's and tenant's statistics, per rate and router.
+fn groups_markdown(w: &WorkloadResult) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "### {}: per objective and tenant\n\n{GROUPS_LEGEND}",
+        w.workload
+    );
+    s.push_str(
+        "| rate | router | group | completed/planned | shed | errors | req/s | real-scale TTFT p50 s | real-scale TTFT p90 s | client TTFT p90 s | e2e p90 s |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for &rate in &w.rates {
+        for run in &w.runs {
+            let Some(step) = run.bench.steps.iter().find(|st| same_rate(st.rate, rate)) else {
+                continue;
+            };
+            for (label, g) in step.groups() {
+                let _ = writeln!(
+                    s,
+                    "| {rate} | {} | {label} | {}/{} | {} | {} | {:.2} | {} | {} | {} | {} |",
+                    run.router.name(),
+                    g.completed,
+                    g.planned,
+                    shed_cell(g.shed, &g.shed_by_reason),
+                    g.errors,
+                    g.requests_per_s,
+                    num(g.ttft_real_scale_s.p50, 3),
+                    num(g.ttft_real_scale_s.p90, 3),
+                    num(g.ttft_s.p90, 3),
+                    num(g.e2e_s.p90, 3),
+                );
+            }
+        }
+    }
+    s.push('\n');
+    s
+}
+
+/// What the per-objective and per-tenant columns mean.
+const GROUPS_LEGEND: &str = "\
+`client TTFT` runs from the moment the client sent the request, on the client's clock (wall
+time × speedup), so the router's own CPU time counts 10× at speedup 10; `real-scale TTFT` (what
+the target checks read) counts the time outside the pods once, unscaled, except a gateway's
+queue wait, which kvroute reports in `server-timing` and which counts in simulated time: it is
+the simulated pods the request waits for. `shed`: requests a gateway answered 429 or 503 with
+`x-llm-d-request-dropped-reason`, by reason (neither completed nor errors); `req/s`: completed
+requests per simulated second of the step's elapsed time.
+";
+
 /// Column meanings, for the top of the report.
 pub const LEGEND: &str = "\
 Columns: `req/s`, `tok/s`: successful requests and output tokens per simulated second;
@@ -328,12 +420,14 @@ Columns: `req/s`, `tok/s`: successful requests and output tokens per simulated s
 request's arrival at the pod: queueing, prefill, adapter loads, preemptions, everything the
 routing decision causes) plus `path`, the wall time the request spent outside the pod before
 its first token (load generator, router, Envoy, HTTP, this machine's scheduling), counted
-once; `pod TTFT`: the first part alone; `client TTFT`: the client's wall clock × speedup,
+once, except a wait in kvroute's queue for a pod with room (reported in `server-timing`), which
+counts in simulated time like the pods it waits for; `pod TTFT`: the first part alone; `client TTFT`: the client's wall clock × speedup,
 which also multiplies `path` by the speedup (at speedup 10, 1 ms of routing reads as 10 ms,
 and the routers carry 10× the request rate in wall time on two cores); ITL (gaps between
 streamed text events; bursty against the simulator at speedup > 1, see docs/workloads.md),
 e2e: simulated seconds, successful requests only; `errors`: failed /
-planned; `preemptions`, `LoRA loads` (GPU slot loads, disk + host): fleet counters over the
+planned; `shed`: requests a gateway with flow control refused (429/503 with a dropped
+reason), neither successes nor errors; `preemptions`, `LoRA loads` (GPU slot loads, disk + host): fleet counters over the
 step (from `/metrics` sampled every ~250 ms of wall time, cut at the step boundaries by
 interpolation); `prefix hit rate`: prefix-cache hit tokens / queried tokens over the step;
 `KV spread`: mean over the step's samples of (max − min) KV-cache usage across pods (0–1).
@@ -543,5 +637,59 @@ mod tests {
         assert_eq!(ratio(Some(1.0), Some(4.0)), Some(0.25));
         assert_eq!(ratio(Some(1.0), Some(0.0)), None);
         assert_eq!(ratio(None, Some(1.0)), None);
+    }
+
+    #[test]
+    fn a_workload_with_objectives_gets_a_table_per_objective_and_its_target_checks() {
+        use crate::compare::targets::tests::{requests, result, run};
+        let mut half = requests(Some("critical"), None, 4, Some(0.2));
+        half.extend(requests(Some("sheddable"), None, 6, Some(0.3)));
+        let mut over = requests(Some("critical"), None, 8, Some(0.25));
+        over.extend(requests(Some("sheddable"), None, 3, None));
+        let w = result(
+            &[11.0, 44.0],
+            &[("critical", 100), ("sheddable", -10)],
+            Some(22.0),
+            vec![run(RouterKind::Kvroute, vec![(11.0, half), (44.0, over)])],
+        );
+        assert!(w.has_groups());
+        let rows = w.runs[0].rows();
+        assert_eq!((rows[1].shed, rows[1].errors, rows[1].requests), (3, 0, 11));
+        let md = workload_markdown(&w, &[]);
+        assert!(md.contains("| errors | shed | preemptions |"), "{md}");
+        assert!(md.contains("### w: per objective and tenant"), "{md}");
+        assert!(
+            md.contains(
+                "| 44 | kvroute | objective critical | 8/8 | 0 | 0 | 0.80 | 0.250 | 0.250 | 0.250 | 0.750 |"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("| 44 | kvroute | objective sheddable | 0/3 | 3 (rejected-saturated 3) | 0 | 0.00 | - | - | - | - |"),
+            "{md}"
+        );
+        assert!(md.contains("### w: target checks"), "{md}");
+        assert!(
+            md.contains("critical p90 TTFT at 44 req/s (2.0× capacity): 0.250 s vs 0.200 s"),
+            "{md}"
+        );
+    }
+
+    #[test]
+    fn a_workload_without_objectives_or_tenants_has_no_group_table_or_checks() {
+        use crate::compare::targets::tests::{requests, result, run};
+        let w = result(
+            &[4.0],
+            &[],
+            None,
+            vec![run(
+                RouterKind::RoundRobin,
+                vec![(4.0, requests(None, Some("only"), 5, Some(0.1)))],
+            )],
+        );
+        assert!(!w.has_groups());
+        let md = workload_markdown(&w, &[]);
+        assert!(!md.contains("per objective and tenant"), "{md}");
+        assert!(!md.contains("target checks"), "{md}");
     }
 }

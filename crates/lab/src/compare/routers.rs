@@ -9,6 +9,7 @@
 //!
 //! Every router is held by a guard that stops it when dropped: nothing outlives a run.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -18,6 +19,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::envoy::{EnvoyProcess, Gateway, free_port};
+use crate::loadgen::Workload;
 
 /// A router the comparison can measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, Serialize)]
@@ -137,15 +139,17 @@ impl RunningRouter {
     }
 }
 
-/// Starts `kind` in front of `pods` (a fleet clocked `speedup` times faster) and waits until
-/// it answers a completion for `model`.
+/// Starts `kind` in front of `pods` (a fleet clocked `speedup` times faster) for `workload`
+/// (kvroute gets its objectives' priorities) and waits until it answers a completion for
+/// the workload's model.
 pub async fn start(
     kind: RouterKind,
     pods: &[SocketAddr],
     speedup: f64,
-    model: &str,
+    workload: &Workload,
     tools: &Tools,
 ) -> anyhow::Result<RunningRouter> {
+    let model = workload.model.as_str();
     let (guard, base_url) = match kind {
         RouterKind::Kvroute => {
             let mut timing = KvrouteTiming::for_speedup(speedup);
@@ -153,7 +157,8 @@ pub async fn start(
                 timing.scrape_interval = interval;
                 timing.max_metrics_age = timing.max_metrics_age.max(interval * 10);
             }
-            start_kvroute(timing, pods, tools).await?
+            let objectives = workload.objectives.clone().unwrap_or_default();
+            start_kvroute(timing, pods, &objectives, tools).await?
         }
         RouterKind::RoundRobin | RouterKind::LeastRequest => {
             let gateway = if kind == RouterKind::RoundRobin {
@@ -221,12 +226,26 @@ impl KvrouteTiming {
     }
 }
 
-/// Runs `kvroute serve` with `timing` in its own process, as every other router runs: in
-/// the comparison's process it would share a runtime with the simulated fleet and the load
+/// `kvroute serve --objective-priority`'s value for a workload's objectives
+/// (`NAME=INT,NAME=INT`, in name order); None without objectives.
+pub fn objective_priority_arg(objectives: &BTreeMap<String, i32>) -> Option<String> {
+    (!objectives.is_empty()).then(|| {
+        objectives
+            .iter()
+            .map(|(name, priority)| format!("{name}={priority}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    })
+}
+
+/// Runs `kvroute serve` with `timing` (and the workload's `objectives` as
+/// `--objective-priority`) in its own process, as every other router runs: in the
+/// comparison's process it would share a runtime with the simulated fleet and the load
 /// generator and queue behind their tasks.
 async fn start_kvroute(
     timing: KvrouteTiming,
     pods: &[SocketAddr],
+    objectives: &BTreeMap<String, i32>,
     tools: &Tools,
 ) -> anyhow::Result<(Guard, String)> {
     let exe = &tools.kvroute;
@@ -257,6 +276,8 @@ async fn start_kvroute(
         ])
         .args(["--max-metrics-age", &millis(timing.max_metrics_age)])
         .args(["--drain-timeout", "1s"])
+        // One `--flag=value` argument: a value cannot be taken for a flag.
+        .args(objective_priority_arg(objectives).map(|map| format!("--objective-priority={map}")))
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -412,6 +433,19 @@ mod tests {
         let sped_up = KvrouteTiming::for_speedup(10.0);
         assert_eq!(sped_up.scrape_interval, MIN_WALL_SCRAPE_INTERVAL);
         assert_eq!(sped_up.max_metrics_age, MIN_WALL_SCRAPE_INTERVAL * 10);
+    }
+
+    #[test]
+    fn kvroute_gets_the_objectives_as_one_name_equals_priority_list() {
+        assert_eq!(objective_priority_arg(&BTreeMap::new()), None);
+        let map = BTreeMap::from([
+            ("sheddable".to_string(), -10),
+            ("critical".to_string(), 100),
+        ]);
+        assert_eq!(
+            objective_priority_arg(&map).as_deref(),
+            Some("critical=100,sheddable=-10")
+        );
     }
 
     #[test]

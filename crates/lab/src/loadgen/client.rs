@@ -1,13 +1,30 @@
 //! One streamed request, measured: time to first token, the gaps between text events, end to
-//! end, usage, status, the serving pod, and what went wrong.
+//! end, usage, status, the serving pod, and what went wrong, or that the gateway shed it.
 //!
 //! Times are taken on the wall clock from the moment the request is sent and multiplied by
 //! `scale` (the simulator's speedup), so they come out in simulated seconds.
+//!
+//! Flow control (the Gateway API Inference Extension's and llm-d's names): a request may carry
+//! [`OBJECTIVE_HEADER`] and [`FAIRNESS_ID_HEADER`]; a gateway that sheds it answers 429 (or 503)
+//! with [`DROPPED_REASON_HEADER`], which makes the outcome *shed* with that reason: neither a
+//! success nor an error.
 
 use std::time::{Duration, Instant};
 
+use reqwest::header::HeaderMap;
 use serde::Serialize;
 use serde_json::Value;
+
+/// The request's objective name; the gateway maps it to a priority.
+pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+/// The request's tenant (flow) id; the gateway takes turns between tenants of a priority.
+pub const FAIRNESS_ID_HEADER: &str = "x-gateway-inference-fairness-id";
+/// Why the gateway shed a request (`rejected-saturated`, `rejected-ttl-expired`, ...).
+pub const DROPPED_REASON_HEADER: &str = "x-llm-d-request-dropped-reason";
+/// The `server-timing` metric in which kvroute says how long it held a request.
+pub const QUEUE_TIMING: &str = "kvroute-queue";
+/// Longest shed reason kept; a longer header value is cut (reports key counts by it).
+const MAX_REASON_BYTES: usize = 64;
 
 /// What went wrong with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -60,7 +77,13 @@ pub struct Outcome {
     /// the client's wall-clock TTFT minus the pod's TTFT in wall time. Needs `pod_ttft_s`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path_s: Option<f64>,
-    /// Time to first token at real scale: the pod's simulated TTFT plus `path_s` unscaled.
+    /// How long the gateway held the request for a pod with room, in simulated seconds (the
+    /// `kvroute-queue` entry of its `server-timing` response header, wall time × scale).
+    /// Part of `path_s`, but unlike the rest of the path it scales: it waits for the pods.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_s: Option<f64>,
+    /// Time to first token at real scale: the pod's simulated TTFT, plus `path_s` unscaled
+    /// except the gateway's queue wait (`queue_s`), which is counted in simulated time.
     /// At speedup `s` the simulator runs `s` times faster than a GPU and the load arrives
     /// `s` times faster in wall time, so `ttft_s` multiplies every wall-clock millisecond of
     /// routing and proxying by `s`; on a real fleet those milliseconds count once.
@@ -82,6 +105,10 @@ pub struct Outcome {
     pub error_kind: Option<ErrorKind>,
     /// Details of the error.
     pub error: Option<String>,
+    /// The gateway shed the request (429 or 503 with [`DROPPED_REASON_HEADER`]): the reason.
+    /// A shed request has no error.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shed_reason: Option<String>,
 }
 
 impl Outcome {
@@ -97,6 +124,11 @@ impl Outcome {
     fn fail(&mut self, kind: ErrorKind, message: impl Into<String>) {
         self.error_kind = Some(kind);
         self.error = Some(message.into());
+    }
+
+    /// Whether it completed: neither failed nor shed.
+    pub fn completed(&self) -> bool {
+        self.error_kind.is_none() && self.shed_reason.is_none()
     }
 
     /// Output tokens from usage, else the text events counted.
@@ -213,28 +245,76 @@ fn seconds(d: Duration, scale: f64) -> f64 {
     d.as_secs_f64() * scale
 }
 
-fn truncate(s: &str, n: usize) -> String {
+/// The longest prefix of `s` of at most `n` bytes that ends on a character boundary.
+fn cut(s: &str, n: usize) -> &str {
     if s.len() <= n {
-        return s.to_string();
+        return s;
     }
     let mut end = n;
     while !s.is_char_boundary(end) {
         end -= 1;
     }
-    format!("{}...", &s[..end])
+    &s[..end]
 }
 
-/// Sends one streamed request to `url` and measures it. `timeout` is wall-clock time.
+fn truncate(s: &str, n: usize) -> String {
+    if s.len() <= n {
+        return s.to_string();
+    }
+    format!("{}...", cut(s, n))
+}
+
+/// The gateway's queue wait in wall milliseconds: `dur` of the `kvroute-queue` metric of
+/// the `server-timing` header (`kvroute-queue;dur=12.5`), if present.
+pub fn queue_wait_ms(headers: &HeaderMap) -> Option<f64> {
+    headers
+        .get_all("server-timing")
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .find_map(|metric| {
+            let mut parts = metric.split(';').map(str::trim);
+            if parts.next() != Some(QUEUE_TIMING) {
+                return None;
+            }
+            parts
+                .find_map(|param| param.strip_prefix("dur="))
+                .and_then(|ms| ms.parse::<f64>().ok())
+                .filter(|ms| ms.is_finite() && *ms >= 0.0)
+        })
+}
+
+/// The shed reason of a response with `status` and `headers`: the dropped-reason header of
+/// a 429 or 503 (cut to 64 bytes), else None (any other failure stays an error).
+pub fn shed_reason(status: u16, headers: &HeaderMap) -> Option<String> {
+    if !matches!(status, 429 | 503) {
+        return None;
+    }
+    let value = headers.get(DROPPED_REASON_HEADER)?;
+    let reason = String::from_utf8_lossy(value.as_bytes());
+    let reason = reason.trim();
+    (!reason.is_empty()).then(|| cut(reason, MAX_REASON_BYTES).to_string())
+}
+
+/// Sends one streamed request with `headers` to `url` and measures it. `timeout` is
+/// wall-clock time.
 pub async fn send(
     client: &reqwest::Client,
     url: &str,
     body: &Value,
+    headers: HeaderMap,
     timeout: Duration,
     scale: f64,
 ) -> Outcome {
     let started = Instant::now();
     let mut out = Outcome::default();
-    let response = client.post(url).json(body).timeout(timeout).send().await;
+    let response = client
+        .post(url)
+        .headers(headers)
+        .json(body)
+        .timeout(timeout)
+        .send()
+        .await;
     let mut response = match response {
         Ok(r) => r,
         Err(e) if e.is_timeout() => return Outcome::failed(ErrorKind::Timeout, e.to_string()),
@@ -246,10 +326,16 @@ pub async fn send(
         .get("x-sim-pod")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
+    out.queue_s = queue_wait_ms(response.headers()).map(|ms| ms / 1e3 * scale);
     if !response.status().is_success() {
         let status = response.status();
+        let shed = shed_reason(status.as_u16(), response.headers());
         let text = response.text().await.unwrap_or_default();
         out.e2e_s = Some(seconds(started.elapsed(), scale));
+        if shed.is_some() {
+            out.shed_reason = shed;
+            return out;
+        }
         out.fail(
             ErrorKind::Http,
             format!("{status}: {}", truncate(&text, 200)),
@@ -320,7 +406,10 @@ pub async fn send(
     if let (Some(client), Some(pod)) = (out.ttft_s, out.pod_ttft_s) {
         let path = ((client - pod) / scale).max(0.0);
         out.path_s = Some(path);
-        out.ttft_real_scale_s = Some(pod + path);
+        // The queue wait is wall time the request spent waiting for the simulated pods:
+        // at real scale it lasts `scale` times longer; the rest of the path does not.
+        let queued = out.queue_s.unwrap_or(0.0);
+        out.ttft_real_scale_s = Some(pod + (path - queued / scale).max(0.0) + queued);
     }
     if !done && out.error_kind.is_none() {
         out.fail(ErrorKind::Incomplete, "the stream ended without [DONE]");
@@ -330,7 +419,183 @@ pub async fn send(
 
 #[cfg(test)]
 mod tests {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::TcpListener;
+    use std::thread::JoinHandle;
+
     use super::*;
+    use crate::loadgen::class_headers;
+    use crate::loadgen::workload::{ClassSpec, Dist};
+
+    /// A one-request HTTP server on 127.0.0.1:0: answers `response` (a whole HTTP/1.1
+    /// response) and hands back the request's head, lowercased.
+    fn serve_once(response: &'static str) -> (String, JoinHandle<String>) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!(
+            "http://{}/v1/completions",
+            listener.local_addr().expect("addr")
+        );
+        let server = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().expect("accept");
+            let mut reader = BufReader::new(stream);
+            let mut head = String::new();
+            loop {
+                let mut line = String::new();
+                reader.read_line(&mut line).expect("read");
+                if line == "\r\n" || line.is_empty() {
+                    break;
+                }
+                head.push_str(&line.to_ascii_lowercase());
+            }
+            let length = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            let mut body = vec![0; length];
+            reader.read_exact(&mut body).expect("body");
+            let mut stream = reader.into_inner();
+            stream.write_all(response.as_bytes()).expect("write");
+            head
+        });
+        (url, server)
+    }
+
+    const STREAM: &str = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+        data: {\"choices\":[{\"text\":\" the\"}]}\n\n\
+        data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\n\
+        data: [DONE]\n\n";
+
+    fn class(objective: Option<&str>, tenant: Option<&str>) -> ClassSpec {
+        ClassSpec {
+            name: "c".into(),
+            weight: None,
+            step_weights: None,
+            objective: objective.map(str::to_owned),
+            tenant: tenant.map(str::to_owned),
+            lora: None,
+            prompt_tokens: Some(Dist::Fixed { value: 1 }),
+            shared_prefix: None,
+            output_tokens: Dist::Fixed { value: 1 },
+        }
+    }
+
+    async fn send_to(url: &str, headers: HeaderMap) -> Outcome {
+        let body = serde_json::json!({"model": "m", "prompt": "x", "stream": true});
+        send(
+            &reqwest::Client::new(),
+            url,
+            &body,
+            headers,
+            Duration::from_secs(10),
+            1.0,
+        )
+        .await
+    }
+
+    #[tokio::test]
+    async fn a_class_objective_and_tenant_travel_as_the_gateway_headers() {
+        let (url, server) = serve_once(STREAM);
+        let headers = class_headers(&class(Some("critical"), Some("tenant-b"))).expect("valid");
+        let outcome = send_to(&url, headers).await;
+        let head = server.join().expect("server");
+        assert!(
+            head.contains("x-gateway-inference-objective: critical\r\n"),
+            "{head}"
+        );
+        assert!(
+            head.contains("x-gateway-inference-fairness-id: tenant-b\r\n"),
+            "{head}"
+        );
+        assert!(outcome.completed(), "{outcome:?}");
+        assert_eq!(outcome.output_tokens, Some(1));
+    }
+
+    #[tokio::test]
+    async fn a_class_without_objective_or_tenant_sends_neither_header() {
+        let (url, server) = serve_once(STREAM);
+        let headers = class_headers(&class(None, None)).expect("valid");
+        assert!(headers.is_empty());
+        let outcome = send_to(&url, headers).await;
+        let head = server.join().expect("server");
+        assert!(!head.contains("x-gateway-inference"), "{head}");
+        assert!(outcome.completed(), "{outcome:?}");
+    }
+
+    #[tokio::test]
+    async fn a_429_with_a_dropped_reason_is_shed_not_an_error() {
+        let (url, server) = serve_once(
+            "HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\n\
+             x-llm-d-request-dropped-reason: rejected-saturated\r\ncontent-type: application/json\r\n\
+             content-length: 64\r\nconnection: close\r\n\r\n\
+             {\"error\":{\"message\":\"saturated\",\"type\":\"rate_limit\",\"code\":429}}",
+        );
+        let outcome = send_to(&url, HeaderMap::new()).await;
+        server.join().expect("server");
+        assert_eq!(outcome.status, Some(429));
+        assert_eq!(outcome.shed_reason.as_deref(), Some("rejected-saturated"));
+        assert_eq!(outcome.error_kind, None);
+        assert!(!outcome.completed());
+        assert!(outcome.e2e_s.is_some());
+    }
+
+    #[tokio::test]
+    async fn a_503_without_a_dropped_reason_stays_an_http_error() {
+        let (url, server) = serve_once(
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\nconnection: close\r\n\r\nbusy",
+        );
+        let outcome = send_to(&url, HeaderMap::new()).await;
+        server.join().expect("server");
+        assert_eq!(outcome.status, Some(503));
+        assert_eq!(outcome.shed_reason, None);
+        assert_eq!(outcome.error_kind, Some(ErrorKind::Http));
+    }
+
+    #[test]
+    fn only_429_and_503_with_a_reason_are_shed() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            DROPPED_REASON_HEADER,
+            reqwest::header::HeaderValue::from_static("rejected-shutting-down"),
+        );
+        assert_eq!(
+            shed_reason(503, &headers).as_deref(),
+            Some("rejected-shutting-down")
+        );
+        assert_eq!(shed_reason(500, &headers), None);
+        assert_eq!(shed_reason(429, &HeaderMap::new()), None);
+        let long = "r".repeat(100);
+        headers.insert(
+            DROPPED_REASON_HEADER,
+            reqwest::header::HeaderValue::from_str(&long).expect("header"),
+        );
+        assert_eq!(shed_reason(429, &headers).map(|r| r.len()), Some(64));
+        headers.insert(
+            DROPPED_REASON_HEADER,
+            reqwest::header::HeaderValue::from_static(" "),
+        );
+        assert_eq!(shed_reason(429, &headers), None);
+    }
+
+    #[test]
+    fn the_gateway_queue_wait_is_read_from_server_timing() {
+        let with = |value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                "server-timing",
+                reqwest::header::HeaderValue::from_static(value),
+            );
+            queue_wait_ms(&headers)
+        };
+        assert_eq!(with("kvroute-queue;dur=12.5"), Some(12.5));
+        assert_eq!(
+            with("db;dur=3, kvroute-queue; desc=\"held\"; dur=40"),
+            Some(40.0)
+        );
+        assert_eq!(with("db;dur=3"), None);
+        assert_eq!(with("kvroute-queue;dur=-1"), None);
+        assert_eq!(queue_wait_ms(&HeaderMap::new()), None);
+    }
 
     #[test]
     fn sse_events_split_across_chunks_are_reassembled() {

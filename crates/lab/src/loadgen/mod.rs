@@ -2,8 +2,10 @@
 //!
 //! For each rate of a ladder it plans a step of Poisson arrivals from a workload file
 //! (`workload`, pure and seeded), sends every request streamed at its arrival time whatever
-//! the others are doing (`client`, one measured request), waits for the step's stragglers, and
-//! turns the records into statistics (`report`). Times are in simulated seconds: arrival times
+//! the others are doing (`client`, one measured request, with its class's objective and
+//! tenant headers), waits for the step's stragglers, and turns the records into statistics
+//! (`report`: completed, shed by a gateway, failed; per step and per class, objective and
+//! tenant). Times are in simulated seconds: arrival times
 //! are divided by `--speedup` and measured latencies multiplied by it, so a run against a
 //! `kvroute-sim` fleet clocked 10× faster reads like one against real pods. See
 //! docs/workloads.md.
@@ -22,7 +24,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use self::client::{ErrorKind, Outcome};
+use reqwest::header::{HeaderMap, HeaderValue};
+
+use self::client::{ErrorKind, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, Outcome};
 use self::report::{Record, Report, StepReport};
 pub use self::workload::{Workload, WorkloadError};
 
@@ -112,6 +116,25 @@ pub struct Plan {
     pub raw: bool,
     /// Draw a progress bar (on a terminal).
     pub progress: bool,
+    /// The flow-control headers of each class's requests, in class order.
+    pub class_headers: Vec<HeaderMap>,
+}
+
+/// The headers a class's requests carry: its objective and its tenant, when it has them.
+pub fn class_headers(class: &workload::ClassSpec) -> Result<HeaderMap, BenchError> {
+    let mut headers = HeaderMap::new();
+    for (name, value) in [
+        (OBJECTIVE_HEADER, &class.objective),
+        (FAIRNESS_ID_HEADER, &class.tenant),
+    ] {
+        if let Some(v) = value {
+            let v = HeaderValue::from_str(v).map_err(|e| {
+                BenchError::Invalid(format!("class {}: {name}: {v:?}: {e}", class.name))
+            })?;
+            headers.insert(name, v);
+        }
+    }
+    Ok(headers)
 }
 
 /// `base` + `/v1` + the API path (`base` may already end in `/v1`).
@@ -147,6 +170,22 @@ impl Plan {
         if rates.is_empty() || rates.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
             return bad(format!("rates must be > 0, got {rates:?}"));
         }
+        if let Some(steps) = workload
+            .classes
+            .iter()
+            .filter_map(|c| c.step_weights.as_ref().map(Vec::len))
+            .find(|&n| n != rates.len())
+        {
+            return bad(format!(
+                "workload {} weighs its classes per step of a {steps}-rate ladder; a ladder override must have {steps} rates, got {rates:?}",
+                workload.name,
+            ));
+        }
+        let class_headers = workload
+            .classes
+            .iter()
+            .map(class_headers)
+            .collect::<Result<Vec<_>, _>>()?;
         if !(args.speedup.is_finite() && args.speedup > 0.0) {
             return bad(format!("--speedup must be > 0, got {}", args.speedup));
         }
@@ -181,6 +220,7 @@ impl Plan {
             timeout: args.timeout,
             raw: args.raw,
             progress: std::io::stderr().is_terminal(),
+            class_headers,
             workload,
         })
     }
@@ -214,13 +254,16 @@ async fn run_step(
     let started = tokio::time::Instant::now();
     let mut records: Vec<Option<Record>> = vec![None; requests.len()];
     let mut tasks: JoinSet<(usize, Record)> = JoinSet::new();
-    let mut errors = 0usize;
+    let (mut errors, mut shed) = (0usize, 0usize);
     let mut finish = |i: usize, r: Record, records: &mut Vec<Option<Record>>| {
-        if !r.ok() {
+        if r.outcome.error_kind.is_some() {
             errors += 1;
         }
+        if r.outcome.shed_reason.is_some() {
+            shed += 1;
+        }
         bar.inc(1);
-        bar.set_message(format!("{errors} errors"));
+        bar.set_message(format!("{errors} errors, {shed} shed"));
         records[i] = Some(r);
     };
     let mut pending = requests.into_iter().enumerate().peekable();
@@ -236,10 +279,12 @@ async fn run_step(
             () = tokio::time::sleep_until(due) => {
                 let Some((i, request)) = pending.next() else { break };
                 let sent_s = started.elapsed().as_secs_f64() * speedup;
-                let class = plan.workload.classes[request.class].name.clone();
+                let spec = &plan.workload.classes[request.class];
                 let mut record = Record {
                     index: i,
-                    class,
+                    class: spec.name.clone(),
+                    objective: spec.objective.clone(),
+                    tenant: spec.tenant.clone(),
                     model: request.model.clone(),
                     planned_prompt_tokens: request.prompt_tokens,
                     max_tokens: request.max_tokens,
@@ -256,9 +301,11 @@ async fn run_step(
                     continue;
                 };
                 let body = request.body(plan.workload.api, plan.workload.ignore_eos);
+                let headers = plan.class_headers.get(request.class).cloned().unwrap_or_default();
                 let (client, url) = (client.clone(), Arc::clone(&url));
                 tasks.spawn(async move {
-                    record.outcome = client::send(&client, &url, &body, timeout, speedup).await;
+                    record.outcome =
+                        client::send(&client, &url, &body, headers, timeout, speedup).await;
                     drop(permit);
                     (i, record)
                 });
@@ -279,6 +326,8 @@ async fn run_step(
             r.unwrap_or_else(|| Record {
                 index: i,
                 class: String::new(),
+                objective: None,
+                tenant: None,
                 model: String::new(),
                 planned_prompt_tokens: 0,
                 max_tokens: 0,
@@ -355,4 +404,69 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     eprintln!("\n{}", report.table());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FLOW: &str = "
+name: flow
+rates: [2, 20]
+fleet: {pods: 1, max_loras: 0}
+objectives: {critical: 100, sheddable: -10}
+classes:
+  - name: a
+    objective: critical
+    tenant: t-a
+    step_weights: [0, 10]
+    prompt_tokens: {dist: fixed, value: 8}
+    output_tokens: {dist: fixed, value: 4}
+  - name: b
+    objective: sheddable
+    prompt_tokens: {dist: fixed, value: 8}
+    output_tokens: {dist: fixed, value: 4}
+";
+
+    fn args(rates: &[f64]) -> BenchArgs {
+        BenchArgs {
+            target: "http://127.0.0.1:1".into(),
+            workload: PathBuf::new(),
+            rate: None,
+            rates: rates.to_vec(),
+            step_duration: None,
+            requests_per_step: None,
+            speedup: 1.0,
+            output: None,
+            seed: None,
+            max_concurrency: 8,
+            timeout: Duration::from_secs(1),
+            model: None,
+            raw: false,
+        }
+    }
+
+    #[test]
+    fn a_plan_holds_each_classs_flow_control_headers() {
+        let w = Workload::from_yaml(FLOW).expect("valid");
+        let plan = Plan::new(&args(&[]), w).expect("plan");
+        let a = &plan.class_headers[0];
+        assert_eq!(a[OBJECTIVE_HEADER], "critical");
+        assert_eq!(a[FAIRNESS_ID_HEADER], "t-a");
+        let b = &plan.class_headers[1];
+        assert_eq!(b[OBJECTIVE_HEADER], "sheddable");
+        assert!(b.get(FAIRNESS_ID_HEADER).is_none());
+    }
+
+    #[test]
+    fn a_ladder_override_must_match_the_class_weights_per_step() {
+        let w = Workload::from_yaml(FLOW).expect("valid");
+        let e = Plan::new(&args(&[5.0]), w.clone()).expect_err("one rate for two steps");
+        assert!(e.to_string().contains("must have 2 rates"), "{e}");
+        let plan = Plan::new(&args(&[3.0, 30.0]), w.clone()).expect("two rates");
+        assert_eq!(plan.rates, vec![3.0, 30.0]);
+        // One step of it is a workload of its own.
+        let one = w.select_steps(&[1]);
+        Plan::new(&args(&[5.0]), one).expect("one rate for one step");
+    }
 }

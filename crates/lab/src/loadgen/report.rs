@@ -1,7 +1,11 @@
 //! Per-request records → per-step statistics → the JSON report. Pure.
 //!
-//! Latency statistics are over the requests that succeeded; percentiles interpolate linearly
-//! between the sorted values (numpy's default). All times are simulated seconds.
+//! A request ends one of three ways: completed, shed by the gateway (429/503 with a dropped
+//! reason; counted by reason), or failed (an error, by kind). Latency statistics and
+//! throughput are over completed requests; percentiles interpolate linearly between the
+//! sorted values (numpy's default). All times are simulated seconds. Besides the step's
+//! totals, each step has the same statistics per class, per objective and per tenant
+//! ([`GroupStats`]).
 
 use std::collections::BTreeMap;
 
@@ -10,7 +14,9 @@ use serde::Serialize;
 use super::client::{ErrorKind, Outcome};
 
 /// Format version of the JSON report.
-pub const REPORT_VERSION: u32 = 1;
+/// 2: shed requests (`shed`, `shed_by_reason`; no longer `http` errors), per-class,
+/// per-objective and per-tenant statistics, `objective` and `tenant` in records.
+pub const REPORT_VERSION: u32 = 2;
 
 /// One request as sent and measured.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -19,6 +25,12 @@ pub struct Record {
     pub index: usize,
     /// Workload class name.
     pub class: String,
+    /// Objective sent (`x-gateway-inference-objective`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub objective: Option<String>,
+    /// Tenant sent (`x-gateway-inference-fairness-id`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
     /// `model` sent.
     pub model: String,
     /// Prompt tokens planned (simulator tokenizer).
@@ -35,9 +47,9 @@ pub struct Record {
 }
 
 impl Record {
-    /// Whether it succeeded.
+    /// Whether it completed (neither failed nor shed).
     pub fn ok(&self) -> bool {
-        self.outcome.error_kind.is_none()
+        self.outcome.completed()
     }
 }
 
@@ -89,21 +101,123 @@ pub struct Counts {
     pub planned: usize,
     /// Requests sent (planned − dropped).
     pub sent: usize,
-    /// Requests that succeeded.
+    /// Requests that completed.
     pub ok: usize,
     /// Requests that failed, dropped included.
     pub errors: usize,
     /// Requests not sent because `max_concurrency` were in flight.
     pub dropped: usize,
+    /// Requests the gateway shed (planned = ok + errors + shed).
+    pub shed: usize,
 }
 
-/// Throughput over the step's elapsed time.
+/// The statistics of one group of a step's requests: a class, an objective or a tenant.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct GroupStats {
+    /// Requests planned.
+    pub planned: usize,
+    /// Requests that completed.
+    pub completed: usize,
+    /// Requests that failed.
+    pub errors: usize,
+    /// Requests the gateway shed.
+    pub shed: usize,
+    /// Shed requests by the gateway's reason.
+    pub shed_by_reason: BTreeMap<String, usize>,
+    /// Completed requests per simulated second of the step's elapsed time.
+    pub requests_per_s: f64,
+    /// Time to first token of completed requests, from the moment the client sent them
+    /// (wall clock × speedup, so a wait in a gateway's queue counts in simulated time).
+    pub ttft_s: Latency,
+    /// Time to first token at real scale (see [`Outcome::ttft_real_scale_s`]): the router's
+    /// path counted once, unscaled, and a gateway's queue wait (reported in `server-timing`)
+    /// in simulated time. Against a sped-up simulator `ttft_s` overstates the router's own
+    /// CPU time tenfold; at speedup 1 they agree.
+    pub ttft_real_scale_s: Latency,
+    /// End to end of completed requests.
+    pub e2e_s: Latency,
+}
+
+/// A [`GroupStats`] being filled.
+#[derive(Debug, Default)]
+struct GroupAcc {
+    stats: GroupStats,
+    ttft: Vec<f64>,
+    real_scale: Vec<f64>,
+    e2e: Vec<f64>,
+}
+
+impl GroupAcc {
+    fn add(&mut self, o: &Outcome) {
+        let s = &mut self.stats;
+        s.planned += 1;
+        if let Some(reason) = &o.shed_reason {
+            s.shed += 1;
+            *s.shed_by_reason.entry(reason.clone()).or_insert(0) += 1;
+        } else if o.error_kind.is_some() {
+            s.errors += 1;
+        } else {
+            s.completed += 1;
+            self.ttft.extend(o.ttft_s);
+            self.real_scale.extend(o.ttft_real_scale_s);
+            self.e2e.extend(o.e2e_s);
+        }
+    }
+
+    fn finish(self, elapsed_s: f64) -> GroupStats {
+        GroupStats {
+            requests_per_s: if elapsed_s > 0.0 {
+                self.stats.completed as f64 / elapsed_s
+            } else {
+                0.0
+            },
+            ttft_s: Latency::of(self.ttft),
+            ttft_real_scale_s: Latency::of(self.real_scale),
+            e2e_s: Latency::of(self.e2e),
+            ..self.stats
+        }
+    }
+}
+
+fn finish_groups(
+    groups: BTreeMap<String, GroupAcc>,
+    elapsed_s: f64,
+) -> BTreeMap<String, GroupStats> {
+    groups
+        .into_iter()
+        .map(|(k, g)| (k, g.finish(elapsed_s)))
+        .collect()
+}
+
+/// Throughput: completed requests only.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct Throughput {
-    /// Successful requests per simulated second.
+    /// Completed requests per simulated second of the step's elapsed time (from its start
+    /// to its last response, so the drain of the last arrivals' outputs is included).
     pub requests_per_s: f64,
-    /// Output tokens of successful requests per simulated second.
+    /// Output tokens of completed requests per simulated second of the elapsed time.
     pub output_tokens_per_s: f64,
+    /// Completed requests that ended in the second half of the step's arrivals
+    /// (`duration_s / 2` to `duration_s` after its start), per simulated second: the rate
+    /// a loaded fleet sustains, without the ramp-up and the drain. None when the records
+    /// do not say when requests were sent.
+    pub steady_requests_per_s: Option<f64>,
+}
+
+/// Completed requests that ended in `[duration_s / 2, duration_s]` (simulated seconds since
+/// the step started: sent + end to end), per simulated second.
+pub fn steady_rate(records: &[Record], duration_s: f64) -> Option<f64> {
+    if !(duration_s.is_finite() && duration_s > 0.0) {
+        return None;
+    }
+    let (from, to) = (duration_s / 2.0, duration_s);
+    let ended = records
+        .iter()
+        .filter(|r| r.ok())
+        .filter_map(|r| Some(r.sent_s + r.outcome.e2e_s?))
+        .filter(|end| (from..=to).contains(end))
+        .count();
+    Some(ended as f64 / (to - from))
 }
 
 /// Token totals of the successful requests.
@@ -132,6 +246,8 @@ pub struct StepReport {
     pub errors: usize,
     /// Failed requests by kind.
     pub errors_by_kind: BTreeMap<String, usize>,
+    /// Shed requests by the gateway's reason.
+    pub shed_by_reason: BTreeMap<String, usize>,
     /// Responses by HTTP status.
     pub status_counts: BTreeMap<String, usize>,
     /// Throughput.
@@ -155,6 +271,14 @@ pub struct StepReport {
     pub e2e_s: Latency,
     /// Successful requests per serving pod (`x-sim-pod`); absent header: not counted.
     pub per_pod: BTreeMap<String, usize>,
+    /// Per class (by name).
+    pub by_class: BTreeMap<String, GroupStats>,
+    /// Per objective sent (requests without one are in no entry).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub by_objective: BTreeMap<String, GroupStats>,
+    /// Per tenant sent (requests without one are in no entry).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub by_tenant: BTreeMap<String, GroupStats>,
     /// Every request, with `--raw`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub records: Option<Vec<Record>>,
@@ -174,7 +298,11 @@ impl StepReport {
             ..Counts::default()
         };
         let mut errors_by_kind = BTreeMap::new();
+        let mut shed_by_reason = BTreeMap::new();
         let mut status_counts = BTreeMap::new();
+        let mut by_class: BTreeMap<String, GroupAcc> = BTreeMap::new();
+        let mut by_objective: BTreeMap<String, GroupAcc> = BTreeMap::new();
+        let mut by_tenant: BTreeMap<String, GroupAcc> = BTreeMap::new();
         let mut per_pod = BTreeMap::new();
         let mut tokens = Tokens::default();
         let (mut ttft, mut itl, mut tpot, mut e2e) =
@@ -184,6 +312,18 @@ impl StepReport {
             let o = &r.outcome;
             if let Some(s) = o.status {
                 *status_counts.entry(s.to_string()).or_insert(0) += 1;
+            }
+            by_class.entry(r.class.clone()).or_default().add(o);
+            if let Some(objective) = &r.objective {
+                by_objective.entry(objective.clone()).or_default().add(o);
+            }
+            if let Some(tenant) = &r.tenant {
+                by_tenant.entry(tenant.clone()).or_default().add(o);
+            }
+            if let Some(reason) = &o.shed_reason {
+                counts.shed += 1;
+                *shed_by_reason.entry(reason.clone()).or_insert(0) += 1;
+                continue;
             }
             match o.error_kind {
                 Some(kind) => {
@@ -223,10 +363,12 @@ impl StepReport {
             requests: counts,
             errors: counts.errors,
             errors_by_kind,
+            shed_by_reason,
             status_counts,
             throughput: Throughput {
                 requests_per_s: per_s(counts.ok as f64),
                 output_tokens_per_s: per_s(tokens.output as f64),
+                steady_requests_per_s: steady_rate(&records, duration_s),
             },
             tokens,
             ttft_s: Latency::of(ttft),
@@ -237,6 +379,9 @@ impl StepReport {
             tpot_s: Latency::of(tpot),
             e2e_s: Latency::of(e2e),
             per_pod,
+            by_class: finish_groups(by_class, elapsed_s),
+            by_objective: finish_groups(by_objective, elapsed_s),
+            by_tenant: finish_groups(by_tenant, elapsed_s),
             records: keep_raw.then_some(records),
         }
     }
@@ -268,17 +413,19 @@ pub struct Report {
 }
 
 impl Report {
-    /// A Markdown table of the steps, for the terminal.
+    /// A Markdown table of the steps, for the terminal; then, when requests carried
+    /// objectives or tenants, one of each objective's and tenant's statistics.
     pub fn table(&self) -> String {
         let mut s = String::from(
-            "| rate/s | ok | errors | req/s | tok/s | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | e2e p90 |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "| rate/s | ok | shed | errors | req/s | tok/s | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | e2e p90 |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         let f = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.3}"));
         for st in &self.steps {
             s.push_str(&format!(
-                "| {} | {} | {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} |\n",
                 st.rate,
                 st.requests.ok,
+                st.requests.shed,
                 st.errors,
                 st.throughput.requests_per_s,
                 st.throughput.output_tokens_per_s,
@@ -290,7 +437,47 @@ impl Report {
                 f(st.e2e_s.p90),
             ));
         }
+        if self
+            .steps
+            .iter()
+            .any(|st| !st.by_objective.is_empty() || !st.by_tenant.is_empty())
+        {
+            s.push_str(
+                "\n| rate/s | group | ok/planned | shed | errors | req/s | TTFT p50 | TTFT p90 | e2e p90 |\n|---|---|---|---|---|---|---|---|---|\n",
+            );
+            for st in &self.steps {
+                for (label, g) in st.groups() {
+                    s.push_str(&format!(
+                        "| {} | {label} | {}/{} | {} | {} | {:.2} | {} | {} | {} |\n",
+                        st.rate,
+                        g.completed,
+                        g.planned,
+                        g.shed,
+                        g.errors,
+                        g.requests_per_s,
+                        f(g.ttft_s.p50),
+                        f(g.ttft_s.p90),
+                        f(g.e2e_s.p90),
+                    ));
+                }
+            }
+        }
         s
+    }
+}
+
+impl StepReport {
+    /// The objectives' then the tenants' statistics, labelled `objective X` / `tenant Y`.
+    pub fn groups(&self) -> impl Iterator<Item = (String, &GroupStats)> {
+        let objectives = self
+            .by_objective
+            .iter()
+            .map(|(k, g)| (format!("objective {k}"), g));
+        let tenants = self
+            .by_tenant
+            .iter()
+            .map(|(k, g)| (format!("tenant {k}"), g));
+        objectives.chain(tenants)
     }
 }
 
@@ -302,6 +489,8 @@ mod tests {
         Record {
             index,
             class: "c".into(),
+            objective: None,
+            tenant: None,
             model: "m".into(),
             planned_prompt_tokens: 10,
             max_tokens: 5,
@@ -356,7 +545,8 @@ mod tests {
                 sent: 3,
                 ok: 2,
                 errors: 2,
-                dropped: 1
+                dropped: 1,
+                shed: 0
             }
         );
         assert_eq!(s.errors_by_kind["http"], 1);
@@ -371,5 +561,154 @@ mod tests {
         assert_eq!(s.e2e_s.count, 2);
         assert!((s.tpot_s.p50.expect("tpot") - 0.1).abs() < 1e-9);
         assert!(s.records.is_none());
+    }
+
+    fn completed(ttft: f64, e2e: f64) -> Outcome {
+        Outcome {
+            status: Some(200),
+            ttft_s: Some(ttft),
+            e2e_s: Some(e2e),
+            output_tokens: Some(4),
+            text_events: 4,
+            ..Outcome::default()
+        }
+    }
+
+    fn shed(status: u16, reason: &str) -> Outcome {
+        Outcome {
+            status: Some(status),
+            e2e_s: Some(0.01),
+            shed_reason: Some(reason.into()),
+            ..Outcome::default()
+        }
+    }
+
+    fn of(class: &str, objective: &str, tenant: Option<&str>, outcome: Outcome) -> Record {
+        Record {
+            class: class.into(),
+            objective: Some(objective.into()),
+            tenant: tenant.map(str::to_owned),
+            ..record(0, outcome)
+        }
+    }
+
+    #[test]
+    fn shed_requests_are_counted_by_reason_apart_from_completions_and_errors() {
+        let records = vec![
+            of("a", "critical", None, completed(0.2, 1.0)),
+            of("b", "sheddable", None, shed(429, "rejected-saturated")),
+            of("b", "sheddable", None, shed(429, "rejected-saturated")),
+            of("b", "sheddable", None, shed(503, "rejected-shutting-down")),
+            of("b", "sheddable", None, {
+                // A 429 without the dropped-reason header stays an error.
+                Outcome {
+                    status: Some(429),
+                    ..Outcome::failed(ErrorKind::Http, "429")
+                }
+            }),
+        ];
+        let s = StepReport::new(5.0, 1.0, 2.0, records, false);
+        assert_eq!(
+            (s.requests.ok, s.requests.shed, s.requests.errors),
+            (1, 3, 1)
+        );
+        assert_eq!(s.errors, 1);
+        assert_eq!(s.errors_by_kind["http"], 1);
+        assert_eq!(s.shed_by_reason["rejected-saturated"], 2);
+        assert_eq!(s.shed_by_reason["rejected-shutting-down"], 1);
+        assert_eq!(s.status_counts["429"], 3);
+        // Throughput and latencies count the completed request only.
+        assert_eq!(s.throughput.requests_per_s, 0.5);
+        assert_eq!(s.e2e_s.count, 1);
+        assert_eq!(s.ttft_s.p50, Some(0.2));
+        let b = &s.by_class["b"];
+        assert_eq!((b.planned, b.completed, b.shed, b.errors), (4, 0, 3, 1));
+        assert_eq!(b.ttft_s.count, 0);
+        assert_eq!(
+            s.by_objective["sheddable"].shed_by_reason["rejected-saturated"],
+            2
+        );
+        assert!(s.by_tenant.is_empty());
+    }
+
+    #[test]
+    fn each_objective_and_tenant_gets_its_own_latencies() {
+        let mut records = Vec::new();
+        for i in 0..10 {
+            let t = f64::from(i);
+            records.push(of(
+                "q",
+                "standard",
+                Some("quiet"),
+                completed(0.1 * (t + 1.0), 2.0),
+            ));
+            records.push(of("n", "standard", Some("noisy"), completed(1.0 + t, 5.0)));
+        }
+        let s = StepReport::new(2.0, 10.0, 10.0, records, false);
+        let quiet = &s.by_tenant["quiet"];
+        assert_eq!((quiet.planned, quiet.completed), (10, 10));
+        assert!((quiet.ttft_s.p90.expect("p90") - 0.91).abs() < 1e-9);
+        assert!((s.by_tenant["noisy"].ttft_s.p90.expect("p90") - 9.1).abs() < 1e-9);
+        assert_eq!(quiet.requests_per_s, 1.0);
+        assert_eq!(s.by_objective["standard"].completed, 20);
+        assert_eq!(s.by_class.len(), 2);
+        let labels: Vec<String> = s.groups().map(|(l, _)| l).collect();
+        assert_eq!(
+            labels,
+            ["objective standard", "tenant noisy", "tenant quiet"]
+        );
+    }
+
+    #[test]
+    fn steady_throughput_counts_completions_in_the_second_half_of_the_arrivals() {
+        let at = |sent: f64, e2e: f64| Record {
+            sent_s: sent,
+            ..record(0, completed(0.1, e2e))
+        };
+        let records = vec![
+            at(0.0, 4.0), // ends at 4: first half
+            at(3.0, 3.0), // ends at 6
+            at(8.0, 1.0), // ends at 9
+            at(9.0, 2.0), // ends at 11: after the arrivals
+            Record {
+                sent_s: 6.0,
+                ..record(0, shed(429, "rejected-saturated"))
+            },
+        ];
+        assert_eq!(steady_rate(&records, 10.0), Some(0.4));
+        assert_eq!(steady_rate(&records, 0.0), None);
+        let s = StepReport::new(1.0, 10.0, 11.0, records, false);
+        assert_eq!(s.throughput.steady_requests_per_s, Some(0.4));
+    }
+
+    #[test]
+    fn the_terminal_table_lists_groups_only_when_requests_carried_them() {
+        let plain = StepReport::new(1.0, 1.0, 1.0, vec![record(0, completed(0.1, 1.0))], false);
+        let tagged = StepReport::new(
+            2.0,
+            1.0,
+            1.0,
+            vec![of("a", "critical", Some("t1"), completed(0.1, 1.0))],
+            false,
+        );
+        let report = |steps| Report {
+            version: REPORT_VERSION,
+            workload: "w".into(),
+            target: String::new(),
+            endpoint: String::new(),
+            seed: 0,
+            speedup: 1.0,
+            max_concurrency: 1,
+            started_unix: 0.0,
+            wall_s: 0.0,
+            steps,
+        };
+        assert!(!report(vec![plain.clone()]).table().contains("objective"));
+        let table = report(vec![plain, tagged]).table();
+        assert!(
+            table.contains("| 2 | objective critical | 1/1 | 0 | 0 |"),
+            "{table}"
+        );
+        assert!(table.contains("| 2 | tenant t1 |"), "{table}");
     }
 }

@@ -23,17 +23,39 @@
 //!   lora_load_ms: 150              # default 150
 //!   adapters: 16                   # a count (named lora-0, lora-1, ...) or a list of names
 //!   speedup: 10                    # simulated seconds per wall second (default 1)
+//! objectives: {critical: 100, sheddable: -10}   # optional: objective → priority
+//! capacity: 18                     # optional: req/s the fleet completes at most (target checks)
 //! classes:                         # at least one; a request picks a class by weight
 //!   - name: chat                   # required
 //!     weight: 1                    # default 1
+//!     objective: critical          # optional: x-gateway-inference-objective header
+//!     tenant: team-a               # optional: x-gateway-inference-fairness-id header
 //!     lora: {base_share: 0.1, zipf_s: 1.0}   # optional: adapter traffic over fleet.adapters
 //!     prompt_tokens: {dist: lognormal, median: 300, sigma: 1.0, min: 16, max: 4000}
 //!     output_tokens: {dist: uniform, min: 16, max: 256}
 //!   - name: rag
+//!     step_weights: [0, 1, 1]      # instead of weight: one per rate of the ladder
 //!     shared_prefix: {num_groups: 16, num_prompts_per_group: 8,
 //!                     system_prompt_len: 1500, question_len: 200}
 //!     output_tokens: {dist: fixed, value: 200}
 //! ```
+//!
+//! Flow control: every request of a class with `objective` carries
+//! `x-gateway-inference-objective: <objective>`, of a class with `tenant`
+//! `x-gateway-inference-fairness-id: <tenant>` (the Gateway API Inference Extension's
+//! headers; a gateway with flow control maps the objective to a priority and takes turns
+//! between tenants). `objectives` maps each objective name to its priority (higher is served
+//! first, negative is sheddable); `compare` passes it to kvroute as
+//! `--objective-priority NAME=INT,...`. When `objectives` is given it must not be empty and
+//! every class's objective must be in it. Objective names: 1 to 128 bytes of visible ASCII
+//! without `,` or `=`; tenant ids: 1 to 128 bytes of visible ASCII. `capacity` (> 0) is an
+//! estimate of the requests per simulated second the fleet completes at most; the
+//! comparison's target checks take their half-load and 2× steps from it.
+//!
+//! `step_weights` (exclusive with `weight`): the class's weight at each step of the ladder,
+//! one entry per rate, each ≥ 0 (0: the class sends nothing in that step); every step needs
+//! some class with a weight above 0. A ladder override must then have as many rates as
+//! `rates`; a shortened ladder keeps each step's weights ([`Workload::select_steps`]).
 //!
 //! Distributions (`dist`): `fixed {value}`, `uniform {min, max}` (integers, both included),
 //! `lognormal {median, sigma, min, max}` (`median · e^(sigma·N(0,1))`, rounded and clamped; its
@@ -64,7 +86,7 @@ pub use dist::Dist;
 pub use format::{Adapters, Api, ClassSpec, FleetSpec, LoraTraffic, SharedPrefix, Workload};
 pub use generator::Request;
 pub(crate) use generator::{WORDS, cdf, draw, words};
-pub use load::WorkloadError;
+pub use load::{MAX_OBJECTIVE_BYTES, MAX_TENANT_BYTES, WorkloadError};
 
 #[cfg(test)]
 mod tests;

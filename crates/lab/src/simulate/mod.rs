@@ -33,6 +33,7 @@ pub mod trace;
 pub use run::simulate;
 pub use trace::Scale;
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -42,7 +43,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::compare::report::{RouterRun, WorkloadResult};
-use crate::compare::{RouterKind, machine, spread_rates};
+use crate::compare::{RouterKind, machine, spread_positions};
 use crate::loadgen::Workload;
 
 /// A policy the simulation can run.
@@ -165,7 +166,8 @@ pub struct Warmup {
 /// One workload, scaled to a fleet, ready to simulate under any policy.
 #[derive(Debug, Clone)]
 pub struct Setup<'w> {
-    pub workload: &'w Workload,
+    /// The workload as run: with `--rates` as its ladder and the steps `--quick` keeps.
+    pub workload: Cow<'w, Workload>,
     pub file: PathBuf,
     pub pods: usize,
     pub scale: Scale,
@@ -195,20 +197,21 @@ impl<'w> Setup<'w> {
             "--scrape-interval must be above zero"
         );
         let scale = Scale::for_pods(workload, pods);
-        let mut rates = if args.rates.is_empty() {
-            workload.rates.clone()
-        } else {
-            args.rates.clone()
-        };
-        anyhow::ensure!(
-            !rates.is_empty() && rates.iter().all(|r| r.is_finite() && *r > 0.0),
-            "rates must be > 0, got {rates:?}"
-        );
+        let mut workload = Cow::Borrowed(workload);
+        if !args.rates.is_empty() {
+            let mut w = workload.into_owned();
+            w.rates.clone_from(&args.rates);
+            // Refuses rates ≤ 0, and a ladder of another length than class weights per step.
+            w.validate()?;
+            workload = Cow::Owned(w);
+        }
         let mut step = args.duration.unwrap_or(workload.step_duration);
         if args.quick {
-            rates = spread_rates(&rates, QUICK_RATES);
+            let keep = spread_positions(workload.rates.len(), QUICK_RATES);
+            workload = Cow::Owned(workload.select_steps(&keep));
             step = step.min(QUICK_STEP);
         }
+        let rates = workload.rates.clone();
         anyhow::ensure!(!step.is_zero(), "--duration must be above zero");
         let (step_duration, requests_per_step) = match args.requests {
             Some(n) => {
@@ -221,6 +224,8 @@ impl<'w> Setup<'w> {
             requests: ((if args.quick { 8.0 } else { 16.0 }) * scale.rate).ceil() as usize,
             duration: Duration::from_secs(if args.quick { 3 } else { 5 }),
         });
+        let seed = args.seed.unwrap_or(workload.seed);
+        let sample_period = SAMPLE_PERIOD.mul_f64(workload.fleet.speedup.max(1.0));
         Ok(Setup {
             workload,
             file: file.to_path_buf(),
@@ -229,10 +234,10 @@ impl<'w> Setup<'w> {
             rates,
             step_duration,
             requests_per_step,
-            seed: args.seed.unwrap_or(workload.seed),
+            seed,
             scrape_interval: args.scrape_interval,
             scrape_delay: args.scrape_delay,
-            sample_period: SAMPLE_PERIOD.mul_f64(workload.fleet.speedup.max(1.0)),
+            sample_period,
             max_concurrency: (MAX_CONCURRENCY * scale.rate).ceil().max(1.0) as usize,
             timeout: TIMEOUT,
             warmup,
@@ -378,6 +383,8 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
                 },
                 |d| d.as_secs_f64(),
             ),
+            objectives: setup.workload.objectives.clone().unwrap_or_default(),
+            capacity: setup.workload.capacity.map(|c| c * setup.scale.rate),
             runs: Vec::new(),
             failures: Vec::new(),
         };

@@ -100,7 +100,7 @@ impl<'s> World<'s> {
             .pods
             .first()
             .ok_or_else(|| anyhow::anyhow!("the workload's fleet has no pod"))?;
-        let adapter_names = setup.scale.adapter_names(setup.workload);
+        let adapter_names = setup.scale.adapter_names(&setup.workload);
         let pods: Vec<Pod> = (0..setup.pods)
             .map(|i| {
                 let mut cfg = pod.engine.clone();
@@ -510,6 +510,9 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
     world.schedule(Duration::ZERO, Ev::Sample);
     let mut now = Duration::ZERO;
     let lowest = setup.rates.iter().copied().fold(f64::INFINITY, f64::min);
+    // As `compare`: the warm-up has the class mix of the lowest rate's step.
+    let lowest_step = setup.rates.iter().position(|&r| r == lowest).unwrap_or(0);
+    let warm_workload = setup.workload.select_steps(&[lowest_step]);
     if let Some(warm) = setup.warmup {
         world.steps.push(StepAcc::new(
             lowest * scale.rate,
@@ -517,7 +520,7 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
             setup.pods,
         ));
         let trace = StepTrace::new(
-            setup.workload,
+            &warm_workload,
             setup.seed ^ 0x77a1_6d00,
             0,
             lowest,
@@ -540,7 +543,7 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
             setup.pods,
         ));
         let trace = StepTrace::new(
-            setup.workload,
+            &setup.workload,
             setup.seed,
             i,
             rate,

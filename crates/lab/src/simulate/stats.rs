@@ -208,13 +208,18 @@ impl StepAcc {
                 ok: self.ok,
                 errors,
                 dropped: self.dropped,
+                // No gateway queue in the simulation: nothing is shed.
+                shed: 0,
             },
             errors,
             errors_by_kind: self.errors_by_kind.clone(),
+            shed_by_reason: BTreeMap::new(),
             status_counts: self.status_counts.clone(),
             throughput: Throughput {
                 requests_per_s: per_s(self.ok as f64),
                 output_tokens_per_s: per_s(self.tokens.output as f64),
+                // Request end times are not kept.
+                steady_requests_per_s: None,
             },
             tokens: self.tokens,
             ttft_s: ttft,
@@ -232,6 +237,11 @@ impl StepAcc {
                 .filter(|(_, n)| **n > 0)
                 .map(|(i, n)| (i.to_string(), *n))
                 .collect(),
+            // Not kept per class: the simulation models no flow control, which is what
+            // the per-class statistics are for.
+            by_class: BTreeMap::new(),
+            by_objective: BTreeMap::new(),
+            by_tenant: BTreeMap::new(),
             records: None,
         }
     }
@@ -319,7 +329,8 @@ mod tests {
                 sent: 3,
                 ok: 2,
                 errors: 2,
-                dropped: 1
+                dropped: 1,
+                shed: 0
             }
         );
         assert_eq!(r.throughput.requests_per_s, 0.2);

@@ -337,7 +337,7 @@ struct Contents<'w> {
 }
 
 impl<'w> Contents<'w> {
-    fn new(workload: &'w Workload, seed: u64) -> Contents<'w> {
+    fn new(workload: &'w Workload, seed: u64, step: usize) -> Contents<'w> {
         let adapters = workload.fleet.adapters.names().len();
         let zipf_cdf = workload
             .classes
@@ -347,7 +347,7 @@ impl<'w> Contents<'w> {
                 cdf((1..=adapters).map(|k| (k as f64).powf(-s)))
             })
             .collect();
-        let class_cdf = cdf(workload.classes.iter().map(|c| c.weight));
+        let class_cdf = cdf(workload.class_weights(step).into_iter());
         let pools = workload
             .classes
             .iter()
@@ -445,7 +445,7 @@ impl<'w> StepTrace<'w> {
         max_requests: Option<usize>,
     ) -> StepTrace<'w> {
         StepTrace {
-            contents: Contents::new(workload, seed),
+            contents: Contents::new(workload, seed, step),
             rng: SmallRng::seed_from_u64(mix(mix(seed, 0xa771), step as u64)),
             copy_rng: SmallRng::seed_from_u64(mix(mix(seed, 0xc0b1e5), step as u64)),
             copies: scale.copies.max(1),

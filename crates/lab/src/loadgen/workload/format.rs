@@ -1,6 +1,7 @@
 //! The workload file's serde types (`Workload` and its `fleet`, `classes`, `lora` and
 //! `shared_prefix` sections) and their defaults.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
@@ -58,6 +59,44 @@ pub struct Workload {
     pub fleet: FleetSpec,
     /// Request classes, picked by weight.
     pub classes: Vec<ClassSpec>,
+    /// Objective name → priority, as `kvroute serve --objective-priority` takes it (higher is
+    /// served first, negative is sheddable). None: the classes' objectives are not checked
+    /// and kvroute gets no map.
+    pub objectives: Option<BTreeMap<String, i32>>,
+    /// Requests per simulated second the fleet completes at most for this traffic (an
+    /// estimate, see docs/workloads.md): the scale of the report's target checks.
+    pub capacity: Option<f64>,
+}
+
+impl Workload {
+    /// The classes' weights at ladder step `step`, in class order.
+    pub fn class_weights(&self, step: usize) -> Vec<f64> {
+        self.classes.iter().map(|c| c.weight_at(step)).collect()
+    }
+
+    /// This workload with only the ladder steps at `keep` (positions in `rates`; others are
+    /// skipped), each with its own class weights: what a shortened ladder (`--quick`, a
+    /// warm-up at one rate) runs.
+    pub fn select_steps(&self, keep: &[usize]) -> Workload {
+        let keep: Vec<usize> = keep
+            .iter()
+            .copied()
+            .filter(|&i| i < self.rates.len())
+            .collect();
+        let mut w = self.clone();
+        w.rates = keep.iter().map(|&i| self.rates[i]).collect();
+        for c in &mut w.classes {
+            if let Some(weights) = &mut c.step_weights {
+                let picked: Vec<f64> = keep
+                    .iter()
+                    .filter_map(|&i| weights.get(i))
+                    .copied()
+                    .collect();
+                *weights = picked;
+            }
+        }
+        w
+    }
 }
 
 /// The `fleet` section.
@@ -117,9 +156,15 @@ impl Adapters {
 pub struct ClassSpec {
     /// Name (per-request records).
     pub name: String,
-    /// Relative weight.
-    #[serde(default = "one")]
-    pub weight: f64,
+    /// Relative weight (default 1).
+    pub weight: Option<f64>,
+    /// Relative weight per ladder step, one per entry of `rates` (0: absent in that step);
+    /// exclusive with `weight`.
+    pub step_weights: Option<Vec<f64>>,
+    /// Sent as `x-gateway-inference-objective` on every request of the class.
+    pub objective: Option<String>,
+    /// Sent as `x-gateway-inference-fairness-id` on every request of the class.
+    pub tenant: Option<String>,
     /// Adapter traffic (absent: the base model).
     pub lora: Option<LoraTraffic>,
     /// Prompt length (exclusive with `shared_prefix`).
@@ -128,6 +173,16 @@ pub struct ClassSpec {
     pub shared_prefix: Option<SharedPrefix>,
     /// Output length (`max_tokens`).
     pub output_tokens: Dist,
+}
+
+impl ClassSpec {
+    /// The class's weight at ladder step `step` (a step past `step_weights` takes its last).
+    pub fn weight_at(&self, step: usize) -> f64 {
+        match &self.step_weights {
+            Some(w) => w.get(step).or(w.last()).copied().unwrap_or(0.0),
+            None => self.weight.unwrap_or(1.0),
+        }
+    }
 }
 
 /// How a class spreads over adapters.

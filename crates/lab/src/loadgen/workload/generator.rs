@@ -14,7 +14,8 @@ use super::{Api, Workload};
 
 impl Workload {
     /// The requests of ladder step `step` at `rate` requests per simulated second: Poisson
-    /// arrivals from time zero until `duration` or `max_requests`, whichever comes first.
+    /// arrivals from time zero until `duration` or `max_requests`, whichever comes first,
+    /// each of a class drawn by the classes' weights at that step.
     pub fn plan_step(
         &self,
         seed: u64,
@@ -23,7 +24,7 @@ impl Workload {
         duration: Duration,
         max_requests: Option<usize>,
     ) -> Vec<Request> {
-        let mut generator = Generator::new(self, seed);
+        let mut generator = Generator::new(self, seed, step);
         let mut rng = SmallRng::seed_from_u64(mix(mix(seed, 0xa771), step as u64));
         let limit = max_requests.unwrap_or(usize::MAX);
         let end = duration.as_secs_f64();
@@ -155,7 +156,7 @@ pub(crate) fn draw(cdf: &[f64], rng: &mut impl Rng) -> usize {
 }
 
 impl<'w> Generator<'w> {
-    fn new(workload: &'w Workload, seed: u64) -> Generator<'w> {
+    fn new(workload: &'w Workload, seed: u64, step: usize) -> Generator<'w> {
         let adapters = workload.fleet.adapters.names();
         let zipf_cdf = workload
             .classes
@@ -165,7 +166,7 @@ impl<'w> Generator<'w> {
                 cdf((1..=adapters.len()).map(|k| (k as f64).powf(-s)))
             })
             .collect();
-        let class_cdf = cdf(workload.classes.iter().map(|c| c.weight));
+        let class_cdf = cdf(workload.class_weights(step).into_iter());
         // The prefix pools depend on the seed only, so every ladder step shares them.
         let pools = workload
             .classes

@@ -95,10 +95,36 @@ impl Workload {
             return Err(bad("at least one class is needed".into()));
         }
         let adapters = self.fleet.adapters.names();
+        if let Some(c) = self.capacity
+            && !(c.is_finite() && c > 0.0)
+        {
+            return Err(bad(format!("capacity must be > 0, got {c}")));
+        }
+        if let Some(objectives) = &self.objectives {
+            if objectives.is_empty() {
+                return Err(bad("objectives is empty; leave it out".into()));
+            }
+            for name in objectives.keys() {
+                objective_name(name).map_err(|e| bad(format!("objectives: {e}")))?;
+            }
+        }
         for c in &self.classes {
             let name = &c.name;
-            if !(c.weight.is_finite() && c.weight > 0.0) {
-                return Err(bad(format!("class {name}: weight must be > 0")));
+            self.check_weights(c)
+                .map_err(|e| bad(format!("class {name}: {e}")))?;
+            if let Some(o) = &c.objective {
+                objective_name(o).map_err(|e| bad(format!("class {name}: {e}")))?;
+                if let Some(map) = &self.objectives
+                    && !map.contains_key(o)
+                {
+                    return Err(bad(format!(
+                        "class {name}: objective {o:?} is not in objectives ({})",
+                        map.keys().cloned().collect::<Vec<_>>().join(", ")
+                    )));
+                }
+            }
+            if let Some(t) = &c.tenant {
+                tenant_id(t).map_err(|e| bad(format!("class {name}: {e}")))?;
             }
             match (&c.prompt_tokens, &c.shared_prefix) {
                 (Some(d), None) => d.check().map_err(|e| bad(format!("class {name}: {e}")))?,
@@ -136,6 +162,14 @@ impl Workload {
                     )));
                 }
             }
+        }
+        if let Some(step) =
+            (0..self.rates.len()).find(|&i| self.class_weights(i).iter().sum::<f64>() <= 0.0)
+        {
+            return Err(bad(format!(
+                "ladder step {step} ({} req/s) has no class with a weight above 0",
+                self.rates[step]
+            )));
         }
         let fleet = self.fleet_config().map_err(|source| WorkloadError::Fleet {
             name: self.name.clone(),
@@ -199,6 +233,69 @@ impl Workload {
         }
         Ok(config)
     }
+
+    /// `weight` or `step_weights` (one per ladder step), each finite and not negative;
+    /// `weight` above 0.
+    fn check_weights(&self, c: &ClassSpec) -> Result<(), String> {
+        match (c.weight, &c.step_weights) {
+            (Some(_), Some(_)) => Err("give weight or step_weights, not both".into()),
+            (Some(w), None) if !(w.is_finite() && w > 0.0) => {
+                Err(format!("weight must be > 0, got {w}"))
+            }
+            (_, Some(v)) if v.len() != self.rates.len() => Err(format!(
+                "step_weights has {} entries for a ladder of {} rates",
+                v.len(),
+                self.rates.len()
+            )),
+            (_, Some(v)) if v.iter().any(|w| !(w.is_finite() && *w >= 0.0)) => {
+                Err(format!("step_weights must be numbers >= 0, got {v:?}"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Longest tenant id (the fairness header's value), bytes.
+pub const MAX_TENANT_BYTES: usize = 128;
+
+/// Longest objective name, bytes.
+pub const MAX_OBJECTIVE_BYTES: usize = 128;
+
+/// Visible ASCII (0x21-0x7e): a header value as it is sent, with nothing to trim or escape.
+fn visible_ascii(s: &str) -> bool {
+    s.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// An objective name: sent as a header value and passed to kvroute as `NAME=INT,...`.
+fn objective_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > MAX_OBJECTIVE_BYTES {
+        return Err(format!(
+            "objective names must have 1 to {MAX_OBJECTIVE_BYTES} bytes, got {}",
+            name.len()
+        ));
+    }
+    if !visible_ascii(name) || name.contains([',', '=']) {
+        return Err(format!(
+            "objective {name:?}: only visible ASCII without ',' and '=' (a header value and a NAME=INT flag)"
+        ));
+    }
+    Ok(())
+}
+
+/// A tenant id: sent as a header value.
+fn tenant_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.len() > MAX_TENANT_BYTES {
+        return Err(format!(
+            "tenant ids must have 1 to {MAX_TENANT_BYTES} bytes, got {}",
+            id.len()
+        ));
+    }
+    if !visible_ascii(id) {
+        return Err(format!(
+            "tenant {id:?}: only visible ASCII (it is sent as a header value)"
+        ));
+    }
+    Ok(())
 }
 
 impl ClassSpec {
