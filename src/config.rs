@@ -532,6 +532,7 @@ impl ServeConfig {
                 .unwrap_or(defaults.fallbacks),
             trace_candidates: defaults.trace_candidates,
             adapters: file.adapters,
+            keep_free: defaults.keep_free,
         };
         let mut objectives = HashMap::new();
         for (name, priority) in &args.objective_priority {

@@ -8,6 +8,7 @@
 //! when sheddable (negative priority) or when the room is full, and gets 429 when its wait
 //! runs out. A newcomer does not pass requests of its priority or higher already waiting.
 
+mod shares;
 mod waiting;
 
 use std::collections::VecDeque;
@@ -19,7 +20,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use kvroute_core::fleet::{
     Fleet, ModelClass, PrefillEnd, PrefixIndex, Reservation, Snapshot, adapter_key, block_hashes,
 };
-use kvroute_core::flow::is_sheddable;
+use kvroute_core::flow::{Holds, is_sheddable};
 use kvroute_core::request::RouteRequest;
 use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
 use serde::Serialize;
@@ -34,7 +35,41 @@ use crate::flow::{DropReason, FlowSettings, RequestClass};
 use crate::store::PodStore;
 use crate::telemetry::{self, ModelLabels, Outcome, QueueExit};
 
+use shares::TenantShares;
 use waiting::{Waiter, WaitingRoom};
+
+/// The headroom between the thresholds of sheddable requests and of the rest, and between
+/// those of the rest and of a tenant under its share: a tenth of each pod's KV.
+const HEADROOM: f64 = 0.1;
+
+/// `config` for requests that must leave room for others (sheddable ones, a tenant over its
+/// share beside a quieter one): `HEADROOM` of each pool kept free, the KV-use threshold
+/// `HEADROOM` lower, the queue threshold halved.
+fn leaving_room(config: &SchedulerConfig) -> SchedulerConfig {
+    let mut stricter = config.clone();
+    stricter.keep_free = HEADROOM;
+    stricter.saturation.kv_usage = (config.saturation.kv_usage - HEADROOM).max(HEADROOM);
+    stricter.saturation.queue_depth = (config.saturation.queue_depth / 2).max(1);
+    stricter
+}
+
+/// `config` for a tenant under its share beside a busier one: the KV-use threshold
+/// `HEADROOM` higher (at most 1), the queue threshold doubled. The request still needs the
+/// KV it takes (the headroom filter is unchanged).
+fn using_headroom(config: &SchedulerConfig) -> SchedulerConfig {
+    let mut looser = config.clone();
+    looser.saturation.kv_usage = (config.saturation.kv_usage + HEADROOM).min(1.0);
+    looser.saturation.queue_depth = config.saturation.queue_depth.saturating_mul(2);
+    looser
+}
+
+/// Where a routed request came from, for its accounting.
+struct Origin {
+    labels: ModelLabels,
+    tenant: Arc<str>,
+    /// How long it waited for room, if it did.
+    waited: Option<std::time::Duration>,
+}
 
 /// Requests a dispatch pass may find without room before it stops: each costs a pick,
 /// and the next change of capacity starts a new pass.
@@ -51,6 +86,12 @@ enum Placed {
 pub struct LivePicker {
     store: Arc<PodStore>,
     config: SchedulerConfig,
+    /// The same, for sheddable requests ([`leaving_room`]) and for a tenant under its
+    /// share ([`using_headroom`]).
+    leaving_room: SchedulerConfig,
+    using_headroom: SchedulerConfig,
+    /// Requests in flight per tenant.
+    shares: Arc<TenantShares>,
     /// Serialises pick + reserve, so two concurrent requests cannot both see the same
     /// free KV and herd onto one pod. A pick takes microseconds.
     placement: Mutex<()>,
@@ -77,7 +118,10 @@ impl LivePicker {
     ) -> Self {
         LivePicker {
             store,
+            leaving_room: leaving_room(&config),
+            using_headroom: using_headroom(&config),
             config,
+            shares: Arc::new(TenantShares::default()),
             placement: Mutex::new(()),
             prefix: PrefixIndex::with_budget(prefix_budget_bytes),
             decisions: DecisionLog::new(keep_decisions),
@@ -134,7 +178,18 @@ impl LivePicker {
         let routed = held.queue.dispatch(
             MAX_MISSES_PER_PASS,
             |waiter| waiter.pods_key,
-            |waiter| now.saturating_duration_since(waiter.since) >= starving_after,
+            |waiter| {
+                // A tenant under its share, beside a busier one, is not kept waiting by
+                // the busier one's smaller requests; a request that has waited long is not
+                // passed by its own tenant's.
+                if self.shares.under_share(&waiter.tenant) {
+                    Holds::Band
+                } else if now.saturating_duration_since(waiter.since) >= starving_after {
+                    Holds::OwnTenant
+                } else {
+                    Holds::Nothing
+                }
+            },
             |waiter| self.try_place(waiter, &fleet),
         );
         self.room.changed(&held);
@@ -190,20 +245,25 @@ impl LivePicker {
             subset: waiter.subset.as_ref(),
         };
         let started = Instant::now();
+        let config = self.rules_for(waiter.priority, &waiter.tenant);
         match self.place(
             &request,
             &waiter.blocks,
             fleet,
             waiter.first_token_visible,
             true,
+            config,
         ) {
             Ok(Placed::Routed(decision, reservation)) => Some(self.routed(
                 &request,
                 decision,
                 reservation,
-                waiter.labels.clone(),
+                Origin {
+                    labels: waiter.labels.clone(),
+                    tenant: Arc::clone(&waiter.tenant),
+                    waited: Some(waiter.since.elapsed()),
+                },
                 started.elapsed(),
-                Some(waiter.since.elapsed()),
             )),
             // Still no room, or no ready pod yet: it waits on.
             Ok(Placed::NoRoom(_)) => {
@@ -225,10 +285,15 @@ impl LivePicker {
         request: &RouteRequest<'_>,
         decision: Decision,
         reservation: Option<Reservation>,
-        labels: ModelLabels,
+        origin: Origin,
         elapsed: std::time::Duration,
-        waited: Option<std::time::Duration>,
     ) -> Routed<InFlightRequest> {
+        let Origin {
+            labels,
+            tenant,
+            waited,
+        } = origin;
+        self.shares.started(&tenant);
         telemetry::record_pick(elapsed, decision.reason.as_str());
         telemetry::record_request(&labels, Outcome::Routed);
         debug!(
@@ -254,7 +319,23 @@ impl LivePicker {
                 labels,
                 routed_at: Instant::now(),
                 room: Arc::clone(&self.room),
+                shares: Arc::clone(&self.shares),
+                tenant,
             },
+        }
+    }
+
+    /// The scheduler configuration a request of `priority` and `tenant` is placed by: a
+    /// sheddable request, or one of a tenant over its share of what is in flight beside a
+    /// quieter one, must leave room for the others; a tenant under its share may use the
+    /// headroom the thresholds keep.
+    fn rules_for(&self, priority: i32, tenant: &str) -> &SchedulerConfig {
+        if is_sheddable(priority) || self.shares.over_share(tenant) {
+            &self.leaving_room
+        } else if self.shares.under_share(tenant) {
+            &self.using_headroom
+        } else {
+            &self.config
         }
     }
 
@@ -310,6 +391,7 @@ impl LivePicker {
             labels: labels.clone(),
             pods_key,
             priority: class.priority,
+            tenant: Arc::from(class.tenant.as_str()),
             no_endpoint: AtomicBool::new(no_endpoints),
             since: tokio::time::Instant::now(),
             answer,
@@ -431,17 +513,12 @@ impl LivePicker {
         fleet: &Fleet,
         first_token_visible: bool,
         hold: bool,
+        config: &SchedulerConfig,
     ) -> Result<Placed, PickError> {
         // Matching reads the index's own shards: concurrent requests match in parallel.
         let matches = self.prefix.matches(blocks, fleet.snapshot());
         let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
-        let decision = scheduler::pick(
-            request,
-            Some(&matches),
-            fleet,
-            &self.config,
-            &mut rand::rng(),
-        )?;
+        let decision = scheduler::pick(request, Some(&matches), fleet, config, &mut rand::rng())?;
         if hold && decision.lacks_room() {
             return Ok(Placed::NoRoom(decision));
         }
@@ -504,19 +581,18 @@ impl Router for LivePicker {
         // A request without a model (GET /v1/models) takes no KV: it never waits for room.
         let hold = (queues || is_sheddable(class.priority)) && request.model().is_some();
         let started = Instant::now();
-        let placed = self.place(request, &blocks, &fleet, first_token_visible, hold);
+        let config = self.rules_for(class.priority, &class.tenant);
+        let placed = self.place(request, &blocks, &fleet, first_token_visible, hold, config);
         let elapsed = started.elapsed();
         match placed {
             Ok(Placed::Routed(decision, reservation)) => {
                 telemetry::record_tenant(&class.tenant, true);
-                Placement::Routed(self.routed(
-                    request,
-                    decision,
-                    reservation,
+                let origin = Origin {
                     labels,
-                    elapsed,
-                    None,
-                ))
+                    tenant: Arc::from(class.tenant.as_str()),
+                    waited: None,
+                };
+                Placement::Routed(self.routed(request, decision, reservation, origin, elapsed))
             }
             Ok(Placed::NoRoom(decision)) => {
                 debug!(
@@ -572,6 +648,9 @@ pub struct InFlightRequest {
     routed_at: Instant,
     /// Told when the request ends: its pod has room again.
     room: Arc<WaitingRoom>,
+    /// Its tenant's requests in flight, which it counts in until it ends.
+    shares: Arc<TenantShares>,
+    tenant: Arc<str>,
 }
 
 impl Drop for InFlightRequest {
@@ -579,6 +658,7 @@ impl Drop for InFlightRequest {
         // The reservation goes with this request (whichever way it ends): a held request
         // may fit now.
         self.reservation = None;
+        self.shares.ended(&self.tenant);
         if !self.room.is_empty() {
             self.room.wake.notify_one();
         }

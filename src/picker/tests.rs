@@ -246,6 +246,56 @@ mod waiting_room {
         assert_eq!(picker.waiting(), 0);
     }
 
+    /// 50 tokens of KV (40 of prompt, 10 of output) for `tenant` at `priority`.
+    fn route_small(picker: &LivePicker, priority: i32, tenant: &str) -> Placement<InFlightRequest> {
+        let inference = InferenceRequest {
+            prompt_tokens: 40,
+            max_output_tokens: Some(10),
+            ..request()
+        };
+        let request = RouteRequest {
+            inference: Some(&inference),
+            subset: None,
+        };
+        let class = RequestClass {
+            priority,
+            tenant: tenant.to_owned(),
+        };
+        picker.route(&request, &class, false)
+    }
+
+    #[tokio::test]
+    async fn a_sheddable_request_must_leave_room_that_a_standard_one_may_take() {
+        // A pod at 75 % KV: under the 80 % threshold, over the 70 % a sheddable request
+        // must leave.
+        let picker = picker_over(store_with_pod(0.75, 0), FlowSettings::default());
+        let refused = dropped(route_small(&picker, -1, "t"));
+        assert_eq!(refused.dropped, Some(DropReason::Saturated));
+        assert!(matches!(route_small(&picker, 0, "t"), Placement::Routed(_)));
+    }
+
+    #[tokio::test]
+    async fn a_quiet_tenant_uses_the_headroom_a_busy_one_must_wait_for() {
+        // 70 % full; each small request adds 5 % until the next scrape.
+        let picker = picker_over(store_with_pod(0.7, 0), FlowSettings::default());
+        let mut routed = Vec::new();
+        for tenant in ["busy", "busy", "busy"] {
+            let Placement::Routed(r) = route_small(&picker, 0, tenant) else {
+                panic!("{tenant}: room for it");
+            };
+            routed.push(r);
+        }
+        // 85 % in use now: past the threshold, the busy tenant waits.
+        let mut busy = held(route_small(&picker, 0, "busy"));
+        // The quiet tenant queues behind it (its band's order); the next pass, which its
+        // arrival starts, sends it on, above the threshold, into the headroom.
+        let mut quiet = held(route_small(&picker, 0, "quiet"));
+        picker.dispatch_waiting(Instant::now());
+        assert!(matches!(resolved(&mut quiet), Some(Ok(_))));
+        assert!(resolved(&mut busy).is_none());
+        assert_eq!(picker.waiting(), 1);
+    }
+
     #[tokio::test]
     async fn a_full_waiting_room_refuses_the_next_request() {
         let flow = FlowSettings {

@@ -37,6 +37,7 @@ pub(super) struct Waiter {
     /// The pods it competes for: a digest of its base model.
     pub(super) pods_key: u64,
     pub(super) priority: Priority,
+    pub(super) tenant: Arc<str>,
     /// Its last try found no ready pod at all (rather than pods without room): when its
     /// wait runs out it is answered 503, not 429.
     pub(super) no_endpoint: std::sync::atomic::AtomicBool,

@@ -14,9 +14,11 @@
 //! - a request that does not fit holds back the requests of *lower* bands that want the
 //!   same pods (the same [`FlowQueue::dispatch`] key: the base model): a lower band never
 //!   takes room a higher one is waiting for;
-//! - a request that has waited long (the caller's `starving`) also holds back the requests
-//!   behind it in its own band that want the same pods, so a large request is not passed
-//!   forever.
+//! - the caller may say a request that does not fit also holds back requests of its band
+//!   behind it that want the same pods ([`Holds`]): those of its own tenant (a request that
+//!   has waited long, so that its tenant's smaller ones do not pass it forever), or those of
+//!   every tenant (a tenant under its share, whose large request would otherwise wait while
+//!   a busier tenant's smaller ones take each bit of room that appears).
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap, VecDeque, btree_map};
@@ -30,6 +32,17 @@ pub type Priority = i32;
 /// Whether requests of `priority` are refused rather than queued when no pod has room.
 pub fn is_sheddable(priority: Priority) -> bool {
     priority < 0
+}
+
+/// What a request that does not fit holds back in its band (the requests behind it that
+/// want the same pods). Lower bands are always held back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holds {
+    Nothing,
+    /// Its own tenant's requests.
+    OwnTenant,
+    /// Every tenant's requests.
+    Band,
 }
 
 /// A waiting request's place in the queue.
@@ -163,9 +176,15 @@ impl<T> FlowQueue<T> {
     /// in a band the tenants in turn, each tenant's requests by arrival (the first of each
     /// tenant, then the second of each, ...).
     pub fn order(&self) -> impl Iterator<Item = (EntryId, Priority, &T)> + '_ {
+        self.walk()
+            .map(|(id, priority, _, item)| (id, priority, item))
+    }
+
+    /// [`FlowQueue::order`], with each request's tenant.
+    fn walk(&self) -> impl Iterator<Item = (EntryId, Priority, &str, &T)> + '_ {
         self.bands.iter().flat_map(|(Reverse(priority), band)| {
             band.interleaved()
-                .map(move |(id, item)| (id, *priority, item))
+                .map(move |(id, tenant, item)| (id, *priority, tenant, item))
         })
     }
 
@@ -174,15 +193,15 @@ impl<T> FlowQueue<T> {
     /// taken its room), `None` when none has room. Returns the routed requests, taken out
     /// of the queue, in the order they were routed.
     ///
-    /// `key` names the pods a request competes for (the base model); `starving` says a
-    /// request has waited long enough that nothing behind it may pass it (see the module
-    /// docs). The pass stops after `max_misses` requests found no room: each miss costs a
-    /// scheduler run, and the next pass (the next change of capacity) tries again.
+    /// `key` names the pods a request competes for (the base model); `holds` says what a
+    /// request that does not fit holds back in its band (see the module docs). The pass
+    /// stops after `max_misses` requests found no room: each miss costs a scheduler run,
+    /// and the next pass (the next change of capacity) tries again.
     pub fn dispatch<K, R>(
         &mut self,
         max_misses: usize,
         key: impl Fn(&T) -> K,
-        starving: impl Fn(&T) -> bool,
+        holds: impl Fn(&T) -> Holds,
         mut place: impl FnMut(&T) -> Option<R>,
     ) -> Vec<(T, R)>
     where
@@ -190,20 +209,25 @@ impl<T> FlowQueue<T> {
     {
         let mut routed = Vec::new();
         // Keys blocked for the rest of the walk (a higher band waits for them), for the
-        // rest of this band (a starving request), and to block from the next band on.
+        // rest of this band (in one tenant, or in all: `None`), and to block from the next
+        // band on.
         let mut blocked_below: Vec<K> = Vec::new();
-        let mut blocked_here: Vec<K> = Vec::new();
+        let mut blocked_here: Vec<(Option<&str>, K)> = Vec::new();
         let mut missed_in_band: Vec<K> = Vec::new();
         let mut band = None;
         let mut misses = 0;
-        for (id, priority, item) in self.order() {
+        for (id, priority, tenant, item) in self.walk() {
             if band != Some(priority) {
                 blocked_below.append(&mut missed_in_band);
                 blocked_here.clear();
                 band = Some(priority);
             }
             let wants = key(item);
-            if blocked_below.contains(&wants) || blocked_here.contains(&wants) {
+            if blocked_below.contains(&wants)
+                || blocked_here
+                    .iter()
+                    .any(|(t, k)| t.is_none_or(|t| t == tenant) && *k == wants)
+            {
                 continue;
             }
             match place(item) {
@@ -213,8 +237,10 @@ impl<T> FlowQueue<T> {
                     if misses >= max_misses {
                         break;
                     }
-                    if starving(item) {
-                        blocked_here.push(key(item));
+                    match holds(item) {
+                        Holds::Nothing => {}
+                        Holds::OwnTenant => blocked_here.push((Some(tenant), key(item))),
+                        Holds::Band => blocked_here.push((None, key(item))),
                     }
                     missed_in_band.push(wants);
                 }
@@ -228,13 +254,16 @@ impl<T> FlowQueue<T> {
 }
 
 impl<T> Band<T> {
-    /// The band's requests, the tenants in turn.
-    fn interleaved(&self) -> impl Iterator<Item = (EntryId, &T)> + '_ {
-        let mut cursors: Vec<Option<btree_map::Iter<'_, EntryId, T>>> = self
+    /// The band's requests with their tenants, the tenants in turn.
+    fn interleaved(&self) -> impl Iterator<Item = (EntryId, &str, &T)> + '_ {
+        let mut cursors: Vec<Option<(&str, btree_map::Iter<'_, EntryId, T>)>> = self
             .turn
             .iter()
-            .filter_map(|tenant| self.tenants.get(tenant))
-            .map(|queue| Some(queue.iter()))
+            .filter_map(|tenant| {
+                self.tenants
+                    .get(tenant)
+                    .map(|queue| Some((&**tenant, queue.iter())))
+            })
             .collect();
         let count = cursors.len();
         let mut live = count;
@@ -243,9 +272,9 @@ impl<T> Band<T> {
             while live > 0 {
                 let slot = &mut cursors[at];
                 at = (at + 1) % count;
-                if let Some(cursor) = slot {
+                if let Some((tenant, cursor)) = slot {
                     match cursor.next() {
-                        Some((id, item)) => return Some((*id, item)),
+                        Some((id, item)) => return Some((*id, *tenant, item)),
                         None => {
                             *slot = None;
                             live -= 1;

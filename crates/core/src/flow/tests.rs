@@ -1,11 +1,22 @@
 use super::*;
 
-/// A waiting request in these tests: a name, the pods it wants, and whether it starves.
+/// A waiting request in these tests: a name, the pods it wants, and whether it starves
+/// (holds back its tenant).
 #[derive(Debug, Clone, PartialEq)]
 struct Waiting {
     name: &'static str,
     model: &'static str,
     starving: bool,
+}
+
+fn holds(w: &Waiting) -> Holds {
+    if w.name.starts_with("protected") {
+        Holds::Band
+    } else if w.starving {
+        Holds::OwnTenant
+    } else {
+        Holds::Nothing
+    }
 }
 
 fn waiting(name: &'static str) -> Waiting {
@@ -26,7 +37,7 @@ fn dispatch_fitting(queue: &mut FlowQueue<Waiting>, room: &[&str]) -> Vec<&'stat
         .dispatch(
             usize::MAX,
             |w| w.model,
-            |w| w.starving,
+            holds,
             |w| room.contains(&w.name).then_some(()),
         )
         .into_iter()
@@ -139,6 +150,48 @@ fn a_starving_request_holds_back_its_band_for_the_same_pods_only() {
 }
 
 #[test]
+fn a_starving_request_does_not_hold_back_other_tenants() {
+    let mut queue = FlowQueue::new();
+    queue.push(
+        0,
+        "noisy",
+        Waiting {
+            name: "large",
+            model: "m",
+            starving: true,
+        },
+    );
+    queue.push(0, "noisy", waiting("noisy-small"));
+    queue.push(0, "quiet", waiting("quiet-small"));
+    assert_eq!(
+        dispatch_fitting(&mut queue, &["noisy-small", "quiet-small"]),
+        ["quiet-small"]
+    );
+    assert_eq!(names(&queue), ["large", "noisy-small"]);
+}
+
+#[test]
+fn a_request_that_holds_its_band_stops_every_tenant_wanting_its_pods() {
+    let mut queue = FlowQueue::new();
+    queue.push(0, "quiet", waiting("protected-large"));
+    queue.push(0, "noisy", waiting("noisy-small"));
+    queue.push(
+        0,
+        "noisy",
+        Waiting {
+            name: "noisy-other-model",
+            model: "n",
+            starving: false,
+        },
+    );
+    assert_eq!(
+        dispatch_fitting(&mut queue, &["noisy-small", "noisy-other-model"]),
+        ["noisy-other-model"]
+    );
+    assert_eq!(names(&queue), ["protected-large", "noisy-small"]);
+}
+
+#[test]
 fn a_lower_band_never_takes_room_a_higher_band_waits_for() {
     let mut queue = FlowQueue::new();
     queue.push(10, "t", waiting("critical"));
@@ -178,7 +231,7 @@ fn a_pass_stops_after_its_misses() {
     let routed = queue.dispatch(
         2,
         |w| w.model,
-        |_| false,
+        |_| Holds::Nothing,
         |w| {
             tried.push(w.name);
             (w.name == "fits").then_some(())

@@ -58,6 +58,8 @@ pub enum InvalidConfig {
     PrefillQueueTokens,
     #[error("max metrics age must be above zero")]
     MaxMetricsAge,
+    #[error("keep_free must be in [0, 1), got {0}")]
+    KeepFree(f64),
 }
 
 impl Weights {
@@ -122,6 +124,10 @@ pub struct SchedulerConfig {
     pub trace_candidates: usize,
     /// Adapter name → base model, for adapters that pods do not list in `/v1/models`.
     pub adapters: HashMap<String, String>,
+    /// Share of each pod's KV capacity (0..1) a request must leave free to pass the KV
+    /// headroom filter. 0 by default; flow control sets it for requests that must leave
+    /// room for others (sheddable ones, a tenant over its fair share).
+    pub keep_free: f64,
 }
 
 impl Default for SchedulerConfig {
@@ -135,6 +141,7 @@ impl Default for SchedulerConfig {
             fallbacks: 0,
             trace_candidates: 4,
             adapters: HashMap::new(),
+            keep_free: 0.0,
         }
     }
 }
@@ -154,6 +161,9 @@ impl SchedulerConfig {
         }
         if self.max_metrics_age.is_zero() {
             return Err(InvalidConfig::MaxMetricsAge);
+        }
+        if !(0.0..1.0).contains(&self.keep_free) {
+            return Err(InvalidConfig::KeepFree(self.keep_free));
         }
         Ok(())
     }

@@ -89,11 +89,15 @@ impl Candidate {
         // of its prompt, and the blocks it shares do not make the pod full for it.
         let cached = demand.cached_at(index);
         let needed = demand.needed(cached);
+        // What must stay free besides (`keep_free` of the pool), rounded up.
+        let keep = signals.map_or(0, |s| {
+            (s.kv_capacity_tokens as f64 * config.keep_free).ceil() as u64
+        });
         let mut flags = 0;
         if !is_saturated(pod, load, u64::from(cached), demand.prompt, config) {
             flags |= NOT_SATURATED;
         }
-        if free_kv.is_none_or(|free| free >= needed) {
+        if free_kv.is_none_or(|free| free >= needed.saturating_add(keep)) {
             flags |= FITS;
         }
         if signals.is_some() {

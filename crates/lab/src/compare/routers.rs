@@ -62,7 +62,7 @@ impl RouterKind {
     pub fn description(self) -> &'static str {
         match self {
             RouterKind::Kvroute => {
-                "kvroute behind Envoy, shipped fail-closed gateway (ORIGINAL_DST), scrape every 50 ms simulated but at most every 20 ms of wall time"
+                "kvroute behind Envoy, shipped fail-closed gateway (ORIGINAL_DST), scrape every 50 ms simulated but at most every 20 ms of wall time, requests held at most 15 s simulated (`--max-queue-wait`)"
             }
             RouterKind::RoundRobin => "Envoy `ROUND_ROBIN`",
             RouterKind::LeastRequest => "Envoy `LEAST_REQUEST`",
@@ -214,6 +214,9 @@ pub struct KvrouteTiming {
     pub scrape_interval: Duration,
     /// `--max-metrics-age`, wall time.
     pub max_metrics_age: Duration,
+    /// `--max-queue-wait`, wall time: kvroute's default (15 s) of simulated time, since a
+    /// request waits for the simulated pods.
+    pub max_queue_wait: Duration,
 }
 
 impl KvrouteTiming {
@@ -222,6 +225,7 @@ impl KvrouteTiming {
         KvrouteTiming {
             scrape_interval,
             max_metrics_age: Duration::from_secs_f64(1.0 / speedup).max(scrape_interval * 10),
+            max_queue_wait: Duration::from_secs_f64(15.0 / speedup),
         }
     }
 }
@@ -275,6 +279,7 @@ async fn start_kvroute(
             &millis(timing.scrape_interval),
         ])
         .args(["--max-metrics-age", &millis(timing.max_metrics_age)])
+        .args(["--max-queue-wait", &millis(timing.max_queue_wait)])
         .args(["--drain-timeout", "1s"])
         // One `--flag=value` argument: a value cannot be taken for a flag.
         .args(objective_priority_arg(objectives).map(|map| format!("--objective-priority={map}")))

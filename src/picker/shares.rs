@@ -1,0 +1,114 @@
+//! Each tenant's share of what is in flight. Beside a busier tenant, a tenant with less than
+//! an equal share of the requests kvroute has in flight may use the headroom above the
+//! saturation thresholds; the tenant with more than an equal share must leave headroom.
+//!
+//! Taking turns in the queue alone does not protect a quiet tenant: when a noisy one keeps
+//! every pod at its saturation threshold, each of the quiet tenant's requests still waits
+//! for a pod to drain (on `noisy-tenant`, the quiet tenant's p90 TTFT went from 0.13 s alone
+//! to 0.5–0.7 s). Letting only the quiet tenant past the thresholds was not enough: its
+//! larger requests need free KV that the noisy tenant's requests had taken.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Requests in flight per tenant.
+#[derive(Debug, Default)]
+pub(super) struct TenantShares {
+    inflight: Mutex<HashMap<Arc<str>, u32>>,
+}
+
+impl TenantShares {
+    /// Whether `tenant` holds at least one request more than an equal share of what is in
+    /// flight among the tenants with requests in flight (itself included). A tenant alone
+    /// is never over its share, nor are tenants with equal shares.
+    pub(super) fn over_share(&self, tenant: &str) -> bool {
+        let inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let own = inflight.get(tenant).copied().unwrap_or(0);
+        let others = inflight.len() - usize::from(own > 0);
+        if others == 0 {
+            return false;
+        }
+        let total: u32 = inflight.values().sum();
+        let tenants = others as u64 + 1;
+        // own >= total / tenants + 1, in integers.
+        u64::from(own) * tenants >= u64::from(total) + tenants
+    }
+
+    /// Whether `tenant` holds less than an equal share of what is in flight among the
+    /// tenants with requests in flight (itself included), less one request. A tenant alone
+    /// is never under its share, nor are tenants with equal shares.
+    pub(super) fn under_share(&self, tenant: &str) -> bool {
+        let inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        let own = inflight.get(tenant).copied().unwrap_or(0);
+        let others = inflight.len() - usize::from(own > 0);
+        if others == 0 {
+            return false;
+        }
+        let total: u32 = inflight.values().sum();
+        let tenants = others as u64 + 1;
+        // own + 1 <= total / tenants, in integers.
+        (u64::from(own) + 1) * tenants <= u64::from(total)
+    }
+
+    /// A request of `tenant` was routed.
+    pub(super) fn started(&self, tenant: &Arc<str>) {
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        *inflight.entry(Arc::clone(tenant)).or_insert(0) += 1;
+    }
+
+    /// A request of `tenant` ended.
+    pub(super) fn ended(&self, tenant: &str) {
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = inflight.get_mut(tenant) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                inflight.remove(tenant);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tenant_alone_is_never_under_its_share() {
+        let shares = TenantShares::default();
+        let a: Arc<str> = Arc::from("a");
+        for _ in 0..10 {
+            assert!(!shares.under_share("a"));
+            shares.started(&a);
+        }
+    }
+
+    #[test]
+    fn a_quiet_tenant_beside_a_busy_one_is_under_its_share() {
+        let shares = TenantShares::default();
+        let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+        for _ in 0..9 {
+            shares.started(&a);
+        }
+        shares.started(&b);
+        assert!(shares.under_share("b"));
+        assert!(!shares.under_share("a"));
+        assert!(shares.over_share("a"));
+        assert!(!shares.over_share("b"));
+        // A newcomer with nothing in flight is under its share.
+        assert!(shares.under_share("c"));
+        // Equal shares favour no one.
+        for _ in 0..8 {
+            shares.started(&b);
+        }
+        assert!(!shares.under_share("a") && !shares.under_share("b"));
+        assert!(!shares.over_share("a") && !shares.over_share("b"));
+        for _ in 0..9 {
+            shares.ended("b");
+        }
+        assert!(
+            shares.under_share("b"),
+            "b has nothing in flight beside a busy a"
+        );
+        assert!(!shares.under_share("a"), "a is alone");
+    }
+}
