@@ -2,11 +2,10 @@
 //! chosen pod's in-flight accounting, and records what happened (metrics, debug log,
 //! the live decision tap that the admin API's watchers subscribe to).
 //!
-//! Flow control: a request that fits no pod now (every pod saturated or short of the KV it
-//! needs) is not placed on the least bad pod, where it would queue in the engine or make
-//! it preempt: it waits in the [`waiting`] room until a pod has room, is refused at once
-//! when sheddable (negative priority) or when the room is full, and gets 429 when its wait
-//! runs out. A newcomer does not pass requests of its priority or higher already waiting.
+//! Flow control: a request that fits no pod now (no pod has the KV it needs) is not placed
+//! on the least bad pod, where it would make it preempt: it waits in the [`waiting`] room
+//! until a pod has room, is refused at once when sheddable (negative priority; also when
+//! every pod is saturated) or when the room is full, and gets 429 when its wait runs out. A newcomer does not pass requests of its priority or higher already waiting.
 
 mod shares;
 mod waiting;
@@ -74,6 +73,28 @@ struct Origin {
 /// Requests a dispatch pass may find without room before it stops: each costs a pick,
 /// and the next change of capacity starts a new pass.
 const MAX_MISSES_PER_PASS: usize = 16;
+
+/// When placing a request may be declined for want of room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    /// Never: the request goes to the least bad pod (flow control off, or no model).
+    Never,
+    /// When no pod has the KV it needs (placed, it would make a pod preempt).
+    WithoutKv,
+    /// Also when every pod is saturated (a sheddable request: refused rather than queued
+    /// in a pod).
+    WhenSaturated,
+}
+
+impl Hold {
+    fn declines(self, decision: &Decision) -> bool {
+        match self {
+            Hold::Never => false,
+            Hold::WithoutKv => decision.lacks_room(),
+            Hold::WhenSaturated => decision.lacks_room() || decision.relaxed.saturation,
+        }
+    }
+}
 
 /// What placing a request came to.
 enum Placed {
@@ -251,7 +272,7 @@ impl LivePicker {
             &waiter.blocks,
             fleet,
             waiter.first_token_visible,
-            true,
+            Hold::WithoutKv,
             config,
         ) {
             Ok(Placed::Routed(decision, reservation)) => Some(self.routed(
@@ -505,21 +526,21 @@ impl LivePicker {
 
     /// Picks under the placement lock and reserves the winner's capacity, so the next
     /// pick sees this request. `blocks` are the prompt's prefix-block hashes.
-    /// With `hold`, a request no pod has room for is not placed ([`Placed::NoRoom`]).
+    /// A request `hold` declines is not placed ([`Placed::NoRoom`]).
     fn place(
         &self,
         request: &RouteRequest<'_>,
         blocks: &[u64],
         fleet: &Fleet,
         first_token_visible: bool,
-        hold: bool,
+        hold: Hold,
         config: &SchedulerConfig,
     ) -> Result<Placed, PickError> {
         // Matching reads the index's own shards: concurrent requests match in parallel.
         let matches = self.prefix.matches(blocks, fleet.snapshot());
         let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
         let decision = scheduler::pick(request, Some(&matches), fleet, config, &mut rand::rng())?;
-        if hold && decision.lacks_room() {
+        if hold.declines(&decision) {
             return Ok(Placed::NoRoom(decision));
         }
         let mut capacity = 0;
@@ -579,7 +600,12 @@ impl Router for LivePicker {
         }
         // Sheddable requests are refused rather than placed without room, queue or not.
         // A request without a model (GET /v1/models) takes no KV: it never waits for room.
-        let hold = (queues || is_sheddable(class.priority)) && request.model().is_some();
+        let hold = match (request.model(), is_sheddable(class.priority), queues) {
+            (None, _, _) => Hold::Never,
+            (Some(_), true, _) => Hold::WhenSaturated,
+            (Some(_), false, true) => Hold::WithoutKv,
+            (Some(_), false, false) => Hold::Never,
+        };
         let started = Instant::now();
         let config = self.rules_for(class.priority, &class.tenant);
         let placed = self.place(request, &blocks, &fleet, first_token_visible, hold, config);
@@ -605,7 +631,7 @@ impl Router for LivePicker {
             // A pod whose model list kvroute cannot read is a configuration problem, not
             // one a wait mends: it is answered at once, below.
             Err(PickError::NoEndpoints | PickError::NoReadyEndpoint)
-                if queues && self.room.settings.hold_without_endpoints =>
+                if queues && hold != Hold::Never && self.room.settings.hold_without_endpoints =>
             {
                 // Pods may be starting (scale from zero, a rollout): hold rather than 503.
                 self.hold(request, class, blocks, labels, first_token_visible, true)

@@ -16,11 +16,18 @@ use support::{FakeMetrics, FakePod, Gateway, Kvroute, behind_envoy, http_client,
 
 const MODEL: &str = "llama";
 
+/// 97 % of the fake pod's 16,000-token pool in use: 480 tokens free, less than
+/// [`needing_kv`] asks for.
 fn full() -> FakeMetrics {
     FakeMetrics {
         kv_usage: 0.97,
         ..FakeMetrics::default()
     }
+}
+
+/// A completion that needs about 1,000 tokens of KV: it fits an empty pod, not a full one.
+fn needing_kv() -> serde_json::Value {
+    json!({"model": MODEL, "prompt": "hello", "max_tokens": 1_000})
 }
 
 fn empty() -> FakeMetrics {
@@ -98,7 +105,7 @@ async fn a_request_held_while_every_pod_is_full_goes_once_one_frees_even_past_en
         tokio::spawn(async move {
             let response = client
                 .post(url)
-                .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 16}))
+                .json(&needing_kv())
                 .send()
                 .await
                 .expect("request through Envoy");
@@ -141,13 +148,7 @@ async fn a_wait_that_runs_out_is_answered_429_with_the_reason_header_and_an_open
     let mut config = test_config(vec![pods[0].addr]);
     config.flow.max_wait = Duration::from_millis(500);
     let (_kvroute, envoy) = behind_envoy(&pods, config, Gateway::OverrideHost).await;
-    let (status, _, headers, body) = send(
-        &http_client(),
-        &envoy,
-        json!({"model": MODEL, "prompt": "hello", "max_tokens": 16}),
-        &[],
-    )
-    .await;
+    let (status, _, headers, body) = send(&http_client(), &envoy, needing_kv(), &[]).await;
     assert_eq!(status, 429, "{body}\n{}", envoy.log());
     assert_eq!(
         headers
@@ -199,7 +200,7 @@ async fn a_client_that_disconnects_while_queued_leaves_the_queue() {
         .expect("client");
     let gave_up = impatient
         .post(envoy.url("/v1/completions"))
-        .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 16}))
+        .json(&needing_kv())
         .send()
         .await;
     assert!(

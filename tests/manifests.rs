@@ -1480,7 +1480,8 @@ async fn traffic_round(
         ("no model", json!({"prompt": "hi"}), &[400]),
         (
             "a model whose pods have no room",
-            json!({"model": FULL_MODEL, "prompt": "hi", "max_tokens": 8}),
+            // More KV than the full pod has free.
+            json!({"model": FULL_MODEL, "prompt": "hi", "max_tokens": 4000}),
             // It waits --max-queue-wait, then 429.
             &[429],
         ),

@@ -275,20 +275,30 @@ mod waiting_room {
     }
 
     #[tokio::test]
-    async fn a_quiet_tenant_uses_the_headroom_a_busy_one_must_wait_for() {
-        // 70 % full; each small request adds 5 % until the next scrape.
-        let picker = picker_over(store_with_pod(0.7, 0), FlowSettings::default());
+    async fn a_quiet_tenant_uses_the_headroom_a_busy_one_must_leave() {
+        // 60 % full; each small request takes 5 % more until the next scrape.
+        let picker = picker_over(store_with_pod(0.6, 0), FlowSettings::default());
         let mut routed = Vec::new();
-        for tenant in ["busy", "busy", "busy"] {
-            let Placement::Routed(r) = route_small(&picker, 0, tenant) else {
-                panic!("{tenant}: room for it");
-            };
-            routed.push(r);
-        }
-        // 85 % in use now: past the threshold, the busy tenant waits.
-        let mut busy = held(route_small(&picker, 0, "busy"));
+        let Placement::Routed(quiet) = route_small(&picker, 0, "quiet") else {
+            panic!("room for the quiet tenant's first request");
+        };
+        routed.push(quiet);
+        // The busy tenant fills the pod until, over its share, it must leave a tenth free.
+        let mut busy = loop {
+            match route_small(&picker, 0, "busy") {
+                Placement::Routed(r) => routed.push(r),
+                Placement::Waiting(waiting) => break waiting,
+                Placement::Unrouted(refused) => panic!("{refused:?}"),
+            }
+            assert!(routed.len() < 20, "the busy tenant never had to wait");
+        };
+        assert!(
+            routed.len() >= 4,
+            "{} routed before it waited",
+            routed.len()
+        );
         // The quiet tenant queues behind it (its band's order); the next pass, which its
-        // arrival starts, sends it on, above the threshold, into the headroom.
+        // arrival starts, sends it on into the room the busy tenant had to leave.
         let mut quiet = held(route_small(&picker, 0, "quiet"));
         picker.dispatch_waiting(Instant::now());
         assert!(matches!(resolved(&mut quiet), Some(Ok(_))));

@@ -180,11 +180,14 @@ pub struct Decision {
 }
 
 impl Decision {
-    /// No pod has room for the request now (each is saturated or lacks the KV it needs;
-    /// the pick is the least bad), yet one could hold it once it drains. Placed now, the
-    /// request would queue in the pod or make it preempt; flow control holds it instead.
+    /// No pod has the free KV the request needs now (the pick is the least bad), yet one
+    /// could hold it once it drains. Placed now, the request would make the pod preempt
+    /// running requests; flow control holds it instead. (Every pod *saturated* is not
+    /// enough: a pod past the thresholds that still has the KV takes the request into its
+    /// queue, and starts it the moment a batch slot frees, sooner than a gateway that learns
+    /// of the room at the next scrape.)
     pub fn lacks_room(&self) -> bool {
-        self.relaxed.any() && self.could_fit
+        self.relaxed.kv_headroom && self.could_fit
     }
 }
 

@@ -425,13 +425,20 @@ fn when_every_pod_is_saturated_the_least_bad_is_picked() {
 }
 
 #[test]
-fn a_request_lacks_room_when_every_pod_is_saturated_but_not_when_one_is_free() {
-    let a = with_metrics(pod(1), |m| m.waiting = 9);
-    let b = with_metrics(pod(2), |m| m.waiting = 6);
-    let decision = pick_seeded(&request("base", 10), &fleet(vec![a.clone(), b])).expect("placed");
+fn a_request_lacks_room_when_no_pod_has_its_kv_not_when_pods_are_only_saturated() {
+    // Long queues, free KV: the pods take the request into their queues.
+    let queued = |n| with_metrics(pod(n), |m| m.waiting = 9);
+    let decision =
+        pick_seeded(&request("base", 10), &fleet(vec![queued(1), queued(2)])).expect("placed");
+    assert!(decision.relaxed.saturation, "{decision:?}");
+    assert!(!decision.lacks_room(), "{decision:?}");
+    // Nearly full pools: placing it would make a pod preempt.
+    let full = |n| with_metrics(pod(n), |m| m.kv_usage = 0.9999);
+    let decision =
+        pick_seeded(&request("base", 1_000), &fleet(vec![full(1), full(2)])).expect("placed");
     assert!(decision.lacks_room(), "{decision:?}");
-    let free = pod(3);
-    let decision = pick_seeded(&request("base", 10), &fleet(vec![a, free])).expect("placed");
+    let decision =
+        pick_seeded(&request("base", 1_000), &fleet(vec![full(1), pod(3)])).expect("placed");
     assert!(!decision.lacks_room(), "{decision:?}");
 }
 
