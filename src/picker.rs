@@ -7,7 +7,6 @@
 //! until a pod has room, is refused at once when sheddable (negative priority; also when
 //! every pod is saturated) or when the room is full, and gets 429 when its wait runs out. A newcomer does not pass requests of its priority or higher already waiting.
 
-mod shares;
 mod waiting;
 
 use std::collections::VecDeque;
@@ -19,7 +18,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use kvroute_core::fleet::{
     Fleet, ModelClass, PrefillEnd, PrefixIndex, Reservation, Snapshot, adapter_key, block_hashes,
 };
-use kvroute_core::flow::{Holds, is_sheddable};
+use kvroute_core::flow::{FlowRules, Hold, Holds, TenantShares, is_sheddable};
 use kvroute_core::request::RouteRequest;
 use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
 use serde::Serialize;
@@ -34,33 +33,7 @@ use crate::flow::{DropReason, FlowSettings, RequestClass};
 use crate::store::PodStore;
 use crate::telemetry::{self, ModelLabels, Outcome, QueueExit};
 
-use shares::TenantShares;
 use waiting::{Waiter, WaitingRoom};
-
-/// The headroom between the thresholds of sheddable requests and of the rest, and between
-/// those of the rest and of a tenant under its share: a tenth of each pod's KV.
-const HEADROOM: f64 = 0.1;
-
-/// `config` for requests that must leave room for others (sheddable ones, a tenant over its
-/// share beside a quieter one): `HEADROOM` of each pool kept free, the KV-use threshold
-/// `HEADROOM` lower, the queue threshold halved.
-fn leaving_room(config: &SchedulerConfig) -> SchedulerConfig {
-    let mut stricter = config.clone();
-    stricter.keep_free = HEADROOM;
-    stricter.saturation.kv_usage = (config.saturation.kv_usage - HEADROOM).max(HEADROOM);
-    stricter.saturation.queue_depth = (config.saturation.queue_depth / 2).max(1);
-    stricter
-}
-
-/// `config` for a tenant under its share beside a busier one: the KV-use threshold
-/// `HEADROOM` higher (at most 1), the queue threshold doubled. The request still needs the
-/// KV it takes (the headroom filter is unchanged).
-fn using_headroom(config: &SchedulerConfig) -> SchedulerConfig {
-    let mut looser = config.clone();
-    looser.saturation.kv_usage = (config.saturation.kv_usage + HEADROOM).min(1.0);
-    looser.saturation.queue_depth = config.saturation.queue_depth.saturating_mul(2);
-    looser
-}
 
 /// Where a routed request came from, for its accounting.
 struct Origin {
@@ -74,28 +47,6 @@ struct Origin {
 /// and the next change of capacity starts a new pass.
 const MAX_MISSES_PER_PASS: usize = 16;
 
-/// When placing a request may be declined for want of room.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Hold {
-    /// Never: the request goes to the least bad pod (flow control off, or no model).
-    Never,
-    /// When no pod has the KV it needs (placed, it would make a pod preempt).
-    WithoutKv,
-    /// Also when every pod is saturated (a sheddable request: refused rather than queued
-    /// in a pod).
-    WhenSaturated,
-}
-
-impl Hold {
-    fn declines(self, decision: &Decision) -> bool {
-        match self {
-            Hold::Never => false,
-            Hold::WithoutKv => decision.lacks_room(),
-            Hold::WhenSaturated => decision.lacks_room() || decision.relaxed.saturation,
-        }
-    }
-}
-
 /// What placing a request came to.
 enum Placed {
     Routed(Decision, Option<Reservation>),
@@ -107,12 +58,10 @@ enum Placed {
 pub struct LivePicker {
     store: Arc<PodStore>,
     config: SchedulerConfig,
-    /// The same, for sheddable requests ([`leaving_room`]) and for a tenant under its
-    /// share ([`using_headroom`]).
-    leaving_room: SchedulerConfig,
-    using_headroom: SchedulerConfig,
+    /// `config`, and the thresholds of requests that must leave room or may use it.
+    rules: FlowRules,
     /// Requests in flight per tenant.
-    shares: Arc<TenantShares>,
+    shares: Arc<Mutex<TenantShares>>,
     /// Serialises pick + reserve, so two concurrent requests cannot both see the same
     /// free KV and herd onto one pod. A pick takes microseconds.
     placement: Mutex<()>,
@@ -139,10 +88,9 @@ impl LivePicker {
     ) -> Self {
         LivePicker {
             store,
-            leaving_room: leaving_room(&config),
-            using_headroom: using_headroom(&config),
+            rules: FlowRules::new(&config),
             config,
-            shares: Arc::new(TenantShares::default()),
+            shares: Arc::default(),
             placement: Mutex::new(()),
             prefix: PrefixIndex::with_budget(prefix_budget_bytes),
             decisions: DecisionLog::new(keep_decisions),
@@ -203,7 +151,7 @@ impl LivePicker {
                 // A tenant under its share, beside a busier one, is not kept waiting by
                 // the busier one's smaller requests; a request that has waited long is not
                 // passed by its own tenant's.
-                if self.shares.under_share(&waiter.tenant) {
+                if lock(&self.shares).under_share(&waiter.tenant) {
                     Holds::Band
                 } else if now.saturating_duration_since(waiter.since) >= starving_after {
                     Holds::OwnTenant
@@ -314,7 +262,7 @@ impl LivePicker {
             tenant,
             waited,
         } = origin;
-        self.shares.started(&tenant);
+        lock(&self.shares).started(&tenant);
         telemetry::record_pick(elapsed, decision.reason.as_str());
         telemetry::record_request(&labels, Outcome::Routed);
         debug!(
@@ -346,18 +294,11 @@ impl LivePicker {
         }
     }
 
-    /// The scheduler configuration a request of `priority` and `tenant` is placed by: a
-    /// sheddable request, or one of a tenant over its share of what is in flight beside a
-    /// quieter one, must leave room for the others; a tenant under its share may use the
-    /// headroom the thresholds keep.
+    /// The scheduler configuration a request of `priority` and `tenant` is placed by
+    /// ([`FlowRules::for_request`]).
     fn rules_for(&self, priority: i32, tenant: &str) -> &SchedulerConfig {
-        if is_sheddable(priority) || self.shares.over_share(tenant) {
-            &self.leaving_room
-        } else if self.shares.under_share(tenant) {
-            &self.using_headroom
-        } else {
-            &self.config
-        }
+        self.rules
+            .for_request(priority, tenant, &lock(&self.shares))
     }
 
     /// Holds a request that found no room, or refuses it: a sheddable one, or any once
@@ -675,7 +616,7 @@ pub struct InFlightRequest {
     /// Told when the request ends: its pod has room again.
     room: Arc<WaitingRoom>,
     /// Its tenant's requests in flight, which it counts in until it ends.
-    shares: Arc<TenantShares>,
+    shares: Arc<Mutex<TenantShares>>,
     tenant: Arc<str>,
 }
 
@@ -684,7 +625,7 @@ impl Drop for InFlightRequest {
         // The reservation goes with this request (whichever way it ends): a held request
         // may fit now.
         self.reservation = None;
-        self.shares.ended(&self.tenant);
+        lock(&self.shares).ended(&self.tenant);
         if !self.room.is_empty() {
             self.room.wake.notify_one();
         }
@@ -730,6 +671,11 @@ impl InFlight for InFlightRequest {
         );
         // Dropping `self.reservation` releases the pod's in-flight accounting.
     }
+}
+
+/// Tenants' shares are changed in single calls: a panic mid-call leaves a count off by one.
+fn lock(shares: &Mutex<TenantShares>) -> std::sync::MutexGuard<'_, TenantShares> {
+    shares.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// What a request competes for in the waiting room: a digest of its base model (an adapter

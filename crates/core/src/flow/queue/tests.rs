@@ -241,10 +241,3 @@ fn a_pass_stops_after_its_misses() {
     assert_eq!(tried, ["n1", "n2"]);
     assert_eq!(queue.len(), 4);
 }
-
-#[test]
-fn sheddable_means_negative_priority() {
-    assert!(is_sheddable(-1));
-    assert!(!is_sheddable(0));
-    assert!(!is_sheddable(100));
-}

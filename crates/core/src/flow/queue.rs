@@ -1,16 +1,9 @@
-//! Flow control's waiting room. A request that fits no pod now waits here, and requests
-//! leave in order of priority (highest band first), then by tenant in turn (round robin
-//! between the tenants waiting in a band, so one tenant's burst cannot starve another's),
-//! then by arrival.
+//! The waiting room's order: [`FlowQueue`].
 //!
-//! Pure: no clock, no I/O. The gateway holds the queue under a lock, decides what fits a
-//! pod (by running the scheduler) and when a wait has run out; the offline simulation uses
-//! the same queue in virtual time.
-//!
-//! [`FlowQueue::dispatch`] walks the waiting requests in that order and routes each that
-//! fits. One that does not fit stays; requests behind it still go if they fit (a short
-//! request is not held up by a long one that needs a pod to drain), with two limits that
-//! keep the order meaningful:
+//! [`FlowQueue::dispatch`] walks the waiting requests in order and routes each that fits.
+//! One that does not fit stays; requests behind it still go if they fit (a short request
+//! is not held up by a long one that needs a pod to drain), with limits that keep the order
+//! meaningful:
 //! - a request that does not fit holds back the requests of *lower* bands that want the
 //!   same pods (the same [`FlowQueue::dispatch`] key: the base model): a lower band never
 //!   takes room a higher one is waiting for;
@@ -24,15 +17,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap, VecDeque, btree_map};
 use std::sync::Arc;
 
-/// A request's priority: higher is served first; below zero it is sheddable (refused
-/// rather than queued when no pod has room), as the Gateway API Inference Extension's
-/// `InferenceObjective` defines it.
-pub type Priority = i32;
-
-/// Whether requests of `priority` are refused rather than queued when no pod has room.
-pub fn is_sheddable(priority: Priority) -> bool {
-    priority < 0
-}
+use super::Priority;
 
 /// What a request that does not fit holds back in its band (the requests behind it that
 /// want the same pods). Lower bands are always held back.

@@ -1,0 +1,31 @@
+//! Flow control, the pure part. A request that fits no pod now waits, and requests leave in
+//! order of priority (highest band first), then by tenant in turn (round robin between the
+//! tenants waiting in a band, so one tenant's burst cannot starve another's), then by
+//! arrival.
+//!
+//! No clock, no I/O. The gateway (`src/picker.rs`) holds the queue under a lock, runs the
+//! scheduler to learn what fits and decides when a wait has run out; the offline simulation
+//! can run the same rules in virtual time.
+//!
+//! - [`queue`]: the order ([`FlowQueue`]: bands, tenants in turn, arrival; `dispatch`);
+//! - [`rules`]: when a request is held ([`Hold`]) and against which thresholds it is placed
+//!   (sheddable requests and a busy tenant leave headroom, a quiet tenant may use it);
+//! - [`shares`]: each tenant's requests in flight ([`TenantShares`]).
+
+mod queue;
+mod rules;
+mod shares;
+
+pub use queue::{EntryId, FlowQueue, Holds};
+pub use rules::{FlowRules, HEADROOM, Hold};
+pub use shares::TenantShares;
+
+/// A request's priority: higher is served first; below zero it is sheddable (refused
+/// rather than queued when no pod has room), as the Gateway API Inference Extension's
+/// `InferenceObjective` defines it.
+pub type Priority = i32;
+
+/// Whether requests of `priority` are refused rather than queued when no pod has room.
+pub fn is_sheddable(priority: Priority) -> bool {
+    priority < 0
+}

@@ -1,0 +1,143 @@
+//! When flow control holds a request, and against which thresholds a request is placed.
+//!
+//! Taking turns in the queue alone does not protect the requests that matter most: when the
+//! others keep every pod at its saturation threshold, each of them still waits for a pod to
+//! drain. So requests are placed against three sets of thresholds ([`FlowRules`]):
+//! sheddable requests, and those of a tenant over an equal share of what is in flight while
+//! a quieter tenant has requests in flight too, must leave [`HEADROOM`] of each pod's KV
+//! free (thresholds that much lower); a tenant under its share may go that much past the
+//! thresholds; the rest use the configured ones.
+
+use crate::scheduler::{Decision, SchedulerConfig};
+
+use super::{Priority, TenantShares, is_sheddable};
+
+/// The headroom between the thresholds of requests that must leave room and of the rest,
+/// and between those of the rest and of a tenant under its share: a tenth of each pod's KV.
+pub const HEADROOM: f64 = 0.1;
+
+/// When placing a request may be declined for want of room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    /// Never: the request goes to the least bad pod (flow control off, or no model).
+    Never,
+    /// When no pod has the KV it needs (placed, it would make a pod preempt).
+    WithoutKv,
+    /// Also when every pod is saturated (a sheddable request: refused rather than queued
+    /// in a pod).
+    WhenSaturated,
+}
+
+impl Hold {
+    /// Whether `decision` is declined.
+    pub fn declines(self, decision: &Decision) -> bool {
+        match self {
+            Hold::Never => false,
+            Hold::WithoutKv => decision.lacks_room(),
+            Hold::WhenSaturated => decision.lacks_room() || decision.relaxed.saturation,
+        }
+    }
+}
+
+/// The three scheduler configurations requests are placed by.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowRules {
+    normal: SchedulerConfig,
+    /// [`HEADROOM`] of each pool kept free, the KV-use threshold that much lower, the queue
+    /// threshold halved.
+    leaving_room: SchedulerConfig,
+    /// The KV-use threshold [`HEADROOM`] higher (at most 1), the queue threshold doubled.
+    /// The request still needs the KV it takes (the headroom filter is unchanged).
+    using_headroom: SchedulerConfig,
+}
+
+impl FlowRules {
+    pub fn new(config: &SchedulerConfig) -> Self {
+        let mut leaving_room = config.clone();
+        leaving_room.keep_free = HEADROOM;
+        leaving_room.saturation.kv_usage = (config.saturation.kv_usage - HEADROOM).max(HEADROOM);
+        leaving_room.saturation.queue_depth = (config.saturation.queue_depth / 2).max(1);
+        let mut using_headroom = config.clone();
+        using_headroom.saturation.kv_usage = (config.saturation.kv_usage + HEADROOM).min(1.0);
+        using_headroom.saturation.queue_depth = config.saturation.queue_depth.saturating_mul(2);
+        FlowRules {
+            normal: config.clone(),
+            leaving_room,
+            using_headroom,
+        }
+    }
+
+    /// The configuration a request of `priority` and `tenant` is placed by, given what each
+    /// tenant has in flight.
+    pub fn for_request(
+        &self,
+        priority: Priority,
+        tenant: &str,
+        shares: &TenantShares,
+    ) -> &SchedulerConfig {
+        if is_sheddable(priority) || shares.over_share(tenant) {
+            &self.leaving_room
+        } else if shares.under_share(tenant) {
+            &self.using_headroom
+        } else {
+            &self.normal
+        }
+    }
+
+    /// The configured thresholds.
+    pub fn normal(&self) -> &SchedulerConfig {
+        &self.normal
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[test]
+    fn sheddable_requests_and_a_busy_tenant_leave_headroom_and_a_quiet_one_may_use_it() {
+        let rules = FlowRules::new(&SchedulerConfig::default());
+        let mut shares = TenantShares::default();
+        let (busy, quiet): (Arc<str>, Arc<str>) = (Arc::from("busy"), Arc::from("quiet"));
+        assert_eq!(rules.for_request(0, "busy", &shares), rules.normal());
+        let stricter = rules.for_request(-1, "busy", &shares);
+        assert!((stricter.keep_free - HEADROOM).abs() < 1e-12);
+        assert!((stricter.saturation.kv_usage - 0.7).abs() < 1e-9);
+        assert_eq!(stricter.saturation.queue_depth, 2);
+        for _ in 0..9 {
+            shares.started(&busy);
+        }
+        shares.started(&quiet);
+        assert_eq!(rules.for_request(0, "busy", &shares).keep_free, HEADROOM);
+        let looser = rules.for_request(0, "quiet", &shares);
+        assert!((looser.saturation.kv_usage - 0.9).abs() < 1e-9);
+        assert_eq!(looser.saturation.queue_depth, 10);
+        assert_eq!(looser.keep_free, 0.0);
+    }
+
+    #[test]
+    fn sheddable_requests_are_refused_already_when_every_pod_is_saturated() {
+        let mut decision = Decision {
+            endpoint: "10.0.0.1:8000".parse().expect("addr"),
+            fallbacks: Vec::new(),
+            reason: crate::scheduler::Reason::Fallback,
+            relaxed: crate::scheduler::Relaxed {
+                saturation: true,
+                kv_headroom: false,
+            },
+            tokens_needed: 10,
+            candidates: 1,
+            could_fit: true,
+            ranked: Vec::new(),
+        };
+        assert!(!Hold::Never.declines(&decision));
+        assert!(!Hold::WithoutKv.declines(&decision));
+        assert!(Hold::WhenSaturated.declines(&decision));
+        decision.relaxed.kv_headroom = true;
+        assert!(Hold::WithoutKv.declines(&decision));
+        decision.could_fit = false;
+        assert!(!Hold::WithoutKv.declines(&decision), "waiting cannot help");
+    }
+}
