@@ -178,14 +178,24 @@ impl App {
         reporter
             .set_service_status(LIVENESS_SERVICE, ServingStatus::Serving)
             .await;
-        // Not ready until a pod is scraped: said before the servers start, so the first
-        // probe finds it whether or not the readiness task has run yet.
+        // Not ready until a pod is scraped, unless flow control holds requests until a pod
+        // is ready (scale from zero, a rollout): then kvroute can take requests before any
+        // pod is. Said before the servers start, so the first probe finds it whether or not
+        // the readiness task has run yet.
+        let holds_for_endpoints = config.flow.queues() && config.flow.hold_without_endpoints;
+        let initially = if holds_for_endpoints {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
         for service in [EXTPROC_SERVICE, "", READINESS_SERVICE] {
-            reporter
-                .set_service_status(service, ServingStatus::NotServing)
-                .await;
+            reporter.set_service_status(service, initially).await;
         }
-        let readiness = tokio::spawn(track_readiness(Arc::clone(&store), reporter.clone()));
+        let readiness = tokio::spawn(track_readiness(
+            Arc::clone(&store),
+            reporter.clone(),
+            holds_for_endpoints,
+        ));
         let (stop, abort) = (shutdown::phase(), shutdown::phase());
         let (stopping, aborting) = (stop.1, abort.1);
         let policy = RequestPolicy::new(config.max_body_bytes, &config.allowed_paths)
@@ -447,9 +457,14 @@ fn incoming(listener: TcpListener) -> TcpIncoming {
 
 /// Serves readiness (and the ext_proc service's status) only while some pod has
 /// been scraped: before that every request would fail.
-async fn track_readiness(store: Arc<PodStore>, reporter: HealthReporter) {
+async fn track_readiness(
+    store: Arc<PodStore>,
+    reporter: HealthReporter,
+    holds_for_endpoints: bool,
+) {
     let mut fleets = store.subscribe();
     let mut ready = None;
+    let mut metrics_seen = None;
     loop {
         let fleet = Arc::clone(&fleets.borrow_and_update());
         let snapshot = fleet.snapshot();
@@ -461,15 +476,12 @@ async fn track_readiness(store: Arc<PodStore>, reporter: HealthReporter) {
             .filter_map(|p| p.metrics_age)
             .max();
         telemetry::record_fleet(healthy, snapshot.pods().len() - healthy, oldest);
-        let now_ready = snapshot.has_metrics();
+        let has_metrics = snapshot.has_metrics();
+        let now_ready = has_metrics || holds_for_endpoints;
         if ready != Some(now_ready) {
             let status = if now_ready {
-                info!(healthy, "ready: endpoint metrics available");
                 ServingStatus::Serving
             } else {
-                if ready.is_some() {
-                    warn!("not ready: no endpoint is healthy");
-                }
                 ServingStatus::NotServing
             };
             // Readiness last: whoever sees it flip finds the other services flipped too.
@@ -477,6 +489,19 @@ async fn track_readiness(store: Arc<PodStore>, reporter: HealthReporter) {
                 reporter.set_service_status(service, status).await;
             }
             ready = Some(now_ready);
+        }
+        if metrics_seen != Some(has_metrics) {
+            match (has_metrics, holds_for_endpoints) {
+                (true, _) => info!(healthy, "ready: endpoint metrics available"),
+                (false, true) => info!(
+                    "no endpoint is ready (yet): requests wait up to --max-queue-wait for one"
+                ),
+                (false, false) if metrics_seen.is_some() => {
+                    warn!("not ready: no endpoint is healthy");
+                }
+                (false, false) => {}
+            }
+            metrics_seen = Some(has_metrics);
         }
         if fleets.changed().await.is_err() {
             return;

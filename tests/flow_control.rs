@@ -266,3 +266,39 @@ async fn waiting_requests_leave_by_priority_whatever_their_arrival() {
     assert_eq!(standard.await.expect("task"), 200);
     assert_eq!(pods[0].arrivals(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_ready_pod_a_request_waits_for_one_to_come_up_instead_of_a_503() {
+    let pods = [FakePod::start("pod-0", MODEL, &[]).await];
+    // The pod's engine is down: /metrics fails, so the pod is not ready.
+    pods[0].override_metrics(Some((500, "engine starting")));
+    let kvroute = Kvroute::start(test_config(vec![pods[0].addr])).await;
+    kvroute
+        .wait_for("the pod listed, not ready", |s| {
+            s.pods().iter().all(|p| !p.healthy && p.models.is_some())
+        })
+        .await;
+    let envoy =
+        support::Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &[pods[0].addr]).await;
+    let request = {
+        let (client, url) = (http_client(), envoy.url("/v1/completions"));
+        tokio::spawn(async move {
+            let response = client
+                .post(url)
+                .json(&json!({"model": MODEL, "prompt": "hello", "max_tokens": 8}))
+                .send()
+                .await
+                .expect("request through Envoy");
+            (
+                response.status().as_u16(),
+                response.text().await.expect("body"),
+            )
+        })
+    };
+    wait_for_queue(&kvroute, 0, 1).await;
+    // The engine comes up: scraped well twice, the pod is ready, and the request goes.
+    pods[0].override_metrics(None);
+    let (status, body) = request.await.expect("request task");
+    assert_eq!(status, 200, "{body}\n{}", envoy.log());
+    assert_eq!(pods[0].arrivals(), 1);
+}

@@ -1,6 +1,7 @@
 //! `kvroute-lab simulate` in small configurations: the shipped multi-LoRA workload on its
-//! own 8 pods (a few hundred requests), once scaled to 16 pods, and the command end to end.
-//! Virtual time only: each simulation takes well under a second even in a debug build.
+//! own 8 pods (a few hundred requests), once scaled to 16 pods, kvroute's flow control on
+//! the overload and tenant workloads, and the command end to end. Virtual time only: each
+//! simulation takes well under a second even in a debug build.
 
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -11,6 +12,7 @@ use std::time::Duration;
 
 use kvroute_lab::compare::report::RouterRun;
 use kvroute_lab::loadgen::Workload;
+use kvroute_lab::loadgen::report::StepReport;
 use kvroute_lab::simulate::{Router, Setup, SimStats, SimulateArgs, simulate};
 
 fn workload_file(name: &str) -> PathBuf {
@@ -28,6 +30,7 @@ fn args(pods: Option<usize>, rates: &[f64], duration: Duration) -> SimulateArgs 
         routers: Vec::new(),
         scrape_interval: Duration::from_millis(50),
         scrape_delay: Duration::from_millis(50),
+        max_queue_wait: Duration::from_secs(15),
         seed: None,
         jobs: Some(1),
         no_warmup: false,
@@ -53,7 +56,12 @@ fn assert_accounted(run: &RouterRun, stats: &SimStats) {
     for step in &run.bench.steps {
         let c = step.requests;
         assert!(c.planned > 0);
-        assert_eq!(c.planned, c.ok + c.errors, "{:?}", step.errors_by_kind);
+        assert_eq!(
+            c.planned,
+            c.ok + c.errors + c.shed,
+            "{:?}",
+            step.errors_by_kind
+        );
         assert_eq!(step.e2e_s.count, c.ok);
     }
     assert_eq!(stats.open_at_end, 0, "requests still open at the end");
@@ -136,6 +144,80 @@ fn a_fleet_scaled_up_keeps_each_pods_load_and_copies_the_tenants() {
     assert_eq!(rb.per_pod.len(), 16, "{:?}", rb.per_pod);
 }
 
+/// Shed requests of a step by reason.
+fn shed(step: &StepReport, reason: &str) -> usize {
+    step.shed_by_reason.get(reason).copied().unwrap_or(0)
+}
+
+#[test]
+fn at_twice_the_capacity_kvroute_sheds_only_sheddable_requests_and_holds_none_without_a_queue() {
+    let file = workload_file("overload-priority");
+    let w = Workload::from_file(&file).unwrap();
+    let mut a = args(None, &[44.0], Duration::from_secs(20));
+    let setup = Setup::new(&a, &w, &file).unwrap();
+    let (on, on_stats) = run(&setup, Router::Kvroute);
+    assert_accounted(&on, &on_stats);
+    let step = &on.bench.steps[0];
+    let (critical, sheddable) = (
+        &step.by_objective["critical"],
+        &step.by_objective["sheddable"],
+    );
+    assert!(sheddable.shed > 0, "{sheddable:?}");
+    assert_eq!(sheddable.shed, shed(step, "rejected-saturated"));
+    assert_eq!(critical.shed, 0, "{critical:?}");
+    assert_eq!(critical.completed, critical.planned);
+    assert!(
+        on_stats.shed as usize >= step.requests.shed,
+        "the warm-up's too"
+    );
+    // Round robin has no flow control: nothing shed, the same requests planned.
+    let (rr, rr_stats) = run(&setup, Router::RoundRobin);
+    assert_accounted(&rr, &rr_stats);
+    assert_eq!(rr.bench.steps[0].requests.shed, 0);
+    assert_eq!(
+        rr.bench.steps[0].by_objective["critical"].planned,
+        critical.planned
+    );
+    assert!(
+        critical.ttft_s.p90 < rr.bench.steps[0].by_objective["critical"].ttft_s.p90,
+        "critical p90 TTFT: kvroute {:?}, round robin {:?}",
+        critical.ttft_s.p90,
+        rr.bench.steps[0].by_objective["critical"].ttft_s.p90
+    );
+    // Queue off: nothing waits; sheddable requests are still refused.
+    a.max_queue_wait = Duration::ZERO;
+    let setup = Setup::new(&a, &w, &file).unwrap();
+    let (off, off_stats) = run(&setup, Router::Kvroute);
+    assert_accounted(&off, &off_stats);
+    assert_eq!(off_stats.held, 0);
+    assert!(on_stats.held > 0, "with the queue some requests wait");
+    let step = &off.bench.steps[0];
+    assert_eq!(step.requests.shed, shed(step, "rejected-saturated"));
+    assert_eq!(step.by_objective["critical"].shed, 0);
+}
+
+#[test]
+fn a_wait_that_runs_out_is_shed_as_ttl_expired_and_counts_in_ttft_until_then() {
+    let file = workload_file("noisy-tenant");
+    let w = Workload::from_file(&file).unwrap();
+    // tenant-a at 1.4× the fleet's capacity beside tenant-b; waits of at most 1 s.
+    let mut a = args(None, &[3.0, 33.0], Duration::from_secs(20));
+    a.max_queue_wait = Duration::from_secs(1);
+    let setup = Setup::new(&a, &w, &file).unwrap();
+    let (run_, stats) = run(&setup, Router::Kvroute);
+    assert_accounted(&run_, &stats);
+    let busy = &run_.bench.steps[1];
+    let expired = shed(busy, "rejected-ttl-expired");
+    assert!(expired > 0, "{:?}", busy.shed_by_reason);
+    assert_eq!(busy.requests.shed, expired, "no sheddable objective here");
+    assert!(busy.by_tenant["tenant-a"].shed > 0);
+    assert_eq!(run_.bench.steps[0].requests.shed, 0, "tenant-b alone fits");
+    assert!(!run_.bench.steps[0].by_tenant.contains_key("tenant-a"));
+    // A completed request's TTFT is its wait (at most 1 s) plus the pod's own.
+    assert_eq!(busy.ttft_s.count, busy.pod_ttft_s.count);
+    let waited = busy.ttft_s.mean.unwrap() - busy.pod_ttft_s.mean.unwrap();
+    assert!(waited > 0.0 && waited <= 1.0 + 1e-9, "mean wait {waited}");
+}
 #[test]
 fn the_command_writes_compares_report_shape() {
     let out = tempfile::tempdir().unwrap();
@@ -171,4 +253,48 @@ fn the_command_writes_compares_report_shape() {
                 .is_file()
         );
     }
+}
+
+#[test]
+fn the_command_reports_each_objectives_statistics_and_the_target_checks() {
+    let out = tempfile::tempdir().unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_kvroute-lab"))
+        .arg("simulate")
+        .arg("--workloads")
+        .arg(workload_file("overload-priority"))
+        .args(["--rates", "11,44", "--duration", "10s", "--no-warmup"])
+        .arg("--output-dir")
+        .arg(out.path())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let md = std::fs::read_to_string(out.path().join("report.md")).unwrap();
+    for expected in [
+        "| requests | held | shed |",
+        "### overload-priority: per objective and tenant",
+        "| 44 | kvroute | objective sheddable |",
+        "rejected-saturated",
+        "### overload-priority: target checks",
+        "- `kvroute`: critical p90 TTFT at 44 req/s",
+    ] {
+        assert!(md.contains(expected), "report.md lacks {expected:?}");
+    }
+    let results: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.path().join("results.json")).unwrap()).unwrap();
+    let targets = results[0]["targets"].as_array().unwrap();
+    let kvroute_shed = targets
+        .iter()
+        .find(|t| {
+            t["router"] == "kvroute" && t["check"] == "shed requests not of a sheddable objective"
+        })
+        .unwrap();
+    assert_eq!(kvroute_shed["met"], true, "{kvroute_shed}");
+    let throughput = targets
+        .iter()
+        .find(|t| t["router"] == "kvroute" && t["check"].as_str().unwrap().contains("throughput"))
+        .unwrap();
+    assert!(
+        throughput["value"].is_number(),
+        "steady throughput measured"
+    );
 }

@@ -18,12 +18,21 @@
 //! vllm-router), and the bursty token delivery of a sped-up simulator (ITL here is the gap
 //! between engine steps).
 //!
+//! kvroute runs with the gateway's flow control (`src/picker.rs`): a request no pod has
+//! the KV for waits at the gateway, at most `--max-queue-wait` of virtual time (the lab gives
+//! the live kvroute 15 s simulated), and leaves by priority, tenants in turn; sheddable
+//! requests are refused. Requests carry their class's objective (a priority through the
+//! workload's `objectives`) and tenant, and the report has `compare`'s per-class,
+//! per-objective and per-tenant statistics and target checks.
+//!
 //! Layout: `trace` draws the requests (the load generator's draws, lazily), `observe` is
-//! what a scrape of a simulated pod reads, `policy` the routers, `run` the event loop,
-//! `stats` the per-step accumulators behind `compare`'s report types, `diagnose` the
-//! optional decision and per-pod traces (`--diagnose N`).
+//! what a scrape of a simulated pod reads, `policy` the routers, `flow` kvroute's waiting
+//! room and requests' classes, `run` the event loop, `stats` the per-step accumulators
+//! behind `compare`'s report types, `diagnose` the optional decision and per-pod traces
+//! (`--diagnose N`).
 
 mod diagnose;
+mod flow;
 mod observe;
 mod policy;
 mod run;
@@ -73,7 +82,7 @@ impl Router {
     fn description(self) -> &'static str {
         match self {
             Router::Kvroute => {
-                "kvroute_core's prefix index, `scheduler::pick` (default configuration) and in-flight ledgers, as `LivePicker` runs them behind the fail-closed gateway; metrics from scrapes every --scrape-interval, seen --scrape-delay late"
+                "kvroute_core's prefix index, `scheduler::pick` (default configuration) and in-flight ledgers, as `LivePicker` runs them behind the fail-closed gateway, with its flow control (requests no pod has the KV for held at most --max-queue-wait, by priority and tenants in turn; sheddable ones refused); metrics from scrapes every --scrape-interval, seen --scrape-delay late"
             }
             Router::RoundRobin => "Envoy `ROUND_ROBIN` (each pod in turn)",
             Router::LeastRequest => {
@@ -94,6 +103,8 @@ pub struct SimulateArgs {
     /// the warm-up) are multiplied by k, and the workload's tenants are copied round(k)
     /// times: each request goes to a copy drawn uniformly, with the copy's own adapters
     /// (`lora-3-c7`) and shared system prompts (rewritten so that copies share no prefix).
+    /// The classes' flow-control tenants and objectives are not copied: each keeps its
+    /// share of the traffic.
     #[arg(long, env = "KVROUTE_SIMULATE_PODS")]
     pub pods: Option<usize>,
     /// Requests over the whole ladder, split evenly between its steps; each step then
@@ -124,6 +135,12 @@ pub struct SimulateArgs {
     /// How long after a scrape starts kvroute routes with what it read, virtual time.
     #[arg(long, env = "KVROUTE_SIMULATE_SCRAPE_DELAY", default_value = "50ms", value_parser = humantime::parse_duration)]
     pub scrape_delay: Duration,
+    /// kvroute's `--max-queue-wait`, virtual time: the longest a request no pod has the KV
+    /// for waits at the gateway before it is shed (429 `rejected-ttl-expired`); 0 switches
+    /// the queue off (a request no pod has the KV for goes to the least bad pod; sheddable
+    /// requests are still refused). The default is what `compare` gives the live kvroute.
+    #[arg(long, env = "KVROUTE_SIMULATE_MAX_QUEUE_WAIT", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub max_queue_wait: Duration,
     /// Seed of the trace, the engines and the policies [default: the workload's].
     #[arg(long, env = "KVROUTE_SIMULATE_SEED")]
     pub seed: Option<u64>,
@@ -179,6 +196,8 @@ pub struct Setup<'w> {
     pub seed: u64,
     pub scrape_interval: Duration,
     pub scrape_delay: Duration,
+    /// kvroute's longest wait at the gateway (zero: no queue).
+    pub max_queue_wait: Duration,
     pub sample_period: Duration,
     pub max_concurrency: usize,
     pub timeout: Duration,
@@ -237,6 +256,7 @@ impl<'w> Setup<'w> {
             seed,
             scrape_interval: args.scrape_interval,
             scrape_delay: args.scrape_delay,
+            max_queue_wait: args.max_queue_wait,
             sample_period,
             max_concurrency: (MAX_CONCURRENCY * scale.rate).ceil().max(1.0) as usize,
             timeout: TIMEOUT,
@@ -276,6 +296,9 @@ pub struct SimStats {
     pub decisions: u64,
     pub relaxed_saturation: u64,
     pub relaxed_kv_headroom: u64,
+    /// Requests kvroute held at the gateway, and those it shed (at once or after a wait).
+    pub held: u64,
+    pub shed: u64,
 }
 
 impl SimStats {
@@ -431,13 +454,17 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
 const LEGEND: &str = "\
 Columns as in `kvroute-lab compare`, in virtual (simulated) seconds: `req/s`, `tok/s`:
 successful requests and output tokens per second; `TTFT`: time to first token, from the
-request's arrival at its pod (the simulation has no network, proxy or router CPU time, so
-`TTFT`, `pod TTFT` and `client TTFT` are the same and `path` is empty); ITL: gaps between a
-request's tokens, i.e. the engine's step times (percentiles to 0.5 %); e2e: successful
-requests only; `errors`: failed / planned; `preemptions`, `LoRA loads` (GPU slot loads, disk
-+ host): the engines' counters at the step's boundaries, exactly; `prefix hit rate`:
+request's arrival at the gateway: a wait in kvroute's queue, then the pod's own TTFT, `pod
+TTFT` (the simulation has no network, proxy or router CPU time, so `TTFT` and `client TTFT`
+are the same and `path` is empty); ITL: gaps between a request's tokens, i.e. the engine's
+step times (percentiles to 0.5 %); e2e: successful requests only, from the arrival at the
+gateway; `errors`: failed / planned; `shed`: requests kvroute's flow control refused or
+dropped (neither successes nor errors); `preemptions`, `LoRA loads` (GPU slot loads, disk +
+host): the engines' counters at the step's boundaries, exactly; `prefix hit rate`:
 prefix-cache hit tokens / queried tokens; `KV spread`: mean over samples (every 250 ms × the
-workload's speedup, as `compare` samples) of (max − min) KV-cache use across pods.
+workload's speedup, as `compare` samples) of (max − min) KV-cache use across pods. In the
+simulation table, `held`: requests kvroute held at the gateway (routed later or shed),
+`shed`: as above, over the warm-up and the ladder.
 ";
 
 #[allow(clippy::too_many_arguments)]
@@ -457,12 +484,17 @@ fn write_report(
     let _ = writeln!(
         md,
         "Command: `{}`. Machine: {}. Took {:.1} s of wall time ({jobs} simulation(s) at a time). \
-         Virtual time: scrapes every {:?}, seen {:?} late.\n",
+         Virtual time: scrapes every {:?}, seen {:?} late; kvroute holds requests at most {}.\n",
         command.join(" "),
         machine(),
         took.as_secs_f64(),
         args.scrape_interval,
-        args.scrape_delay
+        args.scrape_delay,
+        if args.max_queue_wait.is_zero() {
+            "0 (its queue is off)".to_string()
+        } else {
+            format!("{:?}", args.max_queue_wait)
+        }
     );
     md.push_str("Policies:\n\n");
     for r in routers {
@@ -471,8 +503,8 @@ fn write_report(
     md.push('\n');
     md.push_str("## Simulation\n\n");
     md.push_str(
-        "| workload | policy | pods | scale | requests | output tokens | virtual s | wall s | events | events/s | routing µs/request |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| workload | policy | pods | scale | requests | held | shed | output tokens | virtual s | wall s | events | events/s | routing µs/request |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for s in stats {
         let scale = setups
@@ -481,11 +513,13 @@ fn write_report(
             .map_or(1.0, |x| x.scale.rate);
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {scale:.2}× | {} | {} | {:.0} | {:.1} | {} | {:.2} M | {:.2} |",
+            "| {} | {} | {} | {scale:.2}× | {} | {} | {} | {} | {:.0} | {:.1} | {} | {:.2} M | {:.2} |",
             s.workload,
             s.router.map_or("-", RouterKind::name),
             s.pods,
             s.requests,
+            s.held,
+            s.shed,
             s.tokens,
             s.virtual_s,
             s.wall_s,

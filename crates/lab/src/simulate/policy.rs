@@ -1,11 +1,17 @@
 //! The routing policies a simulation compares, each seeing what it would see live.
 //!
-//! - [`Policy::Kvroute`]: the real core. For each request, as the gateway's
-//!   `LivePicker::place` (src/picker.rs) does it: hash the prompt's prefix blocks, match
-//!   them in a [`PrefixIndex`], `scheduler::pick` over the last published [`Fleet`],
-//!   reserve the winner's [`PodLoad`] (noting the adapter for a LoRA pick), record the
-//!   blocks for the winner. The reservation is held until the response ends. The pods'
-//!   metrics come from scrapes: every `interval` each pod's ledger starts a scrape
+//! - [`Policy::Kvroute`]: the real core, as the gateway's `LivePicker` (src/picker.rs) runs
+//!   it. Placing a request ([`Kvroute::route`], `LivePicker::route` and `place`): hash the
+//!   prompt's prefix blocks, match them in a [`PrefixIndex`], `scheduler::pick` over the
+//!   last published [`Fleet`] with the thresholds [`FlowRules::for_request`] gives the
+//!   request's priority and tenant, reserve the winner's [`PodLoad`] (noting the adapter for
+//!   a LoRA pick), record the blocks for the winner. The reservation is held until the
+//!   response ends, and the tenant's share ([`TenantShares`]) counts the request from its
+//!   routing to its end. Flow control: a request the placement's [`Hold`] declines is held
+//!   in the waiting room ([`super::flow`]) or shed, and each dispatch pass
+//!   ([`Kvroute::dispatch`], `LivePicker::dispatch_waiting`) answers the requests whose
+//!   wait ran out and routes, in the queue's order, those that fit. The pods' metrics come
+//!   from scrapes: every `interval` each pod's ledger starts a scrape
 //!   ([`PodLoad::scrape_started`]) and its engine state is read; `delay` later the readings
 //!   are published as the gateway's store does it (`PodStore::publish`: the ledger absorbs
 //!   the scrape, a new `Fleet` is built with the metrics' ages). Prefill ends at the next
@@ -14,6 +20,7 @@
 //! - [`Policy::LeastRequest`]: Envoy's `LEAST_REQUEST` over equal hosts: two hosts drawn at
 //!   random (with replacement), the one with fewer active requests, the first on a tie.
 
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -26,8 +33,13 @@ use kvroute_core::fleet::{
     DEFAULT_PREFIX_BUDGET_BYTES, Fleet, PodLoad, PodMetrics, PodView, PrefillEnd, PrefixIndex,
     Reservation, ScrapeTicket, ServedModels, adapter_key, block_hashes,
 };
+use kvroute_core::flow::{EntryId, FlowRules, Hold, Holds, TenantShares, is_sheddable};
 use kvroute_core::request::{InferenceRequest, RouteRequest};
 use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
+
+use super::flow::{
+    DropReason, FlowClass, FlowSettings, MAX_MISSES_PER_PASS, Waiter, WaitingRoom, pods_key,
+};
 
 /// The address standing for pod `i`: ordered as the pods, so a snapshot's position of a pod
 /// is its index.
@@ -43,6 +55,31 @@ pub struct Routed {
     pub reservation: Option<Reservation>,
     /// kvroute's decision (the other policies have none).
     pub decision: Option<Decision>,
+    /// The tenant whose share the request counts in until it ends (kvroute only).
+    pub tenant: Option<Arc<str>>,
+}
+
+/// What routing a request came to.
+#[derive(Debug)]
+pub enum Placement {
+    Routed(Routed),
+    /// Held in kvroute's waiting room at `entry` until `deadline` at the latest.
+    Held {
+        entry: EntryId,
+        deadline: Duration,
+    },
+    /// Refused by flow control; it never reaches a pod.
+    Shed(DropReason),
+    /// Not routed (no such model, no pod).
+    Failed(PickError),
+}
+
+/// What one dispatch pass came to: the requests (by the caller's slot) whose wait ran out,
+/// and those routed, in the order they were routed.
+#[derive(Debug, Default)]
+pub struct Pass {
+    pub expired: Vec<(u32, DropReason)>,
+    pub routed: Vec<(u32, Routed)>,
 }
 
 /// One scrape of the fleet in flight: when it started, and per pod what it read with the
@@ -53,6 +90,11 @@ type PendingScrape = (Duration, Vec<(Arc<PodMetrics>, ScrapeTicket)>);
 #[derive(Debug)]
 pub struct Kvroute {
     config: SchedulerConfig,
+    /// `config`, and the thresholds of requests that must leave room or may use it.
+    rules: FlowRules,
+    /// Requests in flight per tenant. In a cell: a dispatch pass reads it to order the
+    /// queue while placing (which counts each routed request in at once), as the live one.
+    shares: RefCell<TenantShares>,
     prefix: PrefixIndex,
     rng: SmallRng,
     loads: Vec<Arc<PodLoad>>,
@@ -63,12 +105,29 @@ pub struct Kvroute {
     pending: VecDeque<PendingScrape>,
     fleet: Fleet,
     generation: u64,
+    /// Requests that fit no pod yet.
+    room: WaitingRoom,
+}
+
+/// What placing a request came to (`LivePicker::place`'s `Placed`).
+enum Placed {
+    Routed(Routed),
+    /// No pod has room now; nothing was reserved.
+    NoRoom,
 }
 
 impl Kvroute {
-    pub fn new(pods: usize, models: Arc<ServedModels>, config: SchedulerConfig, seed: u64) -> Self {
+    pub fn new(
+        pods: usize,
+        models: Arc<ServedModels>,
+        config: SchedulerConfig,
+        flow: FlowSettings,
+        seed: u64,
+    ) -> Self {
         Kvroute {
+            rules: FlowRules::new(&config),
             config,
+            shares: RefCell::default(),
             prefix: PrefixIndex::with_budget(DEFAULT_PREFIX_BUDGET_BYTES),
             rng: SmallRng::seed_from_u64(seed),
             loads: (0..pods).map(|_| Arc::new(PodLoad::default())).collect(),
@@ -77,6 +136,7 @@ impl Kvroute {
             pending: VecDeque::new(),
             fleet: Fleet::default(),
             generation: 0,
+            room: WaitingRoom::new(flow),
         }
     }
 
@@ -140,53 +200,244 @@ impl Kvroute {
             .sum()
     }
 
-    /// `LivePicker::place`: match, pick, reserve, record.
-    pub fn route(&mut self, request: &InferenceRequest) -> Result<Routed, PickError> {
+    /// Requests waiting for room now.
+    pub fn waiting(&self) -> usize {
+        self.room.queue.len()
+    }
+
+    /// `LivePicker::route`: a request of `class` arriving at `now`, named `slot` by the
+    /// caller should it wait.
+    pub fn route(
+        &mut self,
+        now: Duration,
+        request: InferenceRequest,
+        class: &FlowClass,
+        slot: u32,
+    ) -> Placement {
         let blocks = block_hashes(
             &request.model,
             request.prefix_context,
             &request.prompt_prefix,
         );
-        let route = RouteRequest {
-            inference: Some(request),
-            subset: None,
+        let queues = self.room.settings.queues();
+        if queues && self.room.must_queue_behind(class.priority) {
+            return self.hold(now, request, blocks, class, slot, false);
+        }
+        // Sheddable requests are refused rather than placed without room, queue or not.
+        // (Every simulated request names a model: `Hold::Never` is flow control off.)
+        let hold = match (is_sheddable(class.priority), queues) {
+            (true, _) => Hold::WhenSaturated,
+            (false, true) => Hold::WithoutKv,
+            (false, false) => Hold::Never,
         };
-        let matches = self.prefix.matches(&blocks, self.fleet.snapshot());
-        let decision = scheduler::pick(
-            &route,
-            Some(&matches),
+        let shares = self.shares.borrow();
+        let config = self
+            .rules
+            .for_request(class.priority, &class.tenant, &shares);
+        let placed = place(
+            &self.prefix,
             &self.fleet,
-            &self.config,
             &mut self.rng,
-        )?;
-        let mut capacity = 0;
-        let reservation = self.fleet.pod(decision.endpoint).map(|(pod, load)| {
-            capacity = pod.signals().map_or(0, |s| s.kv_capacity_tokens);
-            let tier = decision.ranked.first().and_then(|c| c.lora_tier);
-            if tier.is_some() {
-                load.note_adapter(adapter_key(&request.model));
+            &request,
+            &blocks,
+            hold,
+            config,
+        );
+        drop(shares);
+        match placed {
+            Ok(Placed::Routed(mut routed)) => {
+                self.shares.borrow_mut().started(&class.tenant);
+                routed.tenant = Some(Arc::clone(&class.tenant));
+                Placement::Routed(routed)
             }
-            let winner = decision.ranked.first();
-            let cached = winner.map_or(0, |c| c.cached_tokens);
-            let prompt = u64::from(request.prompt_tokens).saturating_sub(cached);
-            let tokens = winner.map_or(decision.tokens_needed, |c| {
-                c.kv_tokens_needed(decision.tokens_needed)
-            });
-            // The shipped gateways show kvroute no response body: prefill ends at a scrape.
-            load.reserve(tokens, prompt, PrefillEnd::NextScrape)
-        });
-        self.prefix.record(decision.endpoint, &blocks, capacity);
-        let pod = self
-            .fleet
-            .snapshot()
-            .position(decision.endpoint)
-            .ok_or(PickError::NoReadyEndpoint)?;
-        Ok(Routed {
-            pod,
-            reservation,
-            decision: Some(decision),
-        })
+            Ok(Placed::NoRoom) => self.hold(now, request, blocks, class, slot, false),
+            // Pods may be starting: hold rather than answer 503 (the live default).
+            Err(PickError::NoEndpoints | PickError::NoReadyEndpoint)
+                if queues && hold != Hold::Never =>
+            {
+                self.hold(now, request, blocks, class, slot, true)
+            }
+            Err(error) => Placement::Failed(error),
+        }
     }
+
+    /// `LivePicker::hold`: holds a request that found no room, or sheds it (a sheddable one,
+    /// any with the queue off, any once the room is full).
+    fn hold(
+        &mut self,
+        now: Duration,
+        request: InferenceRequest,
+        blocks: Vec<u64>,
+        class: &FlowClass,
+        slot: u32,
+        no_endpoints: bool,
+    ) -> Placement {
+        if is_sheddable(class.priority) || !self.room.settings.queues() {
+            return Placement::Shed(if no_endpoints {
+                DropReason::NoEndpoints
+            } else {
+                DropReason::Saturated
+            });
+        }
+        let pods_key = pods_key(&request.model, self.fleet.snapshot(), &self.config.adapters);
+        let waiter = Waiter {
+            slot,
+            request,
+            blocks,
+            pods_key,
+            priority: class.priority,
+            tenant: Arc::clone(&class.tenant),
+            no_endpoint: Cell::new(no_endpoints),
+            since: now,
+        };
+        match self.room.hold(waiter) {
+            Some((entry, deadline)) => Placement::Held { entry, deadline },
+            None => Placement::Shed(DropReason::Saturated),
+        }
+    }
+
+    /// The client of a held request gave up: it leaves the room (`HeldPlace`'s drop).
+    pub fn leave(&mut self, entry: EntryId) {
+        self.room.leave(entry);
+    }
+
+    /// A routed request of `tenant` ended (`InFlightRequest`'s drop; its reservation goes
+    /// with the caller's copy).
+    pub fn ended(&mut self, tenant: &str) {
+        self.shares.get_mut().ended(tenant);
+    }
+
+    /// `LivePicker::dispatch_waiting`: one pass over the waiting room at `now`. Takes out
+    /// the requests whose wait ran out, then routes, in flow control's order, those that
+    /// fit.
+    pub fn dispatch(&mut self, now: Duration) -> Pass {
+        if self.room.is_empty() {
+            return Pass::default();
+        }
+        let starving_after = self.room.settings.max_wait / 2;
+        let expired = self.room.expire(now);
+        let Kvroute {
+            rules,
+            shares,
+            prefix,
+            rng,
+            fleet,
+            room,
+            ..
+        } = self;
+        let routed = room.queue.dispatch(
+            MAX_MISSES_PER_PASS,
+            |waiter| waiter.pods_key,
+            |waiter| {
+                // A tenant under its share, beside a busier one, is not kept waiting by
+                // the busier one's smaller requests; a request that has waited long is not
+                // passed by its own tenant's.
+                if shares.borrow().under_share(&waiter.tenant) {
+                    Holds::Band
+                } else if now.saturating_sub(waiter.since) >= starving_after {
+                    Holds::OwnTenant
+                } else {
+                    Holds::Nothing
+                }
+            },
+            |waiter| {
+                let config = rules.for_request(waiter.priority, &waiter.tenant, &shares.borrow());
+                match place(
+                    prefix,
+                    fleet,
+                    rng,
+                    &waiter.request,
+                    &waiter.blocks,
+                    Hold::WithoutKv,
+                    config,
+                ) {
+                    Ok(Placed::Routed(mut routed)) => {
+                        shares.borrow_mut().started(&waiter.tenant);
+                        routed.tenant = Some(Arc::clone(&waiter.tenant));
+                        Some(routed)
+                    }
+                    // Still no room: it waits on.
+                    Ok(Placed::NoRoom) => {
+                        waiter.no_endpoint.set(false);
+                        None
+                    }
+                    Err(error) => {
+                        let none_ready =
+                            matches!(error, PickError::NoEndpoints | PickError::NoReadyEndpoint);
+                        waiter.no_endpoint.set(none_ready);
+                        None
+                    }
+                }
+            },
+        );
+        Pass {
+            // What its last try found: pods without room, or no ready pod at all.
+            expired: expired
+                .into_iter()
+                .map(|waiter| {
+                    let reason = if waiter.no_endpoint.get() {
+                        DropReason::NoEndpoints
+                    } else {
+                        DropReason::TtlExpired
+                    };
+                    (waiter.slot, reason)
+                })
+                .collect(),
+            routed: routed
+                .into_iter()
+                .map(|(waiter, routed)| (waiter.slot, routed))
+                .collect(),
+        }
+    }
+}
+
+/// `LivePicker::place`: match, pick; unless `hold` declines the decision, reserve and
+/// record.
+fn place(
+    prefix: &PrefixIndex,
+    fleet: &Fleet,
+    rng: &mut SmallRng,
+    request: &InferenceRequest,
+    blocks: &[u64],
+    hold: Hold,
+    config: &SchedulerConfig,
+) -> Result<Placed, PickError> {
+    let route = RouteRequest {
+        inference: Some(request),
+        subset: None,
+    };
+    let matches = prefix.matches(blocks, fleet.snapshot());
+    let decision = scheduler::pick(&route, Some(&matches), fleet, config, rng)?;
+    if hold.declines(&decision) {
+        return Ok(Placed::NoRoom);
+    }
+    let pod = fleet
+        .snapshot()
+        .position(decision.endpoint)
+        .ok_or(PickError::NoReadyEndpoint)?;
+    let mut capacity = 0;
+    let reservation = fleet.pod(decision.endpoint).map(|(pod, load)| {
+        capacity = pod.signals().map_or(0, |s| s.kv_capacity_tokens);
+        let tier = decision.ranked.first().and_then(|c| c.lora_tier);
+        if tier.is_some() {
+            load.note_adapter(adapter_key(&request.model));
+        }
+        let winner = decision.ranked.first();
+        let cached = winner.map_or(0, |c| c.cached_tokens);
+        let prompt = u64::from(request.prompt_tokens).saturating_sub(cached);
+        let tokens = winner.map_or(decision.tokens_needed, |c| {
+            c.kv_tokens_needed(decision.tokens_needed)
+        });
+        // The shipped gateways show kvroute no response body: prefill ends at a scrape.
+        load.reserve(tokens, prompt, PrefillEnd::NextScrape)
+    });
+    prefix.record(decision.endpoint, blocks, capacity);
+    Ok(Placed::Routed(Routed {
+        pod,
+        reservation,
+        decision: Some(decision),
+        tenant: None,
+    }))
 }
 
 /// A routing policy with its state.
@@ -198,43 +449,45 @@ pub enum Policy {
 }
 
 impl Policy {
-    /// Routes one request; `inflight` is each pod's active requests (Envoy's `rq_active`),
-    /// `request` builds kvroute's parsed request when needed.
+    /// Routes one request arriving at `now`; `inflight` is each pod's active requests
+    /// (Envoy's `rq_active`), `request` builds kvroute's parsed request when needed, `class`
+    /// is its place in kvroute's flow control and `slot` the caller's name for it should
+    /// kvroute hold it.
     pub fn route(
         &mut self,
+        now: Duration,
         inflight: &[u32],
+        class: &FlowClass,
+        slot: u32,
         request: impl FnOnce() -> InferenceRequest,
-    ) -> Result<Routed, PickError> {
+    ) -> Placement {
         let pods = inflight.len();
         if pods == 0 {
-            return Err(PickError::NoEndpoints);
+            return Placement::Failed(PickError::NoEndpoints);
         }
-        match self {
-            Policy::Kvroute(k) => k.route(&request()),
+        let pod = match self {
+            Policy::Kvroute(k) => return k.route(now, request(), class, slot),
             Policy::RoundRobin { next } => {
                 let pod = *next % pods;
                 *next = (pod + 1) % pods;
-                Ok(Routed {
-                    pod,
-                    reservation: None,
-                    decision: None,
-                })
+                pod
             }
             Policy::LeastRequest { rng } => {
                 let first = rng.random_range(0..pods);
                 let second = rng.random_range(0..pods);
-                let pod = if inflight[second] < inflight[first] {
+                if inflight[second] < inflight[first] {
                     second
                 } else {
                     first
-                };
-                Ok(Routed {
-                    pod,
-                    reservation: None,
-                    decision: None,
-                })
+                }
             }
-        }
+        };
+        Placement::Routed(Routed {
+            pod,
+            reservation: None,
+            decision: None,
+            tenant: None,
+        })
     }
 }
 
@@ -256,11 +509,199 @@ mod tests {
             rng: SmallRng::seed_from_u64(1),
         };
         let inflight = [9, 0, 9, 9];
+        let class = FlowClass {
+            priority: 0,
+            tenant: Arc::from(super::super::flow::DEFAULT_TENANT),
+        };
         let picks: Vec<usize> = (0..200)
-            .map(|_| p.route(&inflight, || unreachable!()).expect("pods").pod)
+            .map(
+                |_| match p.route(Duration::ZERO, &inflight, &class, 0, || unreachable!()) {
+                    Placement::Routed(r) => r.pod,
+                    other => panic!("{other:?}"),
+                },
+            )
             .collect();
         let idle = picks.iter().filter(|&&p| p == 1).count();
         // P(pod 1 drawn at least once in two) = 7/16.
         assert!((60..120).contains(&idle), "{idle}");
+    }
+
+    // Flow control, on a fleet whose scrapes the test writes: one or two pods of 10,000 KV
+    // tokens, requests of 8,000 (prompt + max_tokens), so a pod holds one at a time.
+
+    const MODEL: &str = "m";
+    const POD_TOKENS: u64 = 10_000;
+
+    fn metrics(waiting: u32) -> PodMetrics {
+        PodMetrics {
+            waiting,
+            running: 0,
+            kv_usage: 0.0,
+            kv_capacity_tokens: Some(POD_TOKENS),
+            num_gpu_blocks: Some(POD_TOKENS / 16),
+            block_size: Some(16),
+            engines: 1,
+            lora: None,
+            preemptions_total: Some(0.0),
+            prefix_cache_hits_total: Some(0.0),
+            prefix_cache_queries_total: Some(0.0),
+        }
+    }
+
+    /// kvroute over `pods` idle pods (a scrape published at time 0), holding requests at
+    /// most `max_wait`.
+    fn kvroute(pods: usize, max_wait: Duration) -> Kvroute {
+        let mut k = Kvroute::new(
+            pods,
+            super::super::observe::served_models(MODEL, &[]),
+            SchedulerConfig::default(),
+            FlowSettings {
+                max_wait,
+                max_waiting: super::super::flow::DEFAULT_MAX_WAITING,
+            },
+            7,
+        );
+        rescrape(&mut k, Duration::ZERO, 0);
+        k
+    }
+
+    /// A scrape at `now`, published at once, every pod reporting `waiting` queued requests.
+    fn rescrape(k: &mut Kvroute, now: Duration, waiting: u32) {
+        k.scrape(now, |_| metrics(waiting));
+        k.publish(now);
+    }
+
+    fn request(tokens: u32) -> InferenceRequest {
+        InferenceRequest {
+            model: MODEL.into(),
+            prompt_tokens: tokens / 2,
+            max_output_tokens: Some(tokens / 2),
+            stream: true,
+            prompt_prefix: Vec::new(),
+            prefix_context: 0,
+        }
+    }
+
+    fn class(priority: i32) -> FlowClass {
+        FlowClass {
+            priority,
+            tenant: Arc::from(super::super::flow::DEFAULT_TENANT),
+        }
+    }
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    fn routed(placement: Placement) -> Routed {
+        match placement {
+            Placement::Routed(r) => r,
+            other => panic!("not routed: {other:?}"),
+        }
+    }
+
+    fn is_held(placement: &Placement) -> bool {
+        matches!(placement, Placement::Held { .. })
+    }
+
+    /// Ends a routed request as the simulation does: its reservation goes, its tenant's
+    /// share ends.
+    fn end(k: &mut Kvroute, r: Routed) {
+        let tenant = r.tenant.clone().expect("kvroute counts a tenant");
+        drop(r);
+        k.ended(&tenant);
+    }
+
+    #[test]
+    fn a_request_no_pod_has_the_kv_for_waits_and_is_routed_when_a_request_ends() {
+        let mut k = kvroute(1, secs(15));
+        let first = routed(k.route(secs(0), request(8_000), &class(0), 0));
+        let second = k.route(secs(1), request(8_000), &class(0), 1);
+        assert!(is_held(&second), "{second:?}");
+        assert_eq!(k.waiting(), 1);
+        // A scrape changes nothing: the first request still holds the pod's KV.
+        rescrape(&mut k, secs(2), 0);
+        let pass = k.dispatch(secs(2));
+        assert!(pass.routed.is_empty() && pass.expired.is_empty());
+        end(&mut k, first);
+        let pass = k.dispatch(secs(3));
+        assert_eq!(
+            pass.routed
+                .iter()
+                .map(|(slot, _)| *slot)
+                .collect::<Vec<_>>(),
+            [1]
+        );
+        assert_eq!(k.waiting(), 0);
+        // A newcomer behind a waiting request of its priority queues even when it fits.
+        let big = k.route(secs(4), request(8_000), &class(0), 2);
+        assert!(is_held(&big));
+        let small = k.route(secs(4), request(1_000), &class(0), 3);
+        assert!(is_held(&small), "{small:?}");
+    }
+
+    #[test]
+    fn a_sheddable_request_is_shed_when_every_pod_is_saturated() {
+        let mut k = kvroute(2, secs(15));
+        // Every pod's queue at the saturation threshold; both have the KV.
+        rescrape(&mut k, secs(1), 5);
+        let shed = k.route(secs(1), request(1_000), &class(-10), 0);
+        assert!(
+            matches!(shed, Placement::Shed(DropReason::Saturated)),
+            "{shed:?}"
+        );
+        // A request that is not sheddable goes to a pod with the KV, saturated or not.
+        routed(k.route(secs(1), request(1_000), &class(0), 1));
+        // Not saturated: the sheddable request is placed.
+        rescrape(&mut k, secs(2), 0);
+        routed(k.route(secs(2), request(1_000), &class(-10), 2));
+        assert_eq!(k.waiting(), 0, "a sheddable request never waits");
+    }
+
+    #[test]
+    fn a_wait_that_runs_out_is_shed_as_ttl_expired() {
+        let mut k = kvroute(1, secs(15));
+        let _first = routed(k.route(secs(0), request(8_000), &class(0), 0));
+        assert!(is_held(&k.route(secs(1), request(8_000), &class(0), 1)));
+        rescrape(&mut k, secs(15), 0);
+        let pass = k.dispatch(secs(15));
+        assert!(pass.expired.is_empty(), "15 s after 1 s: not yet");
+        let pass = k.dispatch(secs(16));
+        assert_eq!(pass.expired, [(1, DropReason::TtlExpired)]);
+        assert!(pass.routed.is_empty());
+        assert_eq!(k.waiting(), 0);
+    }
+
+    #[test]
+    fn a_higher_priority_leaves_first() {
+        let mut k = kvroute(1, secs(15));
+        let first = routed(k.route(secs(0), request(8_000), &class(0), 0));
+        assert!(is_held(&k.route(secs(1), request(8_000), &class(0), 1)));
+        // Higher than anything waiting: not behind the earlier request.
+        assert!(is_held(&k.route(secs(2), request(8_000), &class(100), 2)));
+        end(&mut k, first);
+        let pass = k.dispatch(secs(3));
+        assert_eq!(
+            pass.routed
+                .iter()
+                .map(|(slot, _)| *slot)
+                .collect::<Vec<_>>(),
+            [2],
+            "the pod has room for one: the critical one"
+        );
+        assert_eq!(k.waiting(), 1);
+    }
+
+    #[test]
+    fn with_no_queue_nothing_is_held() {
+        let mut k = kvroute(1, Duration::ZERO);
+        let _first = routed(k.route(secs(0), request(8_000), &class(0), 0));
+        // No pod has the KV: placed anyway, on the least bad pod.
+        let second = routed(k.route(secs(1), request(8_000), &class(0), 1));
+        assert!(second.decision.expect("kvroute decides").lacks_room());
+        // Sheddable requests are still refused.
+        let shed = k.route(secs(1), request(8_000), &class(-1), 2);
+        assert!(matches!(shed, Placement::Shed(DropReason::Saturated)));
+        assert_eq!(k.waiting(), 0);
     }
 }

@@ -4,8 +4,16 @@
 //! the order they were scheduled): a request arriving (drawn from the trace when due), a
 //! pod's engine finishing a step or an adapter load (each engine's
 //! [`Engine::next_event_time`], only for the engine that has one), a client timeout, a
-//! scrape starting, a scrape's readings being published, a fleet sample for the report.
-//! Nothing sleeps and nothing reads a clock but the wall-time statistics.
+//! scrape starting, a scrape's readings being published, a held request's deadline, a fleet
+//! sample for the report. Nothing sleeps and nothing reads a clock but the wall-time
+//! statistics.
+//!
+//! kvroute's flow control: a request kvroute holds waits in its waiting room, counted as in
+//! flight by the client (as `bench` counts a request the gateway holds), until a dispatch
+//! pass routes it or its deadline sheds it. A pass runs after each event that would wake the
+//! live dispatcher (`LivePicker::run_waiting_room`): a request's end (several at one
+//! instant, as one engine step ends them, wake it once), a published scrape, a request
+//! joining the queue, a deadline.
 //!
 //! The ladder runs as `bench` runs it behind `compare`: a short warm-up at the lowest rate
 //! with another seed (not reported), then each step, the next starting when the last
@@ -14,16 +22,19 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvroute_core::flow::EntryId;
 use kvroute_core::scheduler::{PickError, SchedulerConfig};
 use kvroute_sim::engine::{Engine, Event, EventKind, FinishReason, RequestSpec};
 use kvroute_sim::kv::mix;
 
 use super::diagnose::{Diagnostics, PodSample};
+use super::flow::{self, DEFAULT_MAX_WAITING, FlowClass, FlowSettings};
 use super::observe::{pod_metrics, served_models};
-use super::policy::{Kvroute, Policy};
-use super::stats::{FleetCounters, StepAcc, window_of};
+use super::policy::{Kvroute, Placement, Policy, Routed};
+use super::stats::{ClassLabels, Completion, FleetCounters, StepAcc, window_of};
 use super::trace::{StepTrace, TraceRequest};
 use super::{Router, Setup, SimStats};
 use crate::compare::report::RouterRun;
@@ -41,6 +52,8 @@ enum Ev {
     Scrape,
     /// The oldest pending scrape is published.
     Publish,
+    /// A held request's wait runs out (kvroute's dispatcher wakes).
+    Deadline,
     /// The fleet's KV use is sampled for the report.
     Sample,
 }
@@ -53,15 +66,55 @@ struct Pod {
     due: Option<SimTime>,
 }
 
-/// A request between its arrival and its end.
+/// A request between its arrival and its end: held at the gateway, then at its pod.
 struct Open {
     serial: u64,
+    step: usize,
+    /// Its class in the workload.
+    class: usize,
+    arrived: SimTime,
+    stage: Stage,
+}
+
+enum Stage {
+    /// In kvroute's waiting room at `entry`; what sending it needs once routed.
+    Held {
+        request: Box<TraceRequest>,
+        entry: EntryId,
+    },
+    /// At its pod.
+    Sent(Sent),
+}
+
+struct Sent {
     pod: u32,
     engine_id: u64,
-    step: usize,
+    /// How long it waited at the gateway.
+    waited: SimTime,
     last_token: Option<SimTime>,
     /// kvroute's hold on the pod's accounting, released when the request ends (dropped).
     _reservation: Option<kvroute_core::fleet::Reservation>,
+    /// The tenant whose share it counts in (kvroute), until it ends.
+    tenant: Option<Arc<str>>,
+}
+
+/// Where a request being sent to its pod comes from.
+#[derive(Debug, Clone, Copy)]
+enum Origin {
+    /// Routed on arrival: not yet counted as open.
+    Arrival,
+    /// Routed after a wait: counted as open since its arrival, with this serial.
+    Held { serial: u64 },
+}
+
+/// What sending a request needs beside the trace request and the route.
+#[derive(Debug, Clone, Copy)]
+struct Head {
+    slot: u32,
+    step: usize,
+    class: usize,
+    arrived: SimTime,
+    origin: Origin,
 }
 
 struct World<'s> {
@@ -87,6 +140,11 @@ struct World<'s> {
     routed: Vec<u32>,
     diagnostics: Option<Diagnostics>,
     pod_samples: Vec<PodSample>,
+    /// Each workload class's priority and tenant, and its labels in the report.
+    classes: Vec<FlowClass>,
+    labels: ClassLabels,
+    /// Something that wakes kvroute's dispatcher happened while handling the current event.
+    wake: bool,
 }
 
 fn secs(t: SimTime) -> f64 {
@@ -122,10 +180,15 @@ impl<'s> World<'s> {
                     ..SchedulerConfig::default()
                 };
                 let models = served_models(&setup.workload.model, &adapter_names);
+                let flow = FlowSettings {
+                    max_wait: setup.max_queue_wait,
+                    max_waiting: DEFAULT_MAX_WAITING,
+                };
                 Policy::Kvroute(Box::new(Kvroute::new(
                     setup.pods,
                     models,
                     config,
+                    flow,
                     mix(setup.seed, 0x91c6),
                 )))
             }
@@ -167,6 +230,9 @@ impl<'s> World<'s> {
                 None => None,
             },
             pod_samples: Vec::new(),
+            classes: flow::classes(&setup.workload),
+            labels: ClassLabels::of(&setup.workload),
+            wake: false,
         })
     }
 
@@ -215,27 +281,36 @@ impl<'s> World<'s> {
                     else {
                         continue;
                     };
-                    if let Some(last) = open.last_token {
+                    let Stage::Sent(sent) = &mut open.stage else {
+                        continue;
+                    };
+                    if let Some(last) = sent.last_token {
                         self.steps[open.step].itl.observe(secs(ev.at - last));
                     }
-                    open.last_token = Some(ev.at);
+                    sent.last_token = Some(ev.at);
                 }
                 EventKind::Finished(summary) => {
                     let Some(open) = self.close(slot) else {
                         continue;
                     };
+                    let Stage::Sent(sent) = &open.stage else {
+                        continue;
+                    };
                     let step = &mut self.steps[open.step];
                     if summary.completion_tokens == 0 {
-                        step.error(ErrorKind::Stream, Some(200));
+                        step.error(open.class, ErrorKind::Stream, Some(200));
                     } else {
-                        step.success(
-                            open.pod as usize,
-                            secs(summary.ttft),
-                            secs(summary.e2e),
-                            summary.completion_tokens,
-                            summary.prompt_tokens,
-                            summary.cached_tokens,
-                        );
+                        step.success(&Completion {
+                            class: open.class,
+                            pod: sent.pod as usize,
+                            waited: secs(sent.waited),
+                            pod_ttft: secs(summary.ttft),
+                            pod_e2e: secs(summary.e2e),
+                            tokens: summary.completion_tokens,
+                            prompt: summary.prompt_tokens,
+                            cached: summary.cached_tokens,
+                            end_s: secs(ev.at),
+                        });
                     }
                 }
             }
@@ -244,21 +319,34 @@ impl<'s> World<'s> {
     }
 
     /// Ends the request in `slot`: releases its pod's accounting (dropping the
-    /// reservation) and its step's count.
+    /// reservation), its tenant's share and its step's count. A request that was at a pod
+    /// wakes kvroute's dispatcher (`InFlightRequest`'s drop).
     fn close(&mut self, slot: u32) -> Option<Open> {
         let open = self.slots.get_mut(slot as usize)?.take()?;
         self.free.push(slot);
-        self.inflight[open.pod as usize] -= 1;
         self.open_total -= 1;
         self.steps[open.step].open -= 1;
+        if let Stage::Sent(sent) = &open.stage {
+            self.inflight[sent.pod as usize] -= 1;
+            self.ended(sent.tenant.as_deref());
+        }
         Some(open)
+    }
+
+    /// A routed request of `tenant` ended: its share ends, and kvroute's dispatcher wakes.
+    fn ended(&mut self, tenant: Option<&str>) {
+        if let (Policy::Kvroute(k), Some(tenant)) = (&mut self.policy, tenant) {
+            k.ended(tenant);
+            self.wake = true;
+        }
     }
 
     fn arrive(&mut self, now: SimTime, step: usize, request: &TraceRequest) -> anyhow::Result<()> {
         self.stats.requests += 1;
-        self.steps[step].planned += 1;
+        let class = request.class;
+        self.steps[step].arrived(class);
         if self.open_total >= self.setup.max_concurrency {
-            self.steps[step].error(ErrorKind::Dropped, None);
+            self.steps[step].error(class, ErrorKind::Dropped, None);
             return Ok(());
         }
         let api = self.setup.workload.api;
@@ -267,23 +355,89 @@ impl<'s> World<'s> {
             None => Some(self.setup.workload.model.as_str()),
         }
         .unwrap_or_default();
+        let slot = self.free.pop().unwrap_or_else(|| {
+            self.slots.push(None);
+            (self.slots.len() - 1) as u32
+        });
+        let flow_class = self
+            .classes
+            .get(class)
+            .cloned()
+            .unwrap_or_else(|| FlowClass {
+                priority: 0,
+                tenant: Arc::from(flow::DEFAULT_TENANT),
+            });
         let words = &mut self.words;
         let wall = Instant::now();
-        let routed = self
+        let placement = self
             .policy
-            .route(&self.inflight, || request.inference(api, model, words));
+            .route(now, &self.inflight, &flow_class, slot, || {
+                request.inference(api, model, words)
+            });
         self.stats.route_wall_s += wall.elapsed().as_secs_f64();
-        let routed = match routed {
-            Ok(r) => r,
-            Err(e) => {
+        match placement {
+            Placement::Routed(routed) => {
+                let head = Head {
+                    slot,
+                    step,
+                    class,
+                    arrived: now,
+                    origin: Origin::Arrival,
+                };
+                self.send(now, head, request, routed)?;
+            }
+            Placement::Held { entry, deadline } => {
+                self.serial += 1;
+                self.slots[slot as usize] = Some(Open {
+                    serial: self.serial,
+                    step,
+                    class,
+                    arrived: now,
+                    stage: Stage::Held {
+                        request: Box::new(request.clone()),
+                        entry,
+                    },
+                });
+                self.open_total += 1;
+                self.steps[step].open += 1;
+                self.timeouts
+                    .push_back((now + self.setup.timeout, slot, self.serial));
+                self.schedule(deadline, Ev::Deadline);
+                self.stats.held += 1;
+                self.wake = true;
+            }
+            Placement::Shed(reason) => {
+                self.free.push(slot);
+                self.stats.shed += 1;
+                self.steps[step].shed(class, reason);
+            }
+            Placement::Failed(e) => {
+                self.free.push(slot);
                 let status = match e {
                     PickError::UnknownModel(_) => 404,
                     _ => 503,
                 };
-                self.steps[step].error(ErrorKind::Http, Some(status));
-                return Ok(());
+                self.steps[step].error(class, ErrorKind::Http, Some(status));
             }
-        };
+        }
+        Ok(())
+    }
+
+    /// Sends a routed request to its pod at `now`.
+    fn send(
+        &mut self,
+        now: SimTime,
+        head: Head,
+        request: &TraceRequest,
+        routed: Routed,
+    ) -> anyhow::Result<()> {
+        let Head {
+            slot,
+            step,
+            class,
+            arrived,
+            origin,
+        } = head;
         if let Some(decision) = &routed.decision {
             self.stats.decisions += 1;
             self.stats.relaxed_saturation += u64::from(decision.relaxed.saturation);
@@ -295,14 +449,26 @@ impl<'s> World<'s> {
         if let Some(n) = self.routed.get_mut(routed.pod) {
             *n += 1;
         }
+        let api = self.setup.workload.api;
         let prompt = request.engine_tokens(api, &mut self.words);
         // The simulator's API refuses what can never fit (HTTP 400) before its engine.
         if prompt.len() as u64 + u64::from(request.max_tokens) > u64::from(self.max_model_len) {
-            self.steps[step].error(ErrorKind::Http, Some(400));
+            self.steps[step].error(class, ErrorKind::Http, Some(400));
+            self.free.push(slot);
+            if let Origin::Held { .. } = origin {
+                self.open_total -= 1;
+                self.steps[step].open -= 1;
+            }
+            self.ended(routed.tenant.as_deref());
             return Ok(());
         }
-        self.serial += 1;
-        let serial = self.serial;
+        let serial = match origin {
+            Origin::Held { serial } => serial,
+            Origin::Arrival => {
+                self.serial += 1;
+                self.serial
+            }
+        };
         let spec = RequestSpec {
             prompt,
             adapter: request
@@ -314,10 +480,6 @@ impl<'s> World<'s> {
             output_seed: mix(self.setup.seed, serial),
         };
         let i = routed.pod;
-        let slot = self.free.pop().unwrap_or_else(|| {
-            self.slots.push(None);
-            (self.slots.len() - 1) as u32
-        });
         let engine_id = self.pods[i].engine.add_request(now, spec);
         let slots = &mut self.pods[i].slots;
         if engine_id as usize >= slots.len() {
@@ -326,19 +488,66 @@ impl<'s> World<'s> {
         slots[engine_id as usize] = slot;
         self.slots[slot as usize] = Some(Open {
             serial,
-            pod: i as u32,
-            engine_id,
             step,
-            last_token: None,
-            _reservation: routed.reservation,
+            class,
+            arrived,
+            stage: Stage::Sent(Sent {
+                pod: i as u32,
+                engine_id,
+                waited: now - arrived,
+                last_token: None,
+                _reservation: routed.reservation,
+                tenant: routed.tenant,
+            }),
         });
         self.inflight[i] += 1;
-        self.open_total += 1;
-        self.steps[step].open += 1;
-        self.timeouts
-            .push_back((now + self.setup.timeout, slot, serial));
+        if let Origin::Arrival = origin {
+            self.open_total += 1;
+            self.steps[step].open += 1;
+            self.timeouts
+                .push_back((now + self.setup.timeout, slot, serial));
+        }
         self.drain(i);
         self.reschedule(i);
+        Ok(())
+    }
+
+    /// kvroute's dispatch pass at `now`: sheds the held requests whose wait ran out, sends
+    /// those a pod has room for.
+    fn dispatch(&mut self, now: SimTime) -> anyhow::Result<()> {
+        let Policy::Kvroute(k) = &mut self.policy else {
+            return Ok(());
+        };
+        if k.waiting() == 0 {
+            return Ok(());
+        }
+        let wall = Instant::now();
+        let pass = k.dispatch(now);
+        self.stats.route_wall_s += wall.elapsed().as_secs_f64();
+        for (slot, reason) in pass.expired {
+            if let Some(open) = self.close(slot) {
+                self.stats.shed += 1;
+                self.steps[open.step].shed(open.class, reason);
+            }
+        }
+        for (slot, routed) in pass.routed {
+            let Some(open) = self.slots.get_mut(slot as usize).and_then(Option::take) else {
+                continue;
+            };
+            let Stage::Held { request, .. } = open.stage else {
+                continue;
+            };
+            let head = Head {
+                slot,
+                step: open.step,
+                class: open.class,
+                arrived: open.arrived,
+                origin: Origin::Held {
+                    serial: open.serial,
+                },
+            };
+            self.send(now, head, &request, routed)?;
+        }
         Ok(())
     }
 
@@ -352,13 +561,24 @@ impl<'s> World<'s> {
         if !live {
             return;
         }
-        if let Some(open) = self.close(slot) {
-            let i = open.pod as usize;
-            self.pods[i].engine.abort(now, open.engine_id);
-            self.steps[open.step].error(ErrorKind::Timeout, None);
-            self.drain(i);
-            self.reschedule(i);
+        let Some(open) = self.close(slot) else {
+            return;
+        };
+        match &open.stage {
+            // Its stream ends: it leaves the waiting room.
+            Stage::Held { entry, .. } => {
+                if let Policy::Kvroute(k) = &mut self.policy {
+                    k.leave(*entry);
+                }
+            }
+            Stage::Sent(sent) => {
+                let i = sent.pod as usize;
+                self.pods[i].engine.abort(now, sent.engine_id);
+                self.drain(i);
+                self.reschedule(i);
+            }
         }
+        self.steps[open.step].error(open.class, ErrorKind::Timeout, None);
     }
 
     fn scrape(&mut self, now: SimTime) {
@@ -374,9 +594,11 @@ impl<'s> World<'s> {
         }
     }
 
+    /// A scrape's readings are published: a new fleet, which wakes kvroute's dispatcher.
     fn publish(&mut self, now: SimTime) {
         if let Policy::Kvroute(k) = &mut self.policy {
             k.publish(now);
+            self.wake = true;
         }
     }
 
@@ -453,6 +675,7 @@ impl<'s> World<'s> {
                 self.schedule(t + self.setup.scrape_interval, Ev::Scrape);
             }
             Ev::Publish => self.publish(t),
+            Ev::Deadline => self.wake = true,
             Ev::Sample => {
                 self.sample(t, step)?;
                 self.schedule(t + self.setup.sample_period, Ev::Sample);
@@ -466,7 +689,7 @@ impl<'s> World<'s> {
         &mut self,
         start: SimTime,
         step: usize,
-        mut trace: StepTrace<'_>,
+        mut trace: impl Iterator<Item = TraceRequest>,
     ) -> anyhow::Result<SimTime> {
         let mut now = start;
         self.routed.fill(0);
@@ -487,6 +710,9 @@ impl<'s> World<'s> {
                         next = trace.next();
                     }
                 }
+            }
+            if std::mem::take(&mut self.wake) {
+                self.dispatch(now)?;
             }
         }
         self.steps[step].end_s = secs(now);
@@ -518,6 +744,7 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
             lowest * scale.rate,
             secs(warm.duration),
             setup.pods,
+            setup.workload.classes.len(),
         ));
         let trace = StepTrace::new(
             &warm_workload,
@@ -541,6 +768,7 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
                 secs,
             ),
             setup.pods,
+            setup.workload.classes.len(),
         ));
         let trace = StepTrace::new(
             &setup.workload,
@@ -590,7 +818,7 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
             .as_secs_f64()
             - wall_s,
         wall_s,
-        steps: measured.iter().map(StepAcc::report).collect(),
+        steps: measured.iter().map(|s| s.report(&world.labels)).collect(),
     };
     let run = RouterRun {
         router: router.kind(),
@@ -608,4 +836,85 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
         d.finish()?;
     }
     Ok((run, stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+    use crate::loadgen::Workload;
+    use crate::loadgen::workload::WORDS;
+    use crate::simulate::SimulateArgs;
+
+    /// kv-pressure's pod alone (30,816 KV tokens), scraped once, at time 0.
+    fn setup_args() -> SimulateArgs {
+        SimulateArgs {
+            workloads: Vec::new(),
+            pods: Some(1),
+            requests: None,
+            duration: None,
+            rates: Vec::new(),
+            quick: false,
+            routers: Vec::new(),
+            scrape_interval: Duration::from_secs(3600),
+            scrape_delay: Duration::ZERO,
+            max_queue_wait: Duration::from_secs(15),
+            seed: None,
+            jobs: Some(1),
+            no_warmup: true,
+            diagnose: None,
+            output_dir: PathBuf::new(),
+        }
+    }
+
+    /// A request of 16,000 prompt tokens (kvroute's estimate and the engine's alike), the
+    /// `n`-th 4-byte word repeated (no prefix shared with another `n`), and 16 output
+    /// tokens: the pod's KV holds one at a time.
+    fn big(at: Duration, n: usize) -> TraceRequest {
+        let word = WORDS
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.len() == 4)
+            .nth(n)
+            .expect("4-byte words")
+            .0 as u8;
+        TraceRequest {
+            at,
+            class: 0,
+            adapter: None,
+            system: None,
+            own: Arc::from(vec![word; 16_000]),
+            prompt_tokens: 16_000,
+            max_tokens: 16,
+        }
+    }
+
+    #[test]
+    fn a_held_request_is_sent_the_moment_a_request_ends_without_waiting_for_a_scrape() {
+        let file = Path::new(crate::WORKLOADS_DIR).join("kv-pressure.yaml");
+        let w = Workload::from_file(&file).expect("shipped");
+        let args = setup_args();
+        let setup = Setup::new(&args, &w, &file).expect("setup");
+        let mut world = World::new(&setup, Router::Kvroute).expect("world");
+        world.scrape(Duration::ZERO);
+        world.publish(Duration::ZERO);
+        world.schedule(setup.scrape_interval, Ev::Scrape);
+        world.steps.push(StepAcc::new(1.0, 1.0, 1, w.classes.len()));
+        let trace = vec![big(Duration::ZERO, 0), big(Duration::from_millis(1), 1)];
+        world
+            .run_step(Duration::ZERO, 0, trace.into_iter())
+            .expect("runs");
+        let step = &world.steps[0];
+        assert_eq!((step.ok, step.shed, world.stats.held), (2, 0, 1));
+        // The second waited from its arrival to the first's end, and no longer.
+        let first_end = step.e2e[0];
+        let waited = step.ttft[1] - step.pod_ttft[1];
+        assert!(first_end > 0.1, "{first_end}");
+        assert!(
+            (waited - (first_end - 0.001)).abs() < 1e-6,
+            "{waited} vs {first_end}"
+        );
+        assert_eq!(world.open_total, 0);
+    }
 }
