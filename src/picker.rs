@@ -18,7 +18,9 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use kvroute_core::fleet::{
     Fleet, ModelClass, PrefillEnd, PrefixIndex, Reservation, Snapshot, adapter_key, block_hashes,
 };
-use kvroute_core::flow::{FlowRules, Hold, Holds, TenantShares, is_sheddable};
+use kvroute_core::flow::{
+    FlowRules, Hold, Holds, MAX_MISSES_PER_PASS, TenantShares, is_sheddable, pods_key,
+};
 use kvroute_core::request::RouteRequest;
 use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
 use serde::Serialize;
@@ -42,10 +44,6 @@ struct Origin {
     /// How long it waited for room, if it did.
     waited: Option<std::time::Duration>,
 }
-
-/// Requests a dispatch pass may find without room before it stops: each costs a pick,
-/// and the next change of capacity starts a new pass.
-const MAX_MISSES_PER_PASS: usize = 16;
 
 /// What placing a request came to.
 enum Placed {
@@ -104,7 +102,7 @@ impl LivePicker {
         if self.room.is_empty() {
             0
         } else {
-            self.room.lock().queue.len()
+            self.room.lock().queue().len()
         }
     }
 
@@ -143,8 +141,8 @@ impl LivePicker {
         let fleet = self.store.fleet();
         let starving_after = self.room.settings.max_wait / 2;
         let mut held = self.room.lock();
-        let expired = self.room.expire(&mut held, now);
-        let routed = held.queue.dispatch(
+        let expired = held.expire(now);
+        let routed = held.queue_mut().dispatch(
             MAX_MISSES_PER_PASS,
             |waiter| waiter.pods_key,
             |waiter| {
@@ -676,21 +674,6 @@ impl InFlight for InFlightRequest {
 /// Tenants' shares are changed in single calls: a panic mid-call leaves a count off by one.
 fn lock(shares: &Mutex<TenantShares>) -> std::sync::MutexGuard<'_, TenantShares> {
     shares.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// What a request competes for in the waiting room: a digest of its base model (an adapter
-/// runs on its base model's pods).
-fn pods_key(model: &str, snapshot: &Snapshot, config: &SchedulerConfig) -> u64 {
-    let base = match config.adapters.get(model) {
-        Some(base) => base.as_str(),
-        None => match snapshot.models.class(model) {
-            Some(ModelClass::Adapter { base }) => base.as_str(),
-            _ => model,
-        },
-    };
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    std::hash::Hash::hash(base, &mut hasher);
-    std::hash::Hasher::finish(&hasher)
 }
 
 /// Bounded telemetry labels: a model only when the fleet (or the config) knows it.

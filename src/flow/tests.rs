@@ -1,3 +1,6 @@
+use std::collections::HashMap;
+use std::time::Duration;
+
 use super::*;
 
 fn settings() -> FlowSettings {

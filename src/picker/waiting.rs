@@ -7,11 +7,10 @@
 //! requests whose wait ran out. The order and the rules of a walk are
 //! `kvroute_core::flow`'s.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvroute_core::flow::{EntryId, FlowQueue, Priority};
+use kvroute_core::flow::{EntryId, Priority};
 use kvroute_core::request::{EndpointSubset, InferenceRequest};
 use tokio::sync::{Notify, oneshot};
 // Tokio's clock, so that tests can pause and advance it.
@@ -45,14 +44,9 @@ pub(super) struct Waiter {
     pub(super) answer: Answer,
 }
 
-/// The queue and the deadlines of the requests in it.
-pub(super) struct Held {
-    pub(super) queue: FlowQueue<Waiter>,
-    /// Each request's deadline, by arrival: every request may wait as long, so deadlines
-    /// come due in arrival order. Requests that left early stay here until their
-    /// deadline and are skipped then.
-    deadlines: VecDeque<(Instant, EntryId)>,
-}
+/// The queue and the deadlines of the requests in it (`kvroute_core::flow`'s room, on
+/// tokio's clock).
+pub(super) type Held = kvroute_core::flow::WaitingRoom<Waiter, Instant>;
 
 /// The waiting room shared by the picker, the dispatcher and each held request's stream.
 pub(super) struct WaitingRoom {
@@ -76,11 +70,8 @@ impl std::fmt::Debug for WaitingRoom {
 impl WaitingRoom {
     pub(super) fn new(settings: Arc<FlowSettings>) -> Self {
         WaitingRoom {
+            held: Mutex::new(Held::new(settings.max_waiting)),
             settings,
-            held: Mutex::new(Held {
-                queue: FlowQueue::new(),
-                deadlines: VecDeque::new(),
-            }),
             count: AtomicUsize::new(0),
             wake: Notify::new(),
         }
@@ -99,24 +90,15 @@ impl WaitingRoom {
     /// Whether a request of `priority` must queue behind requests already waiting (some
     /// of them have at least its priority): a newcomer does not pass them.
     pub(super) fn must_queue_behind(&self, priority: Priority) -> bool {
-        !self.is_empty()
-            && self
-                .lock()
-                .queue
-                .highest_priority()
-                .is_some_and(|highest| highest >= priority)
+        !self.is_empty() && self.lock().must_queue_behind(priority)
     }
 
     /// Holds `waiter`, unless the room is full (`None`). The returned place takes the
     /// request out of the queue when dropped.
     pub(super) fn hold(self: &Arc<Self>, tenant: &str, waiter: Waiter) -> Option<HeldPlace> {
         let mut held = self.lock();
-        if held.queue.len() >= self.settings.max_waiting {
-            return None;
-        }
         let deadline = waiter.since + self.settings.max_wait;
-        let id = held.queue.push(waiter.priority, tenant, waiter);
-        held.deadlines.push_back((deadline, id));
+        let id = held.hold(waiter.priority, tenant, waiter, deadline)?;
         self.changed(&held);
         drop(held);
         self.wake.notify_one();
@@ -131,28 +113,13 @@ impl WaitingRoom {
         if self.is_empty() {
             return None;
         }
-        self.lock().deadlines.front().map(|(deadline, _)| *deadline)
-    }
-
-    /// Takes out the requests whose deadline is at or before `now`.
-    pub(super) fn expire(&self, held: &mut Held, now: Instant) -> Vec<Waiter> {
-        let mut expired = Vec::new();
-        while let Some(&(deadline, id)) = held.deadlines.front() {
-            if deadline > now {
-                break;
-            }
-            held.deadlines.pop_front();
-            if let Some(waiter) = held.queue.remove(id) {
-                expired.push(waiter);
-            }
-        }
-        expired
+        self.lock().next_deadline()
     }
 
     /// Brings the count and the queue gauges up to date after a change.
     pub(super) fn changed(&self, held: &Held) {
-        self.count.store(held.queue.len(), Ordering::Release);
-        telemetry::record_queue_lengths(held.queue.band_lengths());
+        self.count.store(held.queue().len(), Ordering::Release);
+        telemetry::record_queue_lengths(held.queue().band_lengths());
     }
 }
 
@@ -166,7 +133,7 @@ pub(super) struct HeldPlace {
 impl Drop for HeldPlace {
     fn drop(&mut self) {
         let mut held = self.room.lock();
-        if let Some(waiter) = held.queue.remove(self.id) {
+        if let Some(waiter) = held.remove(self.id) {
             self.room.changed(&held);
             drop(held);
             telemetry::record_queue_wait(

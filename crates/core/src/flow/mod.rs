@@ -7,17 +7,27 @@
 //! scheduler to learn what fits and decides when a wait has run out; the offline simulation
 //! can run the same rules in virtual time.
 //!
-//! - [`queue`]: the order ([`FlowQueue`]: bands, tenants in turn, arrival; `dispatch`);
+//! - [`settings`]: how long and how many requests may wait, a request's class (priority,
+//!   tenant) and why one is dropped;
+//! - [`queue`]: the order ([`FlowQueue`]: bands, tenants in turn, arrival; `dispatch`), and
+//!   [`room`]: the queue with each request's deadline and a bound ([`WaitingRoom`]);
 //! - [`rules`]: when a request is held ([`Hold`]) and against which thresholds it is placed
 //!   (sheddable requests and a busy tenant leave headroom, a quiet tenant may use it);
 //! - [`shares`]: each tenant's requests in flight ([`TenantShares`]).
 
 mod queue;
+mod room;
 mod rules;
+mod settings;
 mod shares;
 
 pub use queue::{EntryId, FlowQueue, Holds};
-pub use rules::{FlowRules, HEADROOM, Hold};
+pub use room::WaitingRoom;
+pub use rules::{FlowRules, HEADROOM, Hold, pods_key};
+pub use settings::{
+    ClassError, DEFAULT_MAX_WAIT, DEFAULT_MAX_WAITING, DEFAULT_TENANT, DropReason, FlowSettings,
+    MAX_FAIRNESS_ID_BYTES, MAX_MISSES_PER_PASS, RequestClass,
+};
 pub use shares::TenantShares;
 
 /// A request's priority: higher is served first; below zero it is sheddable (refused

@@ -86,6 +86,11 @@ impl<T> FlowQueue<T> {
         self.index.is_empty()
     }
 
+    /// Whether the request `id` still waits.
+    pub fn contains(&self, id: EntryId) -> bool {
+        self.index.contains_key(&id)
+    }
+
     /// The highest priority waiting, if any.
     pub fn highest_priority(&self) -> Option<Priority> {
         self.bands.keys().next().map(|Reverse(p)| *p)

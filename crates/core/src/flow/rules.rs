@@ -8,6 +8,9 @@
 //! free (thresholds that much lower); a tenant under its share may go that much past the
 //! thresholds; the rest use the configured ones.
 
+use std::hash::{Hash, Hasher};
+
+use crate::fleet::{ModelClass, Snapshot};
 use crate::scheduler::{Decision, SchedulerConfig};
 
 use super::{Priority, TenantShares, is_sheddable};
@@ -88,6 +91,22 @@ impl FlowRules {
     pub fn normal(&self) -> &SchedulerConfig {
         &self.normal
     }
+}
+
+/// What a request for `model` competes for in the waiting room: a digest of its base model
+/// (an adapter runs on its base model's pods), the key of [`super::FlowQueue::dispatch`].
+pub fn pods_key(model: &str, snapshot: &Snapshot, config: &SchedulerConfig) -> u64 {
+    let base = match config.adapters.get(model) {
+        Some(base) => base.as_str(),
+        None => match snapshot.models.class(model) {
+            Some(ModelClass::Adapter { base }) => base.as_str(),
+            _ => model,
+        },
+    };
+    // SipHash with fixed keys: the same digest in every process.
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    base.hash(&mut hasher);
+    hasher.finish()
 }
 
 #[cfg(test)]

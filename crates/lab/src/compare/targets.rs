@@ -142,7 +142,7 @@ fn priority_checks(w: &WorkloadResult) -> Vec<TargetCheck> {
         .and_then(|s| s.throughput.steady_requests_per_s);
     for run in &w.runs {
         let steps = &run.bench.steps;
-        // A run that kept no per-objective statistics (a simulation) has nothing to check.
+        // A run that kept no per-objective statistics (one without objectives) has nothing to check.
         if steps.iter().all(|s| s.by_objective.is_empty()) {
             continue;
         }

@@ -11,53 +11,16 @@
 //! `LivePicker::dispatch_waiting`.
 
 use std::cell::Cell;
-use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_core::fleet::{ModelClass, Snapshot};
-use kvroute_core::flow::{EntryId, FlowQueue, Priority};
+use kvroute_core::flow::{self, EntryId, FlowQueue, Priority};
+pub use kvroute_core::flow::{
+    DEFAULT_TENANT, DropReason, FlowSettings, MAX_MISSES_PER_PASS, pods_key,
+};
 use kvroute_core::request::InferenceRequest;
 
 use crate::loadgen::Workload;
-
-/// Most requests waiting at once, as the live kvroute's default (`--max-queue-waiting`).
-pub const DEFAULT_MAX_WAITING: usize = 4096;
-/// The tenant of requests without a fairness id (the live gateway's and the reference
-/// picker's name for it).
-pub const DEFAULT_TENANT: &str = "default-flow";
-/// Requests a dispatch pass may find without room before it stops, as the live one.
-pub const MAX_MISSES_PER_PASS: usize = 16;
-
-/// Why flow control shed a request: the value the gateway puts in
-/// `x-llm-d-request-dropped-reason`, as `src/flow.rs` spells it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum DropReason {
-    /// No pod has room, and the request is sheddable or the queue is full: 429.
-    Saturated,
-    /// It waited the longest it may and no pod had room: 429.
-    TtlExpired,
-    /// No ready pod for it (at once, or after its wait): 503.
-    NoEndpoints,
-}
-
-impl DropReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DropReason::Saturated => "rejected-saturated",
-            DropReason::TtlExpired => "rejected-ttl-expired",
-            DropReason::NoEndpoints => "rejected-no-endpoints",
-        }
-    }
-
-    /// The HTTP status the gateway answers with.
-    pub fn status(self) -> u16 {
-        match self {
-            DropReason::Saturated | DropReason::TtlExpired => 429,
-            DropReason::NoEndpoints => 503,
-        }
-    }
-}
 
 /// A request's place in flow control (`src/flow.rs`'s `RequestClass`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,39 +33,29 @@ pub struct FlowClass {
 /// live kvroute makes of the headers the load generator sends for it
 /// (`FlowSettings::classify` with the workload's `objectives` as its map).
 pub fn classes(workload: &Workload) -> Vec<FlowClass> {
-    let objectives = workload.objectives.as_ref();
+    let settings = FlowSettings {
+        objectives: workload
+            .objectives
+            .iter()
+            .flatten()
+            .map(|(name, priority)| (name.clone(), *priority))
+            .collect(),
+        ..FlowSettings::default()
+    };
     workload
         .classes
         .iter()
-        .map(|c| FlowClass {
-            priority: c
-                .objective
-                .as_deref()
-                .and_then(|name| objectives.and_then(|map| map.get(name.trim())))
-                .copied()
-                .unwrap_or(0),
-            tenant: match c.tenant.as_deref().map(str::trim) {
-                None | Some("") => Arc::from(DEFAULT_TENANT),
-                Some(id) => Arc::from(id),
-            },
+        .map(|c| {
+            // Tenant ids the workload allows are within the gateway's bound.
+            let class = settings
+                .classify(c.objective.as_deref(), c.tenant.as_deref())
+                .unwrap_or_default();
+            FlowClass {
+                priority: class.priority,
+                tenant: Arc::from(class.tenant),
+            }
         })
         .collect()
-}
-
-/// How the simulated kvroute holds requests (`src/flow.rs`'s `FlowSettings`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct FlowSettings {
-    /// Longest a request waits for room, virtual time; zero switches the queue off.
-    pub max_wait: Duration,
-    /// Most requests waiting at once.
-    pub max_waiting: usize,
-}
-
-impl FlowSettings {
-    /// Whether requests may wait at all.
-    pub fn queues(&self) -> bool {
-        !self.max_wait.is_zero() && self.max_waiting > 0
-    }
 }
 
 /// A held request: what placing it needs (`src/picker/waiting.rs`'s `Waiter`). The answer
@@ -124,83 +77,59 @@ pub struct Waiter {
     pub since: Duration,
 }
 
-/// The queue and the deadlines of the requests in it.
+/// The live waiting room's state (`src/picker/waiting.rs`), in virtual time:
+/// `kvroute_core::flow`'s room, deadlines at arrival plus the longest wait.
 #[derive(Debug)]
 pub struct WaitingRoom {
     pub settings: FlowSettings,
-    pub queue: FlowQueue<Waiter>,
-    /// Each request's deadline, by arrival (every request may wait as long, so they come
-    /// due in arrival order). Requests that left early stay until their deadline.
-    deadlines: VecDeque<(Duration, EntryId)>,
+    room: flow::WaitingRoom<Waiter, Duration>,
 }
 
 impl WaitingRoom {
     pub fn new(settings: FlowSettings) -> Self {
         WaitingRoom {
+            room: flow::WaitingRoom::new(settings.max_waiting),
             settings,
-            queue: FlowQueue::new(),
-            deadlines: VecDeque::new(),
         }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.queue.is_empty()
+        self.room.queue().is_empty()
+    }
+
+    /// Requests waiting.
+    pub fn len(&self) -> usize {
+        self.room.queue().len()
     }
 
     /// Whether a request of `priority` must queue behind requests already waiting.
     pub fn must_queue_behind(&self, priority: Priority) -> bool {
-        self.queue
-            .highest_priority()
-            .is_some_and(|highest| highest >= priority)
+        self.room.must_queue_behind(priority)
     }
 
     /// Holds `waiter` until its deadline, unless the room is full (`None`); returns its
     /// place and its deadline.
     pub fn hold(&mut self, waiter: Waiter) -> Option<(EntryId, Duration)> {
-        if self.queue.len() >= self.settings.max_waiting {
-            return None;
-        }
         let deadline = waiter.since + self.settings.max_wait;
         let tenant = Arc::clone(&waiter.tenant);
-        let id = self.queue.push(waiter.priority, &tenant, waiter);
-        self.deadlines.push_back((deadline, id));
+        let id = self.room.hold(waiter.priority, &tenant, waiter, deadline)?;
         Some((id, deadline))
     }
 
     /// Takes out the requests whose deadline is at or before `now`.
     pub fn expire(&mut self, now: Duration) -> Vec<Waiter> {
-        let mut expired = Vec::new();
-        while let Some(&(deadline, id)) = self.deadlines.front() {
-            if deadline > now {
-                break;
-            }
-            self.deadlines.pop_front();
-            if let Some(waiter) = self.queue.remove(id) {
-                expired.push(waiter);
-            }
-        }
-        expired
+        self.room.expire(now)
     }
 
     /// Takes a request out without serving it (its client gave up).
     pub fn leave(&mut self, id: EntryId) -> Option<Waiter> {
-        self.queue.remove(id)
+        self.room.remove(id)
     }
-}
 
-/// What a request competes for in the waiting room: a digest of its base model (an adapter
-/// runs on its base model's pods), as the live `pods_key`.
-pub fn pods_key(model: &str, snapshot: &Snapshot, adapters: &HashMap<String, String>) -> u64 {
-    let base = match adapters.get(model) {
-        Some(base) => base.as_str(),
-        None => match snapshot.models.class(model) {
-            Some(ModelClass::Adapter { base }) => base.as_str(),
-            _ => model,
-        },
-    };
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    std::hash::Hash::hash(base, &mut hasher);
-    std::hash::Hasher::finish(&hasher)
+    /// The queue, to dispatch from.
+    pub fn queue_mut(&mut self) -> &mut FlowQueue<Waiter> {
+        self.room.queue_mut()
+    }
 }
 
 #[cfg(test)]
@@ -232,6 +161,7 @@ mod tests {
         let mut room = WaitingRoom::new(FlowSettings {
             max_wait: Duration::from_secs(15),
             max_waiting: 2,
+            ..FlowSettings::default()
         });
         assert!(!room.must_queue_behind(0));
         let (first, deadline) = room.hold(waiter(0, 0, Duration::ZERO)).expect("room");

@@ -202,7 +202,7 @@ impl Kvroute {
 
     /// Requests waiting for room now.
     pub fn waiting(&self) -> usize {
-        self.room.queue.len()
+        self.room.len()
     }
 
     /// `LivePicker::route`: a request of `class` arriving at `now`, named `slot` by the
@@ -279,7 +279,7 @@ impl Kvroute {
                 DropReason::Saturated
             });
         }
-        let pods_key = pods_key(&request.model, self.fleet.snapshot(), &self.config.adapters);
+        let pods_key = pods_key(&request.model, self.fleet.snapshot(), &self.config);
         let waiter = Waiter {
             slot,
             request,
@@ -325,7 +325,7 @@ impl Kvroute {
             room,
             ..
         } = self;
-        let routed = room.queue.dispatch(
+        let routed = room.queue_mut().dispatch(
             MAX_MISSES_PER_PASS,
             |waiter| waiter.pods_key,
             |waiter| {
@@ -557,7 +557,7 @@ mod tests {
             SchedulerConfig::default(),
             FlowSettings {
                 max_wait,
-                max_waiting: super::super::flow::DEFAULT_MAX_WAITING,
+                ..FlowSettings::default()
             },
             7,
         );

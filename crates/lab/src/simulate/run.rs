@@ -31,7 +31,7 @@ use kvroute_sim::engine::{Engine, Event, EventKind, FinishReason, RequestSpec};
 use kvroute_sim::kv::mix;
 
 use super::diagnose::{Diagnostics, PodSample};
-use super::flow::{self, DEFAULT_MAX_WAITING, FlowClass, FlowSettings};
+use super::flow::{self, FlowClass, FlowSettings};
 use super::observe::{pod_metrics, served_models};
 use super::policy::{Kvroute, Placement, Policy, Routed};
 use super::stats::{ClassLabels, Completion, FleetCounters, StepAcc, window_of};
@@ -180,9 +180,10 @@ impl<'s> World<'s> {
                     ..SchedulerConfig::default()
                 };
                 let models = served_models(&setup.workload.model, &adapter_names);
+                // The classes carry the objectives' priorities already (`flow::classes`).
                 let flow = FlowSettings {
                     max_wait: setup.max_queue_wait,
-                    max_waiting: DEFAULT_MAX_WAITING,
+                    ..FlowSettings::default()
                 };
                 Policy::Kvroute(Box::new(Kvroute::new(
                     setup.pods,
