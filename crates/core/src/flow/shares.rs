@@ -19,32 +19,30 @@ impl TenantShares {
     /// flight among the tenants with requests in flight (itself included). A tenant alone
     /// is never over its share, nor are tenants with equal shares.
     pub fn over_share(&self, tenant: &str) -> bool {
-        let inflight = &self.inflight;
-        let own = inflight.get(tenant).copied().unwrap_or(0);
-        let others = inflight.len() - usize::from(own > 0);
-        if others == 0 {
-            return false;
-        }
-        let total: u32 = inflight.values().sum();
-        let tenants = others as u64 + 1;
         // own >= total / tenants + 1, in integers.
-        u64::from(own) * tenants >= u64::from(total) + tenants
+        self.standing(tenant)
+            .is_some_and(|(own, total, tenants)| own * tenants >= total + tenants)
     }
 
     /// Whether `tenant` holds less than an equal share of what is in flight among the
     /// tenants with requests in flight (itself included), less one request. A tenant alone
     /// is never under its share, nor are tenants with equal shares.
     pub fn under_share(&self, tenant: &str) -> bool {
-        let inflight = &self.inflight;
-        let own = inflight.get(tenant).copied().unwrap_or(0);
-        let others = inflight.len() - usize::from(own > 0);
-        if others == 0 {
-            return false;
-        }
-        let total: u32 = inflight.values().sum();
-        let tenants = others as u64 + 1;
         // own + 1 <= total / tenants, in integers.
-        (u64::from(own) + 1) * tenants <= u64::from(total)
+        self.standing(tenant)
+            .is_some_and(|(own, total, tenants)| (own + 1) * tenants <= total)
+    }
+
+    /// `tenant`'s requests in flight, everyone's, and how many tenants count (those with
+    /// requests in flight, and `tenant`); `None` while no other tenant has any.
+    fn standing(&self, tenant: &str) -> Option<(u64, u64, u64)> {
+        let own = self.inflight.get(tenant).copied().unwrap_or(0);
+        let others = self.inflight.len() - usize::from(own > 0);
+        if others == 0 {
+            return None;
+        }
+        let total: u32 = self.inflight.values().sum();
+        Some((u64::from(own), u64::from(total), others as u64 + 1))
     }
 
     /// A request of `tenant` was routed.
