@@ -198,8 +198,31 @@ pub struct EnvoyProcess {
     dir: tempfile::TempDir,
 }
 
+/// Starts of Envoy tried when another process takes its port between [`free_port`] and
+/// Envoy's bind.
+const PORT_RACE_ATTEMPTS: usize = 3;
+
 impl EnvoyProcess {
     pub async fn start(
+        gateway: Gateway,
+        pods: &[SocketAddr],
+        binary: &Path,
+        log_level: &str,
+    ) -> Result<Self, GatewayError> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(gateway, pods, binary, log_level).await {
+                Err(GatewayError::NotReady(_, log))
+                    if log.contains("Address already in use") && attempt < PORT_RACE_ATTEMPTS =>
+                {
+                    attempt += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    async fn start_once(
         gateway: Gateway,
         pods: &[SocketAddr],
         binary: &Path,
@@ -256,7 +279,7 @@ impl EnvoyProcess {
                 binary: binary.to_path_buf(),
                 source,
             })?;
-        let envoy = EnvoyProcess {
+        let mut envoy = EnvoyProcess {
             child,
             port,
             admin_port,
@@ -266,7 +289,7 @@ impl EnvoyProcess {
         Ok(envoy)
     }
 
-    async fn wait_ready(&self, timeout: Duration) -> Result<(), GatewayError> {
+    async fn wait_ready(&mut self, timeout: Duration) -> Result<(), GatewayError> {
         let client = reqwest::Client::builder()
             .no_proxy()
             .build()
@@ -278,6 +301,10 @@ impl EnvoyProcess {
                 && response.status().is_success()
             {
                 return Ok(());
+            }
+            // An Envoy that exited (a port taken meanwhile, a bad config) will not be ready.
+            if self.exited().is_some() {
+                return Err(GatewayError::NotReady(timeout, self.log()));
             }
             // Envoy is another process: no event to await, so poll its admin API.
             tokio::time::sleep(Duration::from_millis(25)).await;
