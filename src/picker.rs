@@ -164,39 +164,25 @@ impl LivePicker {
         for waiter in expired {
             // What its last try found: pods without room, or no ready pod at all.
             let any_ready = !waiter.no_endpoint.load(Ordering::Relaxed);
-            let (reason, kind, outcome) = if any_ready {
-                (DropReason::TtlExpired, UnroutedKind::Shed, Outcome::Shed)
+            let bound = self.room.settings.max_wait;
+            let (reason, message) = if any_ready {
+                let message =
+                    format!("no endpoint had room for the request within {bound:?}; retry later");
+                (DropReason::TtlExpired, message)
             } else {
-                (
-                    DropReason::NoEndpoints,
-                    UnroutedKind::Unavailable,
-                    Outcome::NoCapacity,
-                )
-            };
-            telemetry::record_queue_wait(waiter.priority, QueueExit::Dropped, now - waiter.since);
-            telemetry::record_dropped(reason);
-            telemetry::record_request(&waiter.labels, outcome);
-            let waited = self.room.settings.max_wait;
-            let message = if any_ready {
-                format!("no endpoint had room for the request within {waited:?}; retry later")
-            } else {
-                format!("no ready endpoint could serve the request within {waited:?}")
-            };
-            let request = RouteRequest {
-                inference: waiter.request.as_ref(),
-                subset: waiter.subset.as_ref(),
+                let message = format!("no ready endpoint could serve the request within {bound:?}");
+                (DropReason::NoEndpoints, message)
             };
             let waited = now.saturating_duration_since(waiter.since);
+            telemetry::record_queue_wait(waiter.priority, QueueExit::Dropped, waited);
             self.record_after_wait(
-                &request,
+                &waiter.route_request(),
                 Err(format!("dropped ({}): {message}", reason.as_str())),
                 waited,
             );
-            let _ = waiter.answer.send(Err(Unrouted {
-                kind,
-                message,
-                dropped: Some(reason),
-            }));
+            let _ = waiter
+                .answer
+                .send(Err(dropped(reason, message, &waiter.labels)));
         }
         for (waiter, routed) in routed {
             telemetry::record_queue_wait(waiter.priority, QueueExit::Routed, now - waiter.since);
@@ -207,10 +193,7 @@ impl LivePicker {
 
     /// Places a held request if a pod has room now; records it when it does.
     fn try_place(&self, waiter: &Waiter, fleet: &Fleet) -> Option<Routed<InFlightRequest>> {
-        let request = RouteRequest {
-            inference: waiter.request.as_ref(),
-            subset: waiter.subset.as_ref(),
-        };
+        let request = waiter.route_request();
         let started = Instant::now();
         let config = self.rules_for(waiter.priority, &waiter.tenant);
         match self.place(
@@ -312,18 +295,8 @@ impl LivePicker {
     ) -> Placement<InFlightRequest> {
         let settings = &self.room.settings;
         let shed = |reason: DropReason, message: String| {
-            let (kind, outcome) = match reason {
-                DropReason::NoEndpoints => (UnroutedKind::Unavailable, Outcome::NoCapacity),
-                _ => (UnroutedKind::Shed, Outcome::Shed),
-            };
-            telemetry::record_dropped(reason);
-            telemetry::record_request(&labels, outcome);
             telemetry::record_tenant(&class.tenant, false);
-            Placement::Unrouted(Unrouted {
-                kind,
-                message,
-                dropped: Some(reason),
-            })
+            Placement::Unrouted(dropped(reason, message, &labels))
         };
         if is_sheddable(class.priority) || !settings.queues() {
             return if no_endpoints {
@@ -668,6 +641,23 @@ impl InFlight for InFlightRequest {
             response.completion_tokens,
         );
         // Dropping `self.reservation` releases the pod's in-flight accounting.
+    }
+}
+
+/// A request flow control drops for `reason`, recorded: 503 when no pod can serve it, 429
+/// while pods exist but have no room.
+fn dropped(reason: DropReason, message: String, labels: &ModelLabels) -> Unrouted {
+    let (kind, outcome) = if reason.status() == 503 {
+        (UnroutedKind::Unavailable, Outcome::NoCapacity)
+    } else {
+        (UnroutedKind::Shed, Outcome::Shed)
+    };
+    telemetry::record_dropped(reason);
+    telemetry::record_request(labels, outcome);
+    Unrouted {
+        kind,
+        message,
+        dropped: Some(reason),
     }
 }
 

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvroute_core::flow::{EntryId, Priority};
-use kvroute_core::request::{EndpointSubset, InferenceRequest};
+use kvroute_core::request::{EndpointSubset, InferenceRequest, RouteRequest};
 use tokio::sync::{Notify, oneshot};
 // Tokio's clock, so that tests can pause and advance it.
 use tokio::time::Instant;
@@ -42,6 +42,16 @@ pub(super) struct Waiter {
     pub(super) no_endpoint: std::sync::atomic::AtomicBool,
     pub(super) since: Instant,
     pub(super) answer: Answer,
+}
+
+impl Waiter {
+    /// The request as the scheduler sees it.
+    pub(super) fn route_request(&self) -> RouteRequest<'_> {
+        RouteRequest {
+            inference: self.request.as_ref(),
+            subset: self.subset.as_ref(),
+        }
+    }
 }
 
 /// The queue and the deadlines of the requests in it (`kvroute_core::flow`'s room, on
