@@ -59,6 +59,11 @@ pub async fn tap(args: TapArgs) -> anyhow::Result<()> {
         .await
         .context("WatchDecisions failed")?
         .into_inner();
+    // kvroute subscribed before answering: every decision from here on is printed.
+    eprintln!(
+        "watching kvroute's decisions at {} (Ctrl-C stops)",
+        args.admin_addr
+    );
     let mut stdout = std::io::stdout().lock();
     // One listener for the whole run: a Ctrl-C that lands while an event is being
     // printed is kept for the next wait, where a listener made per wait would miss it

@@ -211,7 +211,7 @@ impl EnvoyProcess {
     ) -> Result<Self, GatewayError> {
         let mut attempt = 1;
         loop {
-            match Self::start_once(gateway, pods, binary, log_level).await {
+            match Self::start_once(gateway, pods, binary, log_level, None).await {
                 Err(GatewayError::NotReady(_, log))
                     if log.contains("Address already in use") && attempt < PORT_RACE_ATTEMPTS =>
                 {
@@ -222,14 +222,32 @@ impl EnvoyProcess {
         }
     }
 
+    /// Starts Envoy on the given listener and admin ports, once: a port another process
+    /// holds is the caller's to report.
+    pub async fn start_on(
+        gateway: Gateway,
+        pods: &[SocketAddr],
+        binary: &Path,
+        log_level: &str,
+        listener: u16,
+        admin: u16,
+    ) -> Result<Self, GatewayError> {
+        Self::start_once(gateway, pods, binary, log_level, Some((listener, admin))).await
+    }
+
+    /// One start, on `ports` (listener, admin) or on free ones.
     async fn start_once(
         gateway: Gateway,
         pods: &[SocketAddr],
         binary: &Path,
         log_level: &str,
+        ports: Option<(u16, u16)>,
     ) -> Result<Self, GatewayError> {
         let dir = tempfile::tempdir()?;
-        let (port, admin_port) = (free_port()?, free_port()?);
+        let (port, admin_port) = match ports {
+            Some(ports) => ports,
+            None => (free_port()?, free_port()?),
+        };
         let config = match gateway {
             Gateway::OriginalDst { kvroute } => {
                 rewrite_shipped(ORIGINAL_DST_CONFIG, port, admin_port, kvroute, pods)
@@ -327,9 +345,19 @@ impl EnvoyProcess {
         self.child.try_wait().ok().flatten()
     }
 
+    /// The configuration it runs.
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.path().join("envoy.yaml")
+    }
+
+    /// Where it logs.
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("envoy.log")
+    }
+
     /// What Envoy logged so far.
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
     }
 }
 

@@ -8,6 +8,8 @@
 //! - [`envoy`]: runs Envoy locally with the shipped gateway configs;
 //! - [`soak`]: a long run through Envoy and kvroute under faults (killed pods, broken
 //!   `/metrics`, kvroute restarts), counting every request that is not answered;
+//! - [`up`]: a small simulated fleet, kvroute and the shipped Envoy gateway on fixed ports,
+//!   for trying kvroute by hand with `curl`;
 //! - [`simulate`]: the whole fleet offline in virtual time: kvroute's core and the baseline
 //!   policies against the simulator's engine for every pod, no sockets, no waits.
 //!
@@ -18,8 +20,10 @@ pub mod compare;
 pub mod demo;
 pub mod envoy;
 pub mod loadgen;
+mod process;
 pub mod simulate;
 pub mod soak;
+pub mod up;
 
 use std::path::PathBuf;
 

@@ -9,6 +9,7 @@ use kvroute_lab::demo::DemoArgs;
 use kvroute_lab::loadgen::BenchArgs;
 use kvroute_lab::simulate::SimulateArgs;
 use kvroute_lab::soak::SoakArgs;
+use kvroute_lab::up::UpArgs;
 
 #[derive(Parser)]
 #[command(
@@ -25,6 +26,9 @@ struct Cli {
 enum Command {
     /// Try kvroute locally: simulated fleet + kvroute + Envoy, against Envoy round robin.
     Demo(DemoArgs),
+    /// Try kvroute by hand: a simulated fleet with LoRA adapters, kvroute and the shipped
+    /// Envoy gateway on fixed ports; prints `curl` lines to try; Ctrl-C stops everything.
+    Up(UpArgs),
     /// Drive an OpenAI-compatible endpoint with a workload file; report latencies as JSON.
     Bench(BenchArgs),
     /// Compare kvroute with Envoy round robin / least request, sglang-router and vllm-router
@@ -52,6 +56,7 @@ async fn main() -> std::process::ExitCode {
         .init();
     let result = match cli.command {
         Command::Demo(args) => kvroute_lab::demo::run(args).await,
+        Command::Up(args) => kvroute_lab::up::run(args).await,
         Command::Bench(args) => kvroute_lab::loadgen::run(args).await,
         Command::Compare(args) => kvroute_lab::compare::run(args).await,
         Command::Soak(args) => kvroute_lab::soak::run(args).await,

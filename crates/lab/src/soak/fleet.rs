@@ -6,55 +6,16 @@
 use std::fs::{File, OpenOptions};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use rustix::process::{Pid, Signal, kill_process};
+use rustix::process::Signal;
 
 use super::procstat::PidCell;
 use crate::compare::routers::{KvrouteTiming, wait_scraped};
+use crate::process::Process;
 use kvroute_sim::fault::{Faults, MetricsFault};
-
-/// A child process, killed and reaped when dropped.
-struct Process(Child);
-
-impl Process {
-    fn pid(&self) -> u32 {
-        self.0.id()
-    }
-
-    fn signal(&self, signal: Signal) -> std::io::Result<()> {
-        kill_process(Pid::from_child(&self.0), signal).map_err(std::io::Error::from)
-    }
-
-    /// Its exit status, if it has exited.
-    fn exited(&mut self) -> Option<ExitStatus> {
-        self.0.try_wait().ok().flatten()
-    }
-
-    /// Waits up to `limit` for it to exit.
-    async fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(status) = self.exited() {
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            // Another process: no event to await across the boundary, so poll.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn append_log(path: &Path) -> anyhow::Result<File> {
     OpenOptions::new()
