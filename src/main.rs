@@ -22,7 +22,8 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
     name = "kvroute",
     version,
     about = "KV-cache and LoRA aware endpoint picker for LLM inference behind Envoy",
-    after_help = "The simulator is `kvroute-sim`; `bench`, `compare` and `demo` are \
+    after_help = "To try kvroute by hand: `kvroute-lab up` (scripts/up in a source tree). \
+                  The simulator is `kvroute-sim`; `bench`, `compare` and `demo` are \
                   `kvroute-lab` subcommands. `kvroute sim|bench|compare|demo` runs them when \
                   they are installed beside kvroute (a source build), not in the image."
 )]

@@ -163,6 +163,13 @@ impl PickerProcess {
         assert!(status.success(), "kill -{signal} {pid}");
     }
 
+    /// Whether it has exited (reaped if so).
+    fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_none_or(|child| child.try_wait().ok().flatten().is_some())
+    }
+
     fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
@@ -173,7 +180,7 @@ impl PickerProcess {
 
 impl Drop for PickerProcess {
     fn drop(&mut self) {
-        if self.child.is_some() {
+        if !self.exited() {
             // A frozen child must be thawed to die cleanly.
             self.signal("CONT");
         }
@@ -241,6 +248,49 @@ async fn a_frozen_or_dead_picker_costs_a_fail_closed_client_a_prompt_503_never_a
         "served again once restarted: {}",
         back.body
     );
+}
+
+/// kvroute told to stop (SIGTERM) drains: it keeps answering while the gateway's health
+/// check takes it out, then exits. Through that whole time and after it, every client of
+/// the fail-closed gateway gets either its completion or a 503 with an OpenAI-style JSON
+/// error (never Envoy's bare 500 or an empty body).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_picker_leaves_every_fail_closed_client_an_answer_it_can_read() {
+    let (_pods, mut picker, envoy, client) = picker_process_behind(Gateway::OriginalDst).await;
+    picker.signal("TERM");
+    let (mut during, mut after) = (Vec::new(), Vec::new());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while after.len() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "kvroute did not exit within 20 s of SIGTERM"
+        );
+        let alive = !picker.exited();
+        let answer = complete(&client, &envoy).await;
+        assert!(
+            answer.status == 200
+                || (answer.status == 503 && answer.error_code() == "picker_unavailable"),
+            "during the drain: {} {}",
+            answer.status,
+            answer.body
+        );
+        if answer.status == 503 {
+            assert_eq!(answer.retry_after.as_deref(), Some("1"), "{}", answer.body);
+        }
+        if alive {
+            during.push(answer.status);
+        } else {
+            after.push(answer.status);
+        }
+        // Paced like a client retrying: the drain lasts about a second.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("while draining: {during:?}; after exit: {after:?}");
+    assert!(
+        !during.is_empty(),
+        "no request was sent while kvroute drained"
+    );
+    assert!(after.iter().all(|status| *status == 503), "{after:?}");
 }
 
 /// A streamed answer already routed when kvroute dies reaches its end: the response

@@ -1,7 +1,8 @@
 //! `kvroute-lab demo`: kvroute on a laptop. The quick comparison of kvroute behind a real Envoy
 //! against Envoy's round robin, on two fresh, identical simulated vLLM fleets, with the
-//! multi-LoRA workload built into the binary (or any workload file). It prints the tables
-//! and where the report and plots were written.
+//! multi-LoRA workload built into the binary (or any workload file). It prints a headline
+//! (the knee, p90 TTFT there, the counters that matter), where the report, raw JSON and plots
+//! were written, and a compact table per rate (`compare::summary`).
 
 use std::path::PathBuf;
 
@@ -33,9 +34,9 @@ pub struct DemoArgs {
     pub kvroute: Option<PathBuf>,
 }
 
-/// Runs the comparison and lists what it wrote.
+/// Runs the comparison; its summary names what it wrote.
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
-    let out = args.output_dir.clone();
+    let out = args.output_dir;
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let workload = match args.workload {
         Some(path) => path,
@@ -52,22 +53,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         quick: !args.full,
         rates: Vec::new(),
         step_duration: None,
-        output_dir: out.clone(),
+        output_dir: out,
         envoy: args.envoy,
         kvroute: args.kvroute,
         kvroute_scrape_interval: None,
         python: None,
     })
-    .await?;
-    let mut plots: Vec<PathBuf> = std::fs::read_dir(&out)
-        .with_context(|| format!("cannot read {}", out.display()))?
-        .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .filter(|path| path.extension().is_some_and(|ext| ext == "png"))
-        .collect();
-    plots.sort();
-    eprintln!("plots:");
-    for plot in plots {
-        eprintln!("  {}", plot.display());
-    }
-    Ok(())
+    .await
 }

@@ -4,6 +4,7 @@
 //! stops everything and waits until it is gone.
 
 use std::net::{SocketAddr, TcpListener};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -297,6 +298,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             .args(["--lora-adapters", &args.adapters.join(",")])
             .args(["--max-loras", &args.max_loras.to_string()])
             .env("RUST_LOG", "info")
+            // Its own process group: a terminal's Ctrl-C reaches `up` alone, which then
+            // stops Envoy first, lets kvroute drain, and the pods last.
+            .process_group(0)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log_file(dir, "pods.log")?)
@@ -316,6 +320,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             .args(["--drain-timeout", &format!("{}s", DRAIN.as_secs())])
             .args(["--drain-grace", "0s"])
             .env("RUST_LOG", "info")
+            .process_group(0)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log_file(dir, "kvroute.log")?)
@@ -513,7 +518,7 @@ mod tests {
     /// Arguments with every port free (the defaults may be taken on this machine).
     fn free_args(extra: &[&str]) -> UpArgs {
         let free = || crate::envoy::free_port().expect("a free port").to_string();
-        let mut all: Vec<String> = Vec::new();
+        let mut all: Vec<String> = extra.iter().map(ToString::to_string).collect();
         for flag in [
             "--port",
             "--envoy-admin-port",
@@ -521,11 +526,13 @@ mod tests {
             "--admin-port",
             "--metrics-port",
             "--debug-port",
+            "--pods-port",
         ] {
-            all.extend([flag.to_string(), free()]);
+            if !extra.contains(&flag) {
+                all.extend([flag.to_string(), free()]);
+            }
         }
-        all.extend(["--pods".into(), "1".into(), "--pods-port".into(), free()]);
-        all.extend(extra.iter().map(ToString::to_string));
+        all.extend(["--pods".into(), "1".into()]);
         let refs: Vec<&str> = all.iter().map(String::as_str).collect();
         args(&refs)
     }

@@ -5,6 +5,7 @@
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -52,19 +53,24 @@ fn lab(command: &str) -> Command {
     lab
 }
 
-/// The table rows of a router in report.md: every cell after the name.
-fn rows_of<'a>(report: &'a str, router: &str) -> Vec<Vec<&'a str>> {
-    report
-        .lines()
-        .filter(|l| l.starts_with(&format!("| {router} |")))
-        .map(|l| {
-            l.trim_matches('|')
-                .split('|')
-                .map(str::trim)
-                .skip(1)
-                .collect()
-        })
-        .collect()
+/// The rows of a router in report.md's per-rate tables, each cell by its column's header.
+fn rows_of(report: &str, router: &str) -> Vec<BTreeMap<String, String>> {
+    let cells = |line: &str| -> Vec<String> {
+        line.trim_matches('|')
+            .split('|')
+            .map(|c| c.trim().to_string())
+            .collect()
+    };
+    let mut header = Vec::new();
+    let mut rows = Vec::new();
+    for line in report.lines() {
+        if line.starts_with("| router |") {
+            header = cells(line);
+        } else if line.starts_with(&format!("| {router} |")) {
+            rows.push(header.iter().cloned().zip(cells(line)).collect());
+        }
+    }
+    rows
 }
 
 #[test]
@@ -111,34 +117,40 @@ fn a_tiny_comparison_writes_tables_plots_and_json_and_leaves_nothing_running() {
         let rows = rows_of(&report, router);
         assert_eq!(rows.len(), 2, "one row per rate for {router}:\n{report}");
         for cells in rows {
-            assert_eq!(cells.len(), 18, "{cells:?}");
-            let (errors, planned) = cells[12].split_once('/').expect("errors/planned");
+            let (errors, planned) = cells["errors"].split_once('/').expect("errors/planned");
             let errors: usize = errors.parse().expect("errors");
             let planned: usize = planned.parse().expect("planned");
             assert!(planned > 0 && errors == 0, "{router}: {cells:?}");
-            for (i, cell) in cells.iter().enumerate() {
-                if i == 12 {
-                    continue;
-                }
+            for (column, cell) in cells
+                .iter()
+                .filter(|(c, _)| *c != "errors" && *c != "router")
+            {
                 let value: f64 = cell
                     .parse()
-                    .unwrap_or_else(|_| panic!("{router}: cell {i} {cell:?} is not a number"));
+                    .unwrap_or_else(|_| panic!("{router}: {column} {cell:?} is not a number"));
                 assert!(value.is_finite() && value >= 0.0, "{router}: {cells:?}");
             }
-            assert_eq!(
-                cells[13], "0",
-                "nothing is shed without flow control: {cells:?}"
-            );
-            let throughput: f64 = cells[0].parse().expect("req/s");
-            assert!(throughput > 0.0);
-            // TTFT at real scale is the pod's own TTFT plus the time outside the pod.
-            let number = |i: usize| cells[i].parse::<f64>().expect("number");
+            for column in ["req/s", "tok/s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s"] {
+                assert!(
+                    cells.contains_key(column),
+                    "{column} is always kept: {cells:?}"
+                );
+            }
             assert!(
-                number(5) > 0.0,
+                !cells.contains_key("shed"),
+                "nothing is shed without flow control, so no shed column: {cells:?}"
+            );
+            let number = |c: &str| cells[c].parse::<f64>().expect("number");
+            // Completed requests over the 10 s of arrivals, never above what was planned.
+            let throughput = number("req/s");
+            assert!(throughput > 0.0 && throughput <= planned as f64 / 10.0 + 1e-9);
+            // TTFT at real scale is the pod's own TTFT plus the time outside the pod.
+            assert!(
+                number("pod TTFT p90 s") > 0.0,
                 "the simulator times each request: {cells:?}"
             );
             assert!(
-                number(3) >= number(5),
+                number("TTFT p90 s") >= number("pod TTFT p90 s"),
                 "TTFT p90 >= pod TTFT p90: {cells:?}"
             );
         }
@@ -150,13 +162,25 @@ fn a_tiny_comparison_writes_tables_plots_and_json_and_leaves_nothing_running() {
         .count();
     assert_eq!(ratios, 2, "{report}");
 
-    for file in [
-        "tiny-ttft-p90.png",
-        "tiny-preemptions-lora.png",
-        "tiny-kvroute.json",
-        "tiny-round-robin.json",
-        "results.json",
-    ] {
+    // The plots the report links: the p90 TTFT, and the fleet counters that moved.
+    let plots: Vec<&str> = report
+        .lines()
+        .filter_map(|l| l.strip_prefix("![")?.split(']').next())
+        .collect();
+    assert!(plots.contains(&"tiny-ttft-p90.png"), "{report}");
+    let lora_loads = rows_of(&report, "round-robin")
+        .iter()
+        .any(|r| r.get("LoRA loads").is_some_and(|v| v != "0"));
+    assert_eq!(
+        plots.iter().any(|p| p.contains("lora")),
+        lora_loads,
+        "a LoRA plot exactly when the LoRA loads column stays: {report}"
+    );
+    for file in
+        plots
+            .into_iter()
+            .chain(["tiny-kvroute.json", "tiny-round-robin.json", "results.json"])
+    {
         let meta = std::fs::metadata(out.join(file)).unwrap_or_else(|_| panic!("{file} missing"));
         assert!(meta.len() > 0, "{file} is empty");
     }
@@ -191,19 +215,47 @@ fn the_demo_compares_kvroute_with_round_robin_and_says_where_the_plots_are() {
         "kvroute-lab demo failed:\n{stderr}"
     );
     let stdout = String::from_utf8_lossy(&output.stdout);
-    for router in ["kvroute", "round-robin"] {
-        assert_eq!(rows_of(&stdout, router).len(), 2, "{router}:\n{stdout}");
-    }
-    for router in ["least-request", "sglang", "vllm-router"] {
-        assert!(
-            rows_of(&stdout, router).is_empty(),
-            "{router} ran:\n{stdout}"
-        );
-    }
+    let lines: Vec<&str> = stdout.lines().collect();
+    // A headline first, then where the files are, then a compact table.
+    assert!(lines[0].starts_with("tiny: 2 pods"), "{stdout}");
+    assert!(lines[1].starts_with("  knee: "), "{stdout}");
+    assert!(lines[2].starts_with("  p90 TTFT at "), "{stdout}");
+    assert!(lines[2].contains("round-robin"), "{stdout}");
+    let report = stdout
+        .find(&out.join("report.md").display().to_string())
+        .expect("the report is named");
     let plot = out.join("tiny-ttft-p90.png");
     assert!(plot.exists(), "{stderr}");
     assert!(
-        stderr.contains(&plot.display().to_string()),
-        "the demo names its plots:\n{stderr}"
+        stdout.contains(&plot.display().to_string()),
+        "the demo names its plots:\n{stdout}"
+    );
+    let table = stdout.find("tiny by rate").expect("a compact table");
+    assert!(report < table, "{stdout}");
+    let dir_name = out.display().to_string();
+    for line in lines.iter().filter(|l| !l.contains(&dir_name)) {
+        assert!(line.chars().count() <= 100, "too wide: {line}\n{stdout}");
+        assert!(
+            !line.starts_with('|'),
+            "no Markdown table on the terminal:\n{stdout}"
+        );
+    }
+    // The compact table: one row per rate and router, the router in the second column or,
+    // after the first row of a rate, in the first.
+    let routers_in_table: Vec<&str> = stdout[table..]
+        .lines()
+        .skip(2)
+        .filter_map(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            fields
+                .iter()
+                .find(|f| f.chars().next().is_some_and(char::is_alphabetic) && **f != "knee")
+                .copied()
+        })
+        .collect();
+    assert_eq!(
+        routers_in_table,
+        ["kvroute", "round-robin", "kvroute", "round-robin"],
+        "{stdout}"
     );
 }

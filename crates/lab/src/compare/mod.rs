@@ -5,11 +5,15 @@
 //! wait until it answers, warm up briefly, run the workload's ladder with `loadgen::bench`
 //! while sampling the fleet's `/metrics` (`fleet_stats`), stop everything. Then write the raw
 //! JSON of every run, `report.md` and the plots (`report`), with the flow-control target
-//! checks of workloads that send objectives or tenants (`targets`).
+//! checks of workloads that send objectives or tenants (`targets`), and print a short summary
+//! on the terminal (`summary`). Both leave out the columns a workload does not move
+//! (`columns`).
 
+pub mod columns;
 pub mod fleet_stats;
 pub mod report;
 pub mod routers;
+pub mod summary;
 pub mod targets;
 
 pub use routers::RouterKind;
@@ -371,8 +375,8 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
         }
         results.push(result);
     }
-    let report = write_report(&args, &results, out, wall.elapsed())?;
-    println!("{report}");
+    let plots = write_report(&args, &results, out, wall.elapsed())?;
+    print!("{}", summary::terminal(&results, &plots, out));
     eprintln!(
         "kvroute-lab compare: {:.0} s; report {}",
         wall.elapsed().as_secs_f64(),
@@ -381,13 +385,13 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writes report.md, the plots and results.json; returns the Markdown.
+/// Writes report.md, the plots and results.json; returns each workload's plot files.
 fn write_report(
     args: &CompareArgs,
     results: &[WorkloadResult],
     out: &Path,
     took: Duration,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<Vec<Vec<String>>> {
     let mut md = String::from("# kvroute compare\n\n");
     let command: Vec<String> = std::env::args().collect();
     md.push_str(&format!(
@@ -423,17 +427,18 @@ fn write_report(
              colours: kvroute red, round-robin blue, least-request green, sglang orange, vllm-router purple.\n\n",
         ),
     }
-    write_results(&mut md, results, out)?;
-    Ok(md)
+    write_results(&mut md, results, out)
 }
 
 /// Appends each workload's tables and plots to the report `md`, and writes it to
-/// `out/report.md` and the raw results to `out/results.json`.
+/// `out/report.md` and the raw results to `out/results.json`; returns each workload's plot
+/// files.
 pub(crate) fn write_results(
     md: &mut String,
     results: &[WorkloadResult],
     out: &Path,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<Vec<String>>> {
+    let mut all_plots = Vec::with_capacity(results.len());
     for r in results {
         let plots = match report::plots(r, out) {
             Ok(p) => p,
@@ -443,6 +448,7 @@ pub(crate) fn write_results(
             }
         };
         md.push_str(&report::workload_markdown(r, &plots));
+        all_plots.push(plots);
     }
     let path = out.join("report.md");
     std::fs::write(&path, &*md).with_context(|| format!("cannot write {}", path.display()))?;
@@ -464,7 +470,7 @@ pub(crate) fn write_results(
     let path = out.join("results.json");
     std::fs::write(&path, serde_json::to_string_pretty(&entries)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
+    Ok(all_plots)
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! The comparison's results: per-router runs → rows per workload and rate → `report.md`
 //! (tables, ratios kvroute / each other router, the knee rate, per-objective and per-tenant
 //! tables and target checks where requests carried objectives or tenants) and PNG plots
-//! (plotters). The row building, knee and ratio computations are pure.
+//! (plotters). Columns and plots that read zero for a whole workload are left out
+//! ([`columns`](super::columns)). The row building, knee and ratio computations are pure.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -9,8 +10,10 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
 
+use super::columns::{Column, kept_columns};
 use super::fleet_stats::WindowStats;
 use super::routers::RouterKind;
 use super::targets;
@@ -63,11 +66,12 @@ pub struct WorkloadResult {
 pub struct Row {
     /// Offered rate, requests per simulated second.
     pub rate: f64,
-    /// Successful requests per simulated second.
+    /// Successful requests per simulated second of the step's arrival window (see
+    /// [`per_arrival_second`]).
     pub requests_per_s: f64,
     /// Completed requests per simulated second in the second half of the step's arrivals.
     pub steady_requests_per_s: Option<f64>,
-    /// Output tokens per simulated second.
+    /// Output tokens of the successful requests per simulated second of the arrival window.
     pub output_tokens_per_s: f64,
     /// TTFT p50, p90, p99 (s) at real scale: the pods' simulated TTFT plus the wall time
     /// spent outside them, unscaled, except a gateway queue wait (in simulated time); the
@@ -99,6 +103,23 @@ pub struct Row {
     pub kv_spread: Option<f64>,
 }
 
+/// `count` per simulated second of a step's arrival window `window_s`, the time over which
+/// its requests were sent (`StepReport::duration_s`); 0 for an empty or unknown window.
+///
+/// The comparison's throughput: what a router completed of the load offered in the window,
+/// whenever it completed it (a request that fails, times out or is shed does not count). The
+/// load generator's own `throughput.requests_per_s` divides by the step's elapsed time
+/// instead, the drain after the last arrival included, so a router that completes the same
+/// requests but drains its queue more slowly reads lower there: a drain is latency, which
+/// the TTFT and e2e columns show, not lost throughput.
+pub fn per_arrival_second(count: f64, window_s: f64) -> f64 {
+    if window_s.is_finite() && window_s > 0.0 {
+        count / window_s
+    } else {
+        0.0
+    }
+}
+
 impl RouterRun {
     /// One row per step.
     pub fn rows(&self) -> Vec<Row> {
@@ -110,9 +131,9 @@ impl RouterRun {
                 let fleet = self.fleet_steps.get(i).copied().unwrap_or_default();
                 Row {
                     rate: s.rate,
-                    requests_per_s: s.throughput.requests_per_s,
+                    requests_per_s: per_arrival_second(s.requests.ok as f64, s.duration_s),
                     steady_requests_per_s: s.throughput.steady_requests_per_s,
-                    output_tokens_per_s: s.throughput.output_tokens_per_s,
+                    output_tokens_per_s: per_arrival_second(s.tokens.output as f64, s.duration_s),
                     ttft: if s.ttft_real_scale_s.p90.is_some() {
                         let t = &s.ttft_real_scale_s;
                         [t.p50, t.p90, t.p99]
@@ -181,9 +202,20 @@ impl WorkloadResult {
             rr.rows().iter().map(|r| (r.rate, r.ttft[1])).collect();
         knee_rate(&points)
     }
+
+    /// Each router's rows, in run order.
+    pub fn rows(&self) -> Vec<(RouterKind, Vec<Row>)> {
+        self.runs.iter().map(|r| (r.router, r.rows())).collect()
+    }
+
+    /// The columns this workload's tables keep (see [`columns`](super::columns)).
+    pub fn columns(&self) -> Vec<Column> {
+        let rows = self.rows();
+        kept_columns(rows.iter().flat_map(|(_, rs)| rs))
+    }
 }
 
-fn num(v: Option<f64>, digits: usize) -> String {
+pub(crate) fn num(v: Option<f64>, digits: usize) -> String {
     v.filter(|v| v.is_finite())
         .map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
 }
@@ -227,7 +259,9 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
     for (kind, reason) in &w.failures {
         let _ = writeln!(s, "**{} failed**: {reason}\n", kind.name());
     }
-    let rows: Vec<(RouterKind, Vec<Row>)> = w.runs.iter().map(|r| (r.router, r.rows())).collect();
+    let rows = w.rows();
+    let columns = w.columns();
+    let header: Vec<&str> = columns.iter().map(|c| c.header()).collect();
     for &rate in &w.rates {
         let marker = if knee.is_some_and(|k| same_rate(k, rate)) {
             " — knee"
@@ -235,42 +269,22 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
             ""
         };
         let _ = writeln!(s, "### {} at {rate} req/s{marker}\n", w.workload);
-        s.push_str(
-            "| router | req/s | tok/s | TTFT p50 s | TTFT p90 s | TTFT p99 s | pod TTFT p90 s | path p50 ms | path p90 ms | client TTFT p90 s | ITL p50 s | ITL p90 s | e2e p90 s | errors | shed | preemptions | LoRA loads | prefix hit rate | KV spread |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        let _ = writeln!(
+            s,
+            "| router | {} |\n|---|{}",
+            header.join(" | "),
+            "---|".repeat(columns.len())
         );
         for (kind, rs) in &rows {
             let Some(r) = rs.iter().find(|r| same_rate(r.rate, rate)) else {
                 continue;
             };
-            let _ = writeln!(
-                s,
-                "| {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{} | {} | {:.0} | {:.0} | {} | {} |",
-                kind.name(),
-                r.requests_per_s,
-                r.output_tokens_per_s,
-                num(r.ttft[0], 3),
-                num(r.ttft[1], 3),
-                num(r.ttft[2], 3),
-                num(r.pod_ttft_p90, 3),
-                num(r.path_ms[0], 1),
-                num(r.path_ms[1], 1),
-                num(r.client_ttft_p90, 3),
-                num(r.itl[0], 4),
-                num(r.itl[1], 4),
-                num(r.e2e_p90, 3),
-                r.errors,
-                r.requests,
-                r.shed,
-                r.preemptions,
-                r.lora_loads,
-                num(r.prefix_hit_rate, 3),
-                num(r.kv_spread, 3),
-            );
+            let cells: Vec<String> = columns.iter().map(|c| c.cell(r)).collect();
+            let _ = writeln!(s, "| {} | {} |", kind.name(), cells.join(" | "));
         }
         s.push('\n');
     }
-    s.push_str(&ratio_markdown(w, &rows, knee));
+    s.push_str(&ratio_markdown(w, &rows, &columns, knee));
     if w.has_groups() {
         s.push_str(&groups_markdown(w));
     }
@@ -287,9 +301,11 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
     s
 }
 
+/// The ratio table: a column of it stays when its column stays in the workload's tables.
 fn ratio_markdown(
     w: &WorkloadResult,
     rows: &[(RouterKind, Vec<Row>)],
+    columns: &[Column],
     knee: Option<f64>,
 ) -> String {
     let mut s = String::new();
@@ -299,14 +315,21 @@ fn ratio_markdown(
     if rows.len() < 2 {
         return s;
     }
+    let ratios: Vec<(Column, &str)> = Column::RATIOS
+        .into_iter()
+        .filter(|(c, _)| columns.contains(c))
+        .collect();
     let _ = writeln!(
         s,
         "### {}: kvroute / each other router\n\nBelow 1 is better for kvroute, except throughput (above 1 is better). `-`: not defined (a zero or missing denominator).\n",
         w.workload
     );
-    s.push_str(
-        "| rate | vs | TTFT p50 | TTFT p90 | TTFT p99 | pod TTFT p90 | client TTFT p90 | e2e p90 | throughput | preemptions | LoRA loads | KV spread |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    let header: Vec<&str> = ratios.iter().map(|(_, h)| *h).collect();
+    let _ = writeln!(
+        s,
+        "| rate | vs | {} |\n|---|---|{}",
+        header.join(" | "),
+        "---|".repeat(ratios.len())
     );
     for &rate in &w.rates {
         let Some(k) = ours.iter().find(|r| same_rate(r.rate, rate)) else {
@@ -321,20 +344,15 @@ fn ratio_markdown(
             let Some(o) = rs.iter().find(|r| same_rate(r.rate, rate)) else {
                 continue;
             };
+            let cells: Vec<String> = ratios
+                .iter()
+                .map(|(c, _)| num(ratio(c.value(k), c.value(o)), 2))
+                .collect();
             let _ = writeln!(
                 s,
-                "| {rate}{marker} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {rate}{marker} | {} | {} |",
                 kind.name(),
-                num(ratio(k.ttft[0], o.ttft[0]), 2),
-                num(ratio(k.ttft[1], o.ttft[1]), 2),
-                num(ratio(k.ttft[2], o.ttft[2]), 2),
-                num(ratio(k.pod_ttft_p90, o.pod_ttft_p90), 2),
-                num(ratio(k.client_ttft_p90, o.client_ttft_p90), 2),
-                num(ratio(k.e2e_p90, o.e2e_p90), 2),
-                num(ratio(Some(k.requests_per_s), Some(o.requests_per_s)), 2),
-                num(ratio(Some(k.preemptions), Some(o.preemptions)), 2),
-                num(ratio(Some(k.lora_loads), Some(o.lora_loads)), 2),
-                num(ratio(k.kv_spread, o.kv_spread), 2),
+                cells.join(" | ")
             );
         }
     }
@@ -389,7 +407,7 @@ fn groups_markdown(w: &WorkloadResult) -> String {
                     g.planned,
                     shed_cell(g.shed, &g.shed_by_reason),
                     g.errors,
-                    g.requests_per_s,
+                    per_arrival_second(g.completed as f64, step.duration_s),
                     num(g.ttft_real_scale_s.p50, 3),
                     num(g.ttft_real_scale_s.p90, 3),
                     num(g.ttft_s.p90, 3),
@@ -410,13 +428,18 @@ the target checks read) counts the time outside the pods once, unscaled, except 
 queue wait, which kvroute reports in `server-timing` and which counts in simulated time: it is
 the simulated pods the request waits for. `shed`: requests a gateway answered 429 or 503 with
 `x-llm-d-request-dropped-reason`, by reason (neither completed nor errors); `req/s`: completed
-requests per simulated second of the step's elapsed time.
+requests per simulated second of the step's arrival window, as in the tables above.
 ";
 
 /// Column meanings, for the top of the report.
 pub const LEGEND: &str = "\
-Columns: `req/s`, `tok/s`: successful requests and output tokens per simulated second;
-`TTFT`: time to first token at real scale, the pod's own TTFT (simulated time, from the
+Columns: `req/s`, `tok/s`: completed requests and their output tokens per simulated second
+of the step's arrival window (the time over which its requests were sent, the drain after
+the last arrival not counted; a request failed, timed out or shed by the end of the drain is
+not completed): what the router served of the offered load. Arrivals are Poisson, so a step
+plans about rate × window requests (the denominator of `errors`), and `req/s` may read a
+little off the rate with nothing lost. (The raw JSON's `throughput.requests_per_s` is the load
+generator's: per second of the step's elapsed time, drain included.) `TTFT`: time to first token at real scale, the pod's own TTFT (simulated time, from the
 request's arrival at the pod: queueing, prefill, adapter loads, preemptions, everything the
 routing decision causes) plus `path`, the wall time the request spent outside the pod before
 its first token (load generator, router, Envoy, HTTP, this machine's scheduling), counted
@@ -431,6 +454,9 @@ reason), neither successes nor errors; `preemptions`, `LoRA loads` (GPU slot loa
 step (from `/metrics` sampled every ~250 ms of wall time, cut at the step boundaries by
 interpolation); `prefix hit rate`: prefix-cache hit tokens / queried tokens over the step;
 `KV spread`: mean over the step's samples of (max − min) KV-cache usage across pods (0–1).
+A column (and its ratio and plot) that reads zero or absent for every router at every rate of
+a workload is left out of that workload's tables; the throughput, TTFT and errors columns
+always stay.
 ";
 
 // ---------------------------------------------------------------------------------------
@@ -486,13 +512,27 @@ pub fn plot_font() -> Option<&'static Path> {
 
 type PlotResult = Result<(), Box<dyn std::error::Error>>;
 
-/// One panel: a line per router of `value(row)` against the rate.
+/// A tick label without trailing zeros: `2`, `2.5`, `0.25`.
+fn tick(v: &f64) -> String {
+    let s = format!("{v:.3}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// What one panel draws: a line per router of `value(row)` against the rate.
+struct Panel<'a> {
+    title: String,
+    y_desc: &'a str,
+    value: fn(&Row) -> Option<f64>,
+    /// A count: integer tick labels.
+    integer: bool,
+}
+
+/// Draws `p` on `area`, with the knee rate `knee` as a dashed vertical line.
 fn panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     w: &WorkloadResult,
-    title: &str,
-    y_desc: &str,
-    value: impl Fn(&Row) -> Option<f64>,
+    knee: Option<f64>,
+    p: &Panel<'_>,
 ) -> PlotResult
 where
     DB::ErrorType: 'static,
@@ -505,7 +545,7 @@ where
             let pts = run
                 .rows()
                 .iter()
-                .filter_map(|r| Some((r.rate, value(r)?)))
+                .filter_map(|r| Some((r.rate, (p.value)(r)?)))
                 .filter(|(_, v)| v.is_finite())
                 .collect();
             (run.router, pts)
@@ -516,25 +556,61 @@ where
         .iter()
         .flat_map(|(_, p)| p.iter().map(|(_, v)| *v))
         .fold(0.0, f64::max);
-    // All zero (e.g. no preemptions): a 0–1 axis rather than a degenerate one.
-    let y_max = if highest > 0.0 { highest * 1.1 } else { 1.0 };
+    // All zero: a 0–1 axis rather than a degenerate one (a panel reads zero everywhere only
+    // when the plot has another panel that does not).
+    let y_max = match (highest > 0.0, p.integer) {
+        (false, _) => 1.0,
+        (true, false) => highest * 1.1,
+        (true, true) => (highest * 1.1).ceil(),
+    };
     let mut builder = ChartBuilder::on(area);
     builder.margin(12);
     if text {
         builder
-            .caption(title, ("sans-serif", 20))
+            .caption(&p.title, ("sans-serif", 20))
             .x_label_area_size(40)
             .y_label_area_size(60);
     }
     let mut chart = builder.build_cartesian_2d(0.0..x_max, 0.0..y_max)?;
     let mut mesh = chart.configure_mesh();
+    let integer_label = |v: &f64| format!("{v:.0}");
     if text {
         mesh.x_desc("rate, requests per simulated second")
-            .y_desc(y_desc);
+            .y_desc(p.y_desc)
+            .x_label_formatter(&tick)
+            .y_label_formatter(&tick);
+        if p.integer {
+            // At most one label per integer of the axis: plotters then steps by 1, 2, 5, 10,
+            // ... and every label is a whole number.
+            mesh.y_labels((y_max as usize + 1).min(10))
+                .y_label_formatter(&integer_label);
+        }
     } else {
         mesh.x_labels(0).y_labels(0);
     }
     mesh.draw()?;
+    if let Some(k) = knee {
+        let grey = RGBColor(90, 90, 90);
+        chart.draw_series(DashedLineSeries::new(
+            [(k, 0.0), (k, y_max)],
+            8,
+            6,
+            grey.stroke_width(2),
+        ))?;
+        if text {
+            // Beside the line, on the side with room: left of a knee in the right half.
+            let (h, label) = if k > x_max / 2.0 {
+                (HPos::Right, format!("knee {k} req/s "))
+            } else {
+                (HPos::Left, format!(" knee {k} req/s"))
+            };
+            let style = ("sans-serif", 16)
+                .into_font()
+                .color(&grey)
+                .pos(Pos::new(h, VPos::Top));
+            chart.draw_series(std::iter::once(Text::new(label, (k, y_max), style)))?;
+        }
+    }
     for (kind, pts) in series {
         let c = colour(kind);
         let drawn = chart.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?;
@@ -556,51 +632,82 @@ where
     Ok(())
 }
 
-/// Writes `<workload>-ttft-p90.png` and `<workload>-preemptions-lora.png` into `dir`;
-/// returns their file names.
+/// The fleet-counter panels worth drawing for `w`, with the plot's file name: preemptions and
+/// LoRA loads, each only where some router moved it (see [`columns`](super::columns)).
+fn fleet_panels(w: &WorkloadResult) -> (String, Vec<Panel<'static>>) {
+    let columns = w.columns();
+    let mut panels = Vec::new();
+    let mut name = w.workload.clone();
+    if columns.contains(&Column::Preemptions) {
+        name.push_str("-preemptions");
+        panels.push(Panel {
+            title: format!("{}: preemptions per step", w.workload),
+            y_desc: "preemptions",
+            value: |r| Some(r.preemptions),
+            integer: true,
+        });
+    }
+    if columns.contains(&Column::LoraLoads) {
+        name.push_str(if panels.is_empty() {
+            "-lora-loads"
+        } else {
+            "-lora"
+        });
+        panels.push(Panel {
+            title: format!("{}: LoRA loads per step", w.workload),
+            y_desc: "adapter loads",
+            value: |r| Some(r.lora_loads),
+            integer: true,
+        });
+    }
+    (format!("{name}.png"), panels)
+}
+
+/// Writes `<workload>-ttft-p90.png` and the fleet counters that moved,
+/// `<workload>-preemptions-lora.png` (or `-preemptions.png`, `-lora-loads.png`; none when
+/// neither moved) into `dir`, each with the knee marked; returns their file names.
 pub fn plots(w: &WorkloadResult, dir: &Path) -> Result<Vec<String>, String> {
+    let knee = w.knee();
     let ttft = format!("{}-ttft-p90.png", w.workload);
-    let fleet = format!("{}-preemptions-lora.png", w.workload);
+    let (fleet, fleet_panels) = fleet_panels(w);
     let draw = || -> PlotResult {
         let ttft_path = dir.join(&ttft);
         let root = BitMapBackend::new(&ttft_path, (900, 560)).into_drawing_area();
         root.fill(&WHITE)?;
-        panel(
-            &root,
-            w,
-            &format!("{}: p90 TTFT vs rate", w.workload),
-            "p90 TTFT, simulated s",
-            |r| r.ttft[1],
-        )?;
+        let p90 = Panel {
+            title: format!("{}: p90 TTFT vs rate", w.workload),
+            y_desc: "p90 TTFT, simulated s",
+            value: |r| r.ttft[1],
+            integer: false,
+        };
+        panel(&root, w, knee, &p90)?;
         root.present()?;
+        if fleet_panels.is_empty() {
+            return Ok(());
+        }
         let fleet_path = dir.join(&fleet);
-        let root = BitMapBackend::new(&fleet_path, (1400, 520)).into_drawing_area();
+        let width = 700 * fleet_panels.len() as u32;
+        let root = BitMapBackend::new(&fleet_path, (width, 520)).into_drawing_area();
         root.fill(&WHITE)?;
-        let (left, right) = root.split_horizontally(700);
-        panel(
-            &left,
-            w,
-            &format!("{}: preemptions per step", w.workload),
-            "preemptions",
-            |r| Some(r.preemptions),
-        )?;
-        panel(
-            &right,
-            w,
-            &format!("{}: LoRA loads per step", w.workload),
-            "adapter loads",
-            |r| Some(r.lora_loads),
-        )?;
+        let areas = root.split_evenly((1, fleet_panels.len()));
+        for (area, p) in areas.iter().zip(&fleet_panels) {
+            panel(area, w, knee, p)?;
+        }
         root.present()?;
         Ok(())
     };
     draw().map_err(|e| e.to_string())?;
-    Ok(vec![ttft, fleet])
+    let mut files = vec![ttft];
+    if !fleet_panels.is_empty() {
+        files.push(fleet);
+    }
+    Ok(files)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::loadgen::report::StepReport;
 
     #[test]
     fn the_knee_is_the_first_rate_at_three_times_the_lowest_rates_p90() {
@@ -633,6 +740,12 @@ mod tests {
     }
 
     #[test]
+    fn tick_labels_have_no_trailing_zeros() {
+        let labels: Vec<String> = [16.0, 2.5, 0.25, 0.0, 100.0].iter().map(tick).collect();
+        assert_eq!(labels, ["16", "2.5", "0.25", "0", "100"]);
+    }
+
+    #[test]
     fn ratios_need_a_positive_denominator() {
         assert_eq!(ratio(Some(1.0), Some(4.0)), Some(0.25));
         assert_eq!(ratio(Some(1.0), Some(0.0)), None);
@@ -656,7 +769,9 @@ mod tests {
         let rows = w.runs[0].rows();
         assert_eq!((rows[1].shed, rows[1].errors, rows[1].requests), (3, 0, 11));
         let md = workload_markdown(&w, &[]);
-        assert!(md.contains("| errors | shed | preemptions |"), "{md}");
+        // Shedding moves in this workload; the fleet counters do not.
+        assert!(md.contains("| e2e p90 s | errors | shed |\n"), "{md}");
+        assert!(!md.contains("preemptions"), "{md}");
         assert!(md.contains("### w: per objective and tenant"), "{md}");
         assert!(
             md.contains(
@@ -673,6 +788,135 @@ mod tests {
             md.contains("critical p90 TTFT at 44 req/s (2.0× capacity): 0.250 s vs 0.200 s"),
             "{md}"
         );
+    }
+
+    /// A step of `ok` completed requests of 1 s TTFT and 2 output tokens each, whose last
+    /// response came `elapsed_s` after the step started (arrivals over 10 s), with `lora`
+    /// LoRA loads in the fleet.
+    fn step(rate: f64, ok: usize, elapsed_s: f64, lora: f64) -> (StepReport, WindowStats) {
+        use crate::compare::targets::tests::{DURATION, requests};
+        let records = requests(None, None, ok, Some(1.0));
+        let fleet = WindowStats {
+            lora_loads: lora,
+            ..WindowStats::default()
+        };
+        (
+            StepReport::new(rate, DURATION, elapsed_s, records, false),
+            fleet,
+        )
+    }
+
+    fn router_run(router: RouterKind, steps: Vec<(StepReport, WindowStats)>) -> RouterRun {
+        let mut r = crate::compare::targets::tests::run(router, Vec::new());
+        (r.bench.steps, r.fleet_steps) = steps.into_iter().unzip();
+        r
+    }
+
+    #[test]
+    fn throughput_is_completed_requests_over_the_arrival_window_not_the_drain() {
+        // 164 requests sent over 10 s; kvroute's last response at 10.5 s, round robin's
+        // after a 7 s drain. Both served all: the same throughput.
+        let kv = router_run(RouterKind::Kvroute, vec![step(16.0, 164, 10.5, 0.0)]);
+        let rr = router_run(RouterKind::RoundRobin, vec![step(16.0, 164, 17.0, 0.0)]);
+        let (k, o) = (kv.rows()[0], rr.rows()[0]);
+        assert_eq!(k.requests_per_s, 16.4);
+        assert_eq!(o.requests_per_s, 16.4);
+        assert_eq!(k.output_tokens_per_s, 32.8);
+        // The load generator's figure divided by the elapsed time, drain included.
+        assert!(rr.bench.steps[0].throughput.requests_per_s < 10.0);
+        let w = crate::compare::targets::tests::result(&[16.0], &[], None, vec![kv, rr]);
+        let md = workload_markdown(&w, &[]);
+        let ratio_row = md
+            .lines()
+            .find(|l| l.starts_with("| 16 | round-robin |"))
+            .unwrap_or_default();
+        assert!(ratio_row.ends_with("| 1.00 |"), "throughput 1.00: {md}");
+        // Requests that did not complete are not throughput.
+        let half = router_run(RouterKind::Kvroute, vec![step(16.0, 82, 10.5, 0.0)]);
+        assert_eq!(half.rows()[0].requests_per_s, 8.2);
+        assert_eq!(per_arrival_second(5.0, 0.0), 0.0);
+        assert_eq!(per_arrival_second(5.0, f64::NAN), 0.0);
+    }
+
+    #[test]
+    fn each_workload_keeps_the_columns_and_ratios_it_moves() {
+        let with_adapters = crate::compare::targets::tests::result(
+            &[4.0, 16.0],
+            &[],
+            None,
+            vec![
+                router_run(
+                    RouterKind::Kvroute,
+                    vec![step(4.0, 40, 10.0, 6.0), step(16.0, 160, 10.0, 20.0)],
+                ),
+                router_run(
+                    RouterKind::RoundRobin,
+                    vec![step(4.0, 40, 10.0, 18.0), step(16.0, 160, 10.0, 96.0)],
+                ),
+            ],
+        );
+        let mut without = with_adapters.clone();
+        for run in &mut without.runs {
+            for f in &mut run.fleet_steps {
+                f.lora_loads = 0.0;
+            }
+        }
+        let md = workload_markdown(&with_adapters, &[]);
+        assert!(md.contains("| errors | LoRA loads |\n"), "{md}");
+        assert!(md.contains("| throughput | LoRA loads |\n"), "{md}");
+        assert!(md.contains("| 0/160 | 96 |\n"), "{md}");
+        assert!(md.contains("| 1.00 | 0.21 |\n"), "{md}");
+        for gone in ["preemptions", "shed", "prefix hit rate", "ITL", "KV spread"] {
+            assert!(!md.contains(&format!("| {gone}")), "{gone}: {md}");
+        }
+        let md = workload_markdown(&without, &[]);
+        assert!(!md.contains("LoRA loads"), "{md}");
+        assert!(md.contains("| errors |\n"), "{md}");
+        assert!(md.contains("| throughput |\n"), "{md}");
+        assert!(md.contains("| round-robin | 16.00 | 32 |"), "{md}");
+    }
+
+    #[test]
+    fn fleet_plots_leave_out_the_counters_no_router_moved() {
+        let mut w = crate::compare::targets::tests::result(
+            &[4.0, 16.0],
+            &[],
+            None,
+            vec![router_run(
+                RouterKind::Kvroute,
+                vec![step(4.0, 40, 10.0, 0.0), step(16.0, 160, 10.0, 3.0)],
+            )],
+        );
+        let (name, panels) = fleet_panels(&w);
+        assert_eq!(name, "w-lora-loads.png");
+        assert_eq!(panels.len(), 1);
+        assert!(panels[0].integer);
+        w.runs[0].fleet_steps[0].preemptions = 4.0;
+        let (name, panels) = fleet_panels(&w);
+        assert_eq!((name.as_str(), panels.len()), ("w-preemptions-lora.png", 2));
+        for f in &mut w.runs[0].fleet_steps {
+            *f = WindowStats::default();
+        }
+        assert!(fleet_panels(&w).1.is_empty());
+    }
+
+    #[test]
+    fn plots_are_written_for_the_panels_that_move() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let w = crate::compare::targets::tests::result(
+            &[4.0, 16.0],
+            &[],
+            None,
+            vec![router_run(
+                RouterKind::Kvroute,
+                vec![step(4.0, 40, 10.0, 0.0), step(16.0, 160, 10.0, 0.0)],
+            )],
+        );
+        let files = plots(&w, dir.path()).expect("plots");
+        assert_eq!(files, vec!["w-ttft-p90.png".to_string()]);
+        let png = std::fs::read(dir.path().join(&files[0])).expect("png");
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+        assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 1);
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //!   objective; steady throughput at 2× at least [`OVERLOAD_THROUGHPUT_SHARE`] × capacity
 //!   (with round robin's at the same step beside it: in a 60 s step the second half is not
 //!   yet the fleet's steady state and reads above the long-run capacity, ~1.1×, for any
-//!   router that keeps the pods busy).
+//!   router that keeps the pods busy). Steady throughput counts the completions in the
+//!   second half of the step's arrivals, not the report's `req/s` (see `priority_checks`).
 //! * **Fairness** (a workload with two tenants or more and a step in which one tenant sends
 //!   alone, e.g. `noisy-tenant`): that tenant's p90 TTFT in each step shared with others at
 //!   most [`QUIET_TENANT_P90_RATIO`] × its p90 when alone.
@@ -191,6 +192,12 @@ fn priority_checks(w: &WorkloadResult) -> Vec<TargetCheck> {
                 sheddable.join(", ")
             ),
         });
+        // Not the tables' `req/s` (completed requests per second of the arrival window): at
+        // 2× capacity a router that queues everything completes every request in the end,
+        // and that figure would read 2× capacity for a fleet that serves 1×, the backlog
+        // drained after the arrivals credited to them. The rate of completions in the second
+        // half of the arrivals is the rate the loaded fleet sustains, and the check reads it
+        // for every router alike.
         let steady = o.throughput.steady_requests_per_s;
         let value = ratio(steady, Some(capacity));
         // Round robin never sheds and keeps every pod busy: what this fleet completed at

@@ -431,7 +431,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         workload_results.push(result);
     }
     let took = wall.elapsed();
-    let md = write_report(
+    let plots = write_report(
         &args,
         &routers,
         &setups,
@@ -441,7 +441,11 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         took,
         jobs,
     )?;
-    println!("{md}");
+    // The terminal gets compare's headline and compact tables; report.md has everything.
+    print!(
+        "{}",
+        crate::compare::summary::terminal(&workload_results, &plots, out)
+    );
     eprintln!(
         "kvroute-lab simulate: {:.1} s; report {}",
         took.as_secs_f64(),
@@ -477,7 +481,7 @@ fn write_report(
     out: &Path,
     took: Duration,
     jobs: usize,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<Vec<Vec<String>>> {
     use std::fmt::Write as _;
     let mut md = String::from("# kvroute simulate\n\n");
     let command: Vec<String> = std::env::args().collect();
@@ -535,9 +539,9 @@ fn write_report(
     md.push('\n');
     md.push_str(LEGEND);
     md.push('\n');
-    crate::compare::write_results(&mut md, results, out)?;
+    let plots = crate::compare::write_results(&mut md, results, out)?;
     let path = out.join("simulation.json");
     std::fs::write(&path, serde_json::to_string_pretty(stats)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(md)
+    Ok(plots)
 }
