@@ -117,6 +117,12 @@ impl Candidate {
         }
     }
 
+    /// Requests on the pod by what is known now: kvroute's own in flight, or the queue
+    /// the pod reported when other gateways' requests make it the longer.
+    pub(super) fn load(&self) -> u32 {
+        self.inflight.max(self.waiting)
+    }
+
     pub(super) fn free_kv(&self) -> Option<u64> {
         (self.free_kv != UNKNOWN).then_some(self.free_kv)
     }
@@ -141,12 +147,18 @@ pub(super) struct Filtered {
     pub(super) relaxed: Relaxed,
     /// Some candidate's whole KV pool could hold the request, or does not report its size.
     pub(super) could_fit: bool,
+    /// Cached prompt tokens a candidate needs to compete ([`sticky_floor`]); 0: any.
+    pub(super) sticky_floor: u32,
 }
 
 impl Filtered {
-    /// Whether the soft filters accept `candidate`.
+    /// Whether `candidate` competes: the soft filters accept it, or it holds the prompt's
+    /// prefix while stickiness applies ([`sticky_floor`]). A holder stays in whatever the
+    /// soft filters say of it: the request goes to one of them, queueing there if it must,
+    /// rather than copy the context; `relaxed` still says what the filters found.
     pub(super) fn accepts(&self, candidate: &Candidate) -> bool {
         self.accepted & (1 << candidate.flags) != 0
+            || (self.sticky_floor > 0 && candidate.cached >= self.sticky_floor)
     }
 
     /// The accepted candidates with their positions in `candidates`.
@@ -217,13 +229,51 @@ pub(super) fn filter(
         return Err(PickError::NoReadyEndpoint);
     }
     let (accepted, relaxed) = soft_filters(&present);
+    let sticky_floor = sticky_floor(&candidates, demand.prompt);
     Ok(Filtered {
         candidates,
         accepted,
         relaxed,
         could_fit,
+        sticky_floor,
     })
 }
+
+/// Prefix stickiness: when a candidate caches at least half of the prompt, only
+/// candidates caching at least half as much compete, unless even the least loaded of them
+/// has [`STICKY_SLACK`] more requests in flight than the least loaded candidate of all.
+/// Copying a long context to another pod costs KV the whole fleet shares, so the context
+/// moves only for a real imbalance, as with the cache-aware peers. Returns the cached
+/// tokens a candidate needs to compete (0: everyone).
+fn sticky_floor(candidates: &[Candidate], prompt: u64) -> u32 {
+    let (mut best, mut least) = (0u32, u32::MAX);
+    for c in candidates {
+        best = best.max(c.cached);
+        least = least.min(c.load());
+    }
+    if prompt == 0 || u64::from(best) * 2 < prompt {
+        return 0;
+    }
+    let floor = best / 2;
+    let holders_least = candidates
+        .iter()
+        .filter(|c| c.cached >= floor)
+        .map(Candidate::load)
+        .min()
+        .unwrap_or(u32::MAX);
+    if holders_least > least.saturating_add(STICKY_SLACK) {
+        0
+    } else {
+        floor
+    }
+}
+
+/// Requests by which a prefix holder's load may exceed the least loaded candidate's while
+/// it keeps the prefix's requests. Measured with `kvroute-lab simulate` on
+/// `shared-prefix-pressure` (docs/benchmarks.md): 16 kept p90 TTFT lowest at the knee;
+/// no limit did better below it and past it, at the price of no guard against one pod
+/// taking every request of a hot prefix.
+const STICKY_SLACK: u32 = 16;
 
 /// Applies the soft filters in order to the flag combinations present (`present[f]`:
 /// some candidate has flags `f`). Returns the set of accepted combinations as a bitmap

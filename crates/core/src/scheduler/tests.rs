@@ -1034,3 +1034,67 @@ fn kv_use_does_not_turn_a_request_away_from_the_pod_that_caches_its_context() {
     assert_eq!(cold.endpoint, endpoint(2));
     assert_eq!(cold.candidates, 1);
 }
+
+/// Pods of 30,000 KV tokens at `usage`, with `waiting` requests queued.
+fn pressed(n: u16, usage: f64, waiting: u32) -> PodView {
+    with_metrics(pod(n), |m| {
+        m.kv_capacity_tokens = Some(30_000);
+        m.kv_usage = usage;
+        m.waiting = waiting;
+    })
+}
+
+#[test]
+fn the_pod_holding_most_of_the_prompt_keeps_it_while_saturated_and_short_of_kv() {
+    // Pod 1 caches 2,992 of the 3,200 prompt tokens but is saturated (9 waiting) and has
+    // 300 tokens free against the 408 the request needs there; pod 2 is idle. Copying the
+    // context to pod 2 would cost 2,992 tokens of KV more: the request queues on pod 1.
+    let prefix = matches(200, &[(1, 187)]);
+    let ask = Ask {
+        max_output_tokens: Some(200),
+        prefix: Some(&prefix),
+        ..request("base", 3_200)
+    };
+    let snapshot = fleet(vec![pressed(1, 0.99, 9), pressed(2, 0.1, 0)]);
+    let decision = pick_seeded(&ask, &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+    assert_eq!(decision.reason, Reason::PrefixCache);
+    assert!(
+        !decision.relaxed.any(),
+        "pod 2 passes the filters: {decision:?}"
+    );
+    assert_eq!(decision.candidates, 2);
+
+    // A prompt pod 1 holds less than half of is placed as before: on pod 2.
+    let short = matches(200, &[(1, 90)]);
+    let ask = Ask {
+        prefix: Some(&short),
+        ..ask
+    };
+    assert_eq!(
+        pick_seeded(&ask, &snapshot).expect("placed").endpoint,
+        endpoint(2)
+    );
+}
+
+#[test]
+fn a_prefix_holder_loaded_past_the_slack_gives_the_prefix_up() {
+    let prefix = matches(200, &[(1, 187)]);
+    let ask = Ask {
+        max_output_tokens: Some(200),
+        prefix: Some(&prefix),
+        ..request("base", 3_200)
+    };
+    // 17 more requests than the idle pod: past the slack of 16, the context moves.
+    let snapshot = fleet(vec![pressed(1, 0.99, 17), pressed(2, 0.1, 0)]);
+    assert_eq!(
+        pick_seeded(&ask, &snapshot).expect("placed").endpoint,
+        endpoint(2)
+    );
+    // At the slack, it stays.
+    let snapshot = fleet(vec![pressed(1, 0.99, 16), pressed(2, 0.1, 0)]);
+    assert_eq!(
+        pick_seeded(&ask, &snapshot).expect("placed").endpoint,
+        endpoint(1)
+    );
+}
