@@ -125,7 +125,7 @@ pub fn tries(args: &UpArgs) -> Vec<Try> {
         },
         Try {
             what: format!(
-                "Another adapter, `{other_adapter}`. In `kvroute tap` (the last command), each pod's adapter tier shows: one whose every slot holds another running adapter ranks last (`must_evict`)."
+                "Another adapter, `{other_adapter}`. In `kvroute tap` (the last command), each pod's adapter tier shows: one whose slot holds `{adapter}` ranks lower (`evict_idle` once `{adapter}` is idle, `must_evict` while it runs)."
             ),
             command: post(
                 "/v1/completions",

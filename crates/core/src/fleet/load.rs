@@ -230,6 +230,23 @@ impl PodLoad {
             .position(|slot| slot.load(Ordering::Relaxed) == key)
     }
 
+    /// [`PodLoad::adapter_recency`], and how many distinct adapters kvroute sent here
+    /// lately (at most [`RECENT_ADAPTERS`]), in one pass: remembered adapters fill the
+    /// list from its start.
+    pub fn adapter_standing(&self, key: u64) -> (Option<usize>, usize) {
+        let mut rank = None;
+        for (position, slot) in self.recent_adapters.iter().enumerate() {
+            let remembered = slot.load(Ordering::Relaxed);
+            if remembered == 0 {
+                return (rank, position);
+            }
+            if remembered == key {
+                rank = Some(position);
+            }
+        }
+        (rank, RECENT_ADAPTERS)
+    }
+
     /// Marks the start of a scrape; pass the ticket to [`PodLoad::scrape_succeeded`].
     pub fn scrape_started(&self) -> ScrapeTicket {
         let mut ledger = self.lock();

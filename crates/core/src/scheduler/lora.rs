@@ -24,6 +24,10 @@ pub enum LoraTier {
     FreeSlot,
     /// The pod reports no LoRA state (fresh pod or LoRA metrics missing).
     Unknown,
+    /// No running adapter holds every slot, but idle adapters kvroute sent lately likely
+    /// do (vLLM keeps them loaded and reports only running and waiting ones): loading
+    /// this one evicts one of them, which its next request then loads again.
+    EvictIdle,
     /// Requests for the adapter already wait on the pod.
     Waiting,
     /// Every slot holds another adapter.
@@ -32,11 +36,12 @@ pub enum LoraTier {
 
 impl LoraTier {
     /// Every tier, best first.
-    pub const ALL: [LoraTier; 6] = [
+    pub const ALL: [LoraTier; 7] = [
         LoraTier::Active,
         LoraTier::Warm,
         LoraTier::FreeSlot,
         LoraTier::Unknown,
+        LoraTier::EvictIdle,
         LoraTier::Waiting,
         LoraTier::MustEvict,
     ];
@@ -50,18 +55,19 @@ impl LoraTier {
             LoraSlots::of(lora),
             lora.is_some_and(|l| l.running.iter().any(|a| a == adapter)),
             lora.is_some_and(|l| l.waiting.iter().any(|a| a == adapter)),
-            || load.adapter_recency(key),
+            || load.adapter_standing(key),
         )
     }
 
     /// The tier of a pod with `slots` whose running (`running`) or waiting (`waiting`)
-    /// requests include the adapter; `recency` is where the adapter stands among those
-    /// kvroute sent the pod lately (0: the last one), asked only when it matters.
+    /// requests include the adapter; `recency` says where the adapter stands among those
+    /// kvroute sent the pod lately (0: the last one) and how many distinct adapters it
+    /// sent there lately, asked only when it matters.
     pub fn decide(
         slots: LoraSlots,
         running: bool,
         waiting: bool,
-        recency: impl FnOnce() -> Option<usize>,
+        recency: impl FnOnce() -> (Option<usize>, usize),
     ) -> LoraTier {
         if !slots.reported {
             return LoraTier::Unknown;
@@ -85,13 +91,18 @@ impl LoraTier {
         }
         // Among the last `max_lora` distinct adapters sent here: vLLM evicts idle
         // adapters least recently used first, so it is most likely still loaded.
-        if recency().is_some_and(|rank| rank < max) {
+        let (rank, remembered) = recency();
+        if rank.is_some_and(|rank| rank < max) {
             return LoraTier::Warm;
         }
-        if usize::from(slots.in_use) < max {
-            LoraTier::FreeSlot
+        if usize::from(slots.in_use) >= max {
+            return LoraTier::MustEvict;
+        }
+        // The other adapters sent here lately, idle now, likely fill every slot.
+        if remembered - usize::from(rank.is_some()) >= max {
+            LoraTier::EvictIdle
         } else {
-            LoraTier::MustEvict
+            LoraTier::FreeSlot
         }
     }
 
@@ -102,6 +113,7 @@ impl LoraTier {
             LoraTier::Warm => 0.9,
             LoraTier::FreeSlot => 0.6,
             LoraTier::Unknown => 0.5,
+            LoraTier::EvictIdle => 0.45,
             LoraTier::Waiting => 0.4,
             LoraTier::MustEvict => 0.0,
         }
@@ -114,6 +126,7 @@ impl LoraTier {
             LoraTier::Warm => "warm",
             LoraTier::FreeSlot => "free_slot",
             LoraTier::Unknown => "unknown",
+            LoraTier::EvictIdle => "evict_idle",
             LoraTier::Waiting => "waiting",
             LoraTier::MustEvict => "must_evict",
         }
@@ -126,6 +139,7 @@ impl LoraTier {
             LoraTier::Warm => "lora_warm",
             LoraTier::FreeSlot => "lora_free_slot",
             LoraTier::Unknown => "lora_unknown",
+            LoraTier::EvictIdle => "lora_evict_idle",
             LoraTier::Waiting => "lora_waiting",
             LoraTier::MustEvict => "lora_evict",
         }

@@ -108,7 +108,7 @@ impl<'a> Scorer<'a> {
                 self.fleet.snapshot().adapters.slots(index),
                 self.adapter_running.contains(index),
                 self.adapter_waiting.contains(index),
-                || self.fleet.load(index).adapter_recency(self.adapter_key),
+                || self.fleet.load(index).adapter_standing(self.adapter_key),
             )
         })
     }

@@ -611,9 +611,34 @@ fn a_pod_that_was_sent_more_other_adapters_than_it_has_slots_is_no_longer_warm()
     load.note_adapter(adapter_key("a1"));
     load.note_adapter(adapter_key("a2"));
     load.note_adapter(adapter_key("a3"));
-    // max_lora is 2: a1 was pushed out by a2 and a3.
+    // max_lora is 2: a1 was pushed out by a2 and a3, which now hold both slots, idle.
     let decision = pick_seeded(&request("a1", 100), &snapshot).expect("placed");
-    assert_eq!(decision.reason, Reason::Lora(LoraTier::FreeSlot));
+    assert_eq!(decision.reason, Reason::Lora(LoraTier::EvictIdle));
+}
+
+#[test]
+fn a_pod_whose_slots_hold_idle_adapters_sent_lately_ranks_below_one_with_a_free_slot() {
+    // max_lora 2, no request running anywhere: vLLM lists no adapter on either pod. Pod 1
+    // was sent a2 and a3 a moment ago and keeps both loaded; loading a1 there evicts one,
+    // which its next request loads again. Pod 2 was sent only a2: a slot is free.
+    let snapshot = fleet(vec![pod(1), pod(2)]);
+    let (_, full) = snapshot.pod(endpoint(1)).expect("known");
+    full.note_adapter(adapter_key("a2"));
+    full.note_adapter(adapter_key("a3"));
+    let (_, half) = snapshot.pod(endpoint(2)).expect("known");
+    half.note_adapter(adapter_key("a2"));
+    for seed in 0..10 {
+        let decision = pick(
+            &request("a1", 100),
+            &snapshot,
+            &SchedulerConfig::default(),
+            &mut SmallRng::seed_from_u64(seed),
+        )
+        .expect("placed");
+        assert_eq!(decision.endpoint, endpoint(2), "{decision:?}");
+        assert_eq!(decision.reason, Reason::Lora(LoraTier::FreeSlot));
+        assert_eq!(decision.ranked[1].lora_tier, Some(LoraTier::EvictIdle));
+    }
 }
 
 /// Prefix matches for a fleet of pods 1..=k (as every test below builds it), whose
@@ -823,7 +848,7 @@ fn a_subset_hint_of_a_bare_host_admits_that_host_and_no_other() {
 fn every_reason_has_its_own_label() {
     let labels: std::collections::BTreeSet<&str> = Reason::all().map(|r| r.as_str()).collect();
     assert_eq!(labels.len(), Reason::all().count());
-    assert_eq!(labels.len(), 10);
+    assert_eq!(labels.len(), 11);
 }
 
 /// Reserves `decision`'s KV need on its pod, as the gateway does after a pick.

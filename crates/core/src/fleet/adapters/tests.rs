@@ -61,7 +61,7 @@ proptest! {
                     index.slots(position),
                     running.contains(position),
                     waiting.contains(position),
-                    || load.adapter_recency(key),
+                    || load.adapter_standing(key),
                 );
                 prop_assert_eq!(from_index, from_lists, "pod {} adapter {}", position, adapter);
             }

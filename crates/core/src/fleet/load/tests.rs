@@ -73,6 +73,8 @@ fn recently_sent_adapters_are_remembered_most_recent_first() {
     assert_eq!(load.adapter_recency(a), Some(0));
     assert_eq!(load.adapter_recency(c), Some(1));
     assert_eq!(load.adapter_recency(b), Some(2));
+    assert_eq!(load.adapter_standing(b), (Some(2), 3));
+    assert_eq!(load.adapter_standing(adapter_key("d")), (None, 3));
     for n in 0..RECENT_ADAPTERS {
         load.note_adapter(adapter_key(&format!("other-{n}")));
     }
