@@ -32,6 +32,16 @@ use anyhow::Context;
 /// The workload files `compare` runs when given none.
 pub const WORKLOADS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/workloads");
 
+/// `given` (a command's `--kvroute`), else [`gateway_binary`].
+pub fn gateway_binary_or(given: Option<&std::path::Path>) -> anyhow::Result<PathBuf> {
+    given.map_or_else(gateway_binary, |path| Ok(path.to_path_buf()))
+}
+
+/// `given` (a command's `--sim`), else [`sim_binary`].
+pub fn sim_binary_or(given: Option<&std::path::Path>) -> anyhow::Result<PathBuf> {
+    given.map_or_else(sim_binary, |path| Ok(path.to_path_buf()))
+}
+
 /// The gateway binary: `kvroute` beside this program (cargo builds every binary of the
 /// workspace into one directory; tests and benchmarks run from its `deps/`).
 pub fn gateway_binary() -> anyhow::Result<PathBuf> {

@@ -66,6 +66,30 @@ pub struct UpArgs {
     pub sim: Option<PathBuf>,
 }
 
+/// The flags of the ports `up` binds besides the pods', in [`UpArgs::ports`]' order.
+pub const PORT_FLAGS: [&str; 6] = [
+    "--port",
+    "--envoy-admin-port",
+    "--grpc-port",
+    "--admin-port",
+    "--metrics-port",
+    "--debug-port",
+];
+
+impl UpArgs {
+    /// The ports named by [`PORT_FLAGS`], in order.
+    pub fn ports(&self) -> [u16; 6] {
+        [
+            self.port,
+            self.envoy_admin_port,
+            self.grpc_port,
+            self.admin_port,
+            self.metrics_port,
+            self.debug_port,
+        ]
+    }
+}
+
 /// The model the simulated pods serve.
 const MODEL: &str = kvroute_sim::config::DEFAULT_MODEL;
 
@@ -230,14 +254,7 @@ pub fn instructions(args: &UpArgs, on_path: bool) -> String {
 
 /// Fails with the flag to change when one of the ports is taken.
 fn check_ports_free(args: &UpArgs) -> anyhow::Result<()> {
-    let mut ports = vec![
-        (args.port, "--port"),
-        (args.envoy_admin_port, "--envoy-admin-port"),
-        (args.grpc_port, "--grpc-port"),
-        (args.admin_port, "--admin-port"),
-        (args.metrics_port, "--metrics-port"),
-        (args.debug_port, "--debug-port"),
-    ];
+    let mut ports: Vec<(u16, &str)> = args.ports().into_iter().zip(PORT_FLAGS).collect();
     for i in 0..args.pods {
         let port = u16::try_from(u32::from(args.pods_port) + u32::from(i))
             .context("--pods-port + --pods runs past port 65535")?;
@@ -273,14 +290,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     check_ports_free(&args)?;
     let dir = &args.log_dir;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let kvroute_bin = match &args.kvroute {
-        Some(path) => path.clone(),
-        None => crate::gateway_binary()?,
-    };
-    let sim_bin = match &args.sim {
-        Some(path) => path.clone(),
-        None => crate::sim_binary()?,
-    };
+    let kvroute_bin = crate::gateway_binary_or(args.kvroute.as_deref())?;
+    let sim_bin = crate::sim_binary_or(args.sim.as_deref())?;
     let envoy_bin = args.envoy.clone().unwrap_or_else(envoy_binary);
     let pods: Vec<SocketAddr> = (0..args.pods)
         .map(|i| SocketAddr::from(([127, 0, 0, 1], args.pods_port + i)))
@@ -519,15 +530,7 @@ mod tests {
     fn free_args(extra: &[&str]) -> UpArgs {
         let free = || crate::envoy::free_port().expect("a free port").to_string();
         let mut all: Vec<String> = extra.iter().map(ToString::to_string).collect();
-        for flag in [
-            "--port",
-            "--envoy-admin-port",
-            "--grpc-port",
-            "--admin-port",
-            "--metrics-port",
-            "--debug-port",
-            "--pods-port",
-        ] {
+        for flag in PORT_FLAGS.into_iter().chain(["--pods-port"]) {
             if !extra.contains(&flag) {
                 all.extend([flag.to_string(), free()]);
             }

@@ -18,7 +18,7 @@ use clap::Parser;
 use rustix::process::{Pid, Signal, kill_process};
 
 use kvroute_lab::envoy::free_port;
-use kvroute_lab::up::{READY_LINE, Try, UpArgs, instructions, tries};
+use kvroute_lab::up::{PORT_FLAGS, READY_LINE, Try, UpArgs, instructions, tries};
 use support::{envoy_binary, processes_marked};
 
 const README: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md");
@@ -135,14 +135,7 @@ struct Ran {
 fn the_readme_quick_start_runs_as_written() {
     let logs = tempfile::tempdir().expect("tempdir");
     let mut flags: Vec<String> = Vec::new();
-    for flag in [
-        "--port",
-        "--envoy-admin-port",
-        "--grpc-port",
-        "--admin-port",
-        "--metrics-port",
-        "--debug-port",
-    ] {
+    for flag in PORT_FLAGS {
         flags.extend([flag.to_string(), free_port().expect("port").to_string()]);
     }
     flags.extend(["--pods-port".into(), two_free_ports().to_string()]);
@@ -150,16 +143,15 @@ fn the_readme_quick_start_runs_as_written() {
     let here = up_args(&flags);
     let documented = up_args(&[]);
     // The ports of this run, and the documented ones they stand for in the transcript.
-    let ports = [
-        (here.port, documented.port),
-        (here.envoy_admin_port, documented.envoy_admin_port),
-        (here.grpc_port, documented.grpc_port),
-        (here.admin_port, documented.admin_port),
-        (here.metrics_port, documented.metrics_port),
-        (here.debug_port, documented.debug_port),
-        (here.pods_port, documented.pods_port),
-        (here.pods_port + 1, documented.pods_port + 1),
-    ];
+    let ports: Vec<(u16, u16)> = here
+        .ports()
+        .into_iter()
+        .zip(documented.ports())
+        .chain([
+            (here.pods_port, documented.pods_port),
+            (here.pods_port + 1, documented.pods_port + 1),
+        ])
+        .collect();
     let log_dir = logs.path().display().to_string();
     let as_documented = |text: &str| {
         ports.iter().fold(
@@ -248,7 +240,7 @@ fn the_readme_quick_start_runs_as_written() {
         leftover.is_empty(),
         "left running after Ctrl-C: {leftover:?}"
     );
-    for (port, _) in ports {
+    for &(port, _) in &ports {
         std::net::TcpListener::bind(("127.0.0.1", port))
             .unwrap_or_else(|e| panic!("port {port} still held after Ctrl-C: {e}"));
     }

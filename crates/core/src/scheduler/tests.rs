@@ -1060,6 +1060,15 @@ fn kv_use_does_not_turn_a_request_away_from_the_pod_that_caches_its_context() {
     assert_eq!(cold.candidates, 1);
 }
 
+/// A 3,200-token request, 200 tokens out, whose leading blocks `prefix` places.
+fn context_request(prefix: &PrefixMatches) -> Ask<'_> {
+    Ask {
+        max_output_tokens: Some(200),
+        prefix: Some(prefix),
+        ..request("base", 3_200)
+    }
+}
+
 /// Pods of 30,000 KV tokens at `usage`, with `waiting` requests queued.
 fn pressed(n: u16, usage: f64, waiting: u32) -> PodView {
     with_metrics(pod(n), |m| {
@@ -1075,11 +1084,7 @@ fn the_pod_holding_most_of_the_prompt_keeps_it_while_saturated_and_short_of_kv()
     // 300 tokens free against the 408 the request needs there; pod 2 is idle. Copying the
     // context to pod 2 would cost 2,992 tokens of KV more: the request queues on pod 1.
     let prefix = matches(200, &[(1, 187)]);
-    let ask = Ask {
-        max_output_tokens: Some(200),
-        prefix: Some(&prefix),
-        ..request("base", 3_200)
-    };
+    let ask = context_request(&prefix);
     let snapshot = fleet(vec![pressed(1, 0.99, 9), pressed(2, 0.1, 0)]);
     let decision = pick_seeded(&ask, &snapshot).expect("placed");
     assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
@@ -1105,11 +1110,7 @@ fn the_pod_holding_most_of_the_prompt_keeps_it_while_saturated_and_short_of_kv()
 #[test]
 fn a_prefix_holder_loaded_past_the_slack_gives_the_prefix_up() {
     let prefix = matches(200, &[(1, 187)]);
-    let ask = Ask {
-        max_output_tokens: Some(200),
-        prefix: Some(&prefix),
-        ..request("base", 3_200)
-    };
+    let ask = context_request(&prefix);
     // 17 more requests than the idle pod: past the slack of 16, the context moves.
     let snapshot = fleet(vec![pressed(1, 0.99, 17), pressed(2, 0.1, 0)]);
     assert_eq!(

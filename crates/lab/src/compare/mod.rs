@@ -27,7 +27,6 @@ use self::fleet_stats::{Sampler, window};
 use self::report::{RouterRun, WorkloadResult};
 use self::routers::Tools;
 use crate::envoy::envoy_binary;
-use crate::gateway_binary;
 use crate::loadgen::{BenchArgs, Plan, Workload, WorkloadError, bench};
 use kvroute_sim::SimFleet;
 
@@ -314,10 +313,7 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let tools = Tools {
         envoy: args.envoy.clone().unwrap_or_else(envoy_binary),
-        kvroute: match &args.kvroute {
-            Some(path) => path.clone(),
-            None => gateway_binary()?,
-        },
+        kvroute: crate::gateway_binary_or(args.kvroute.as_deref())?,
         python: args
             .python
             .clone()

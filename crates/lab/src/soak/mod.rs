@@ -284,14 +284,8 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     let out = &args.output_dir;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let envoy_bin = args.envoy.clone().unwrap_or_else(envoy_binary);
-    let kvroute_bin = match &args.kvroute {
-        Some(path) => path.clone(),
-        None => crate::gateway_binary()?,
-    };
-    let sim_bin = match &args.sim {
-        Some(path) => path.clone(),
-        None => crate::sim_binary()?,
-    };
+    let kvroute_bin = crate::gateway_binary_or(args.kvroute.as_deref())?;
+    let sim_bin = crate::sim_binary_or(args.sim.as_deref())?;
     let kinds = if args.faults.is_empty() {
         FaultKind::ALL.to_vec()
     } else {
