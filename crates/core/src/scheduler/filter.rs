@@ -241,7 +241,8 @@ pub(super) fn filter(
 
 /// Prefix stickiness: when a candidate caches at least half of the prompt, only
 /// candidates caching at least half as much compete, unless even the least loaded of them
-/// has [`STICKY_SLACK`] more requests in flight than the least loaded candidate of all.
+/// carries [`STICKY_SLACK`] more requests ([`Candidate::load`]) than the least loaded
+/// candidate of all.
 /// Copying a long context to another pod costs KV the whole fleet shares, so the context
 /// moves only for a real imbalance, as with the cache-aware peers. Returns the cached
 /// tokens a candidate needs to compete (0: everyone).
@@ -269,10 +270,10 @@ fn sticky_floor(candidates: &[Candidate], prompt: u64) -> u32 {
 }
 
 /// Requests by which a prefix holder's load may exceed the least loaded candidate's while
-/// it keeps the prefix's requests. Measured with `kvroute-lab simulate` on
-/// `shared-prefix-pressure` (docs/benchmarks.md): 16 kept p90 TTFT lowest at the knee;
-/// no limit did better below it and past it, at the price of no guard against one pod
-/// taking every request of a hot prefix.
+/// it keeps the prefix's requests. Chosen with `kvroute-lab simulate` on
+/// `shared-prefix-pressure` over 8 trace seeds (docs/benchmarks.md): 16 gave the lowest
+/// p90 TTFT below the knee, 64 a lower one at and past it, 4 lost most of the gain; with
+/// no limit, one pod could take every request of a hot prefix.
 const STICKY_SLACK: u32 = 16;
 
 /// Applies the soft filters in order to the flag combinations present (`present[f]`:
