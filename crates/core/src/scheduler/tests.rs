@@ -112,6 +112,21 @@ fn tokens_needed(ask: &Ask<'_>, config: &SchedulerConfig) -> u64 {
     super::tokens_needed(&request, config)
 }
 
+/// The default configuration's pick under ten RNG seeds (ties break differently).
+fn pick_under_seeds<'a>(
+    request: &'a Ask<'_>,
+    fleet: &'a Fleet,
+) -> impl Iterator<Item = Result<Decision, PickError>> + 'a {
+    (0..10).map(move |seed| {
+        pick(
+            request,
+            fleet,
+            &SchedulerConfig::default(),
+            &mut SmallRng::seed_from_u64(seed),
+        )
+    })
+}
+
 fn pick_seeded(request: &Ask<'_>, fleet: &Fleet) -> Result<Decision, PickError> {
     pick(
         request,
@@ -591,14 +606,9 @@ fn an_adapter_sent_to_a_pod_recently_keeps_its_affinity_after_its_requests_finis
     let snapshot = fleet(vec![pod(1), pod(2), pod(3)]);
     let (_, warm) = snapshot.pod(endpoint(2)).expect("known");
     warm.note_adapter(adapter_key("a1"));
-    for seed in 0..10 {
-        let decision = pick(
-            &request("a1", 100),
-            &snapshot,
-            &SchedulerConfig::default(),
-            &mut SmallRng::seed_from_u64(seed),
-        )
-        .expect("placed");
+    let ask = request("a1", 100);
+    for decision in pick_under_seeds(&ask, &snapshot) {
+        let decision = decision.expect("placed");
         assert_eq!(decision.endpoint, endpoint(2));
         assert_eq!(decision.reason, Reason::Lora(LoraTier::Warm));
     }
@@ -627,14 +637,9 @@ fn a_pod_whose_slots_hold_idle_adapters_sent_lately_ranks_below_one_with_a_free_
     full.note_adapter(adapter_key("a3"));
     let (_, half) = snapshot.pod(endpoint(2)).expect("known");
     half.note_adapter(adapter_key("a2"));
-    for seed in 0..10 {
-        let decision = pick(
-            &request("a1", 100),
-            &snapshot,
-            &SchedulerConfig::default(),
-            &mut SmallRng::seed_from_u64(seed),
-        )
-        .expect("placed");
+    let ask = request("a1", 100);
+    for decision in pick_under_seeds(&ask, &snapshot) {
+        let decision = decision.expect("placed");
         assert_eq!(decision.endpoint, endpoint(2), "{decision:?}");
         assert_eq!(decision.reason, Reason::Lora(LoraTier::FreeSlot));
         assert_eq!(decision.ranked[1].lora_tier, Some(LoraTier::EvictIdle));
@@ -657,18 +662,12 @@ fn matches(request_blocks: u32, held: &[(u16, u32)]) -> PrefixMatches {
 fn a_pod_holding_the_prompts_prefix_wins_among_equally_loaded_pods() {
     let snapshot = fleet(vec![pod(1), pod(2), pod(3)]);
     let held = matches(10, &[(2, 8), (3, 2)]);
-    for seed in 0..10 {
-        let req = Ask {
-            prefix: Some(&held),
-            ..request("base", 500)
-        };
-        let decision = pick(
-            &req,
-            &snapshot,
-            &SchedulerConfig::default(),
-            &mut SmallRng::seed_from_u64(seed),
-        )
-        .expect("placed");
+    let req = Ask {
+        prefix: Some(&held),
+        ..request("base", 500)
+    };
+    for decision in pick_under_seeds(&req, &snapshot) {
+        let decision = decision.expect("placed");
         assert_eq!(decision.endpoint, endpoint(2));
         assert_eq!(decision.reason, Reason::PrefixCache);
         assert!((decision.ranked[0].prefix - 0.8).abs() < 1e-9);
@@ -829,17 +828,11 @@ fn a_data_parallel_pod_is_saturated_by_its_queue_per_engine_not_its_total() {
 fn a_subset_hint_of_a_bare_host_admits_that_host_and_no_other() {
     let snapshot = fleet(vec![pod(1), pod(2), pod(3)]);
     let subset = EndpointSubset::parse(["10.0.0.3"]);
-    for seed in 0..10 {
-        let req = Ask {
-            subset: Some(&subset),
-            ..request("base", 10)
-        };
-        let decision = pick(
-            &req,
-            &snapshot,
-            &SchedulerConfig::default(),
-            &mut SmallRng::seed_from_u64(seed),
-        );
+    let req = Ask {
+        subset: Some(&subset),
+        ..request("base", 10)
+    };
+    for decision in pick_under_seeds(&req, &snapshot) {
         assert_eq!(decision.map(|d| d.endpoint), Ok(endpoint(3)));
     }
 }

@@ -606,6 +606,11 @@ mod tests {
 
     /// Ends a routed request as the simulation does: its reservation goes, its tenant's
     /// share ends.
+    /// The slots a dispatch pass routed, in its order.
+    fn routed_slots(pass: &Pass) -> Vec<u32> {
+        pass.routed.iter().map(|(slot, _)| *slot).collect()
+    }
+
     fn end(k: &mut Kvroute, r: Routed) {
         let tenant = r.tenant.clone().expect("kvroute counts a tenant");
         drop(r);
@@ -625,13 +630,7 @@ mod tests {
         assert!(pass.routed.is_empty() && pass.expired.is_empty());
         end(&mut k, first);
         let pass = k.dispatch(secs(3));
-        assert_eq!(
-            pass.routed
-                .iter()
-                .map(|(slot, _)| *slot)
-                .collect::<Vec<_>>(),
-            [1]
-        );
+        assert_eq!(routed_slots(&pass), [1]);
         assert_eq!(k.waiting(), 0);
         // A newcomer behind a waiting request of its priority queues even when it fits.
         let big = k.route(secs(4), request(8_000), &class(0), 2);
@@ -682,10 +681,7 @@ mod tests {
         end(&mut k, first);
         let pass = k.dispatch(secs(3));
         assert_eq!(
-            pass.routed
-                .iter()
-                .map(|(slot, _)| *slot)
-                .collect::<Vec<_>>(),
+            routed_slots(&pass),
             [2],
             "the pod has room for one: the critical one"
         );
