@@ -210,9 +210,13 @@ impl WorkloadResult {
 
     /// The columns this workload's tables keep (see [`columns`](super::columns)).
     pub fn columns(&self) -> Vec<Column> {
-        let rows = self.rows();
-        kept_columns(rows.iter().flat_map(|(_, rs)| rs))
+        columns_of(&self.rows())
     }
+}
+
+/// The columns kept for a workload whose routers' rows are `rows` ([`WorkloadResult::rows`]).
+pub fn columns_of(rows: &[(RouterKind, Vec<Row>)]) -> Vec<Column> {
+    kept_columns(rows.iter().flat_map(|(_, rs)| rs))
 }
 
 pub(crate) fn num(v: Option<f64>, digits: usize) -> String {
@@ -260,7 +264,7 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
         let _ = writeln!(s, "**{} failed**: {reason}\n", kind.name());
     }
     let rows = w.rows();
-    let columns = w.columns();
+    let columns = columns_of(&rows);
     let header: Vec<&str> = columns.iter().map(|c| c.header()).collect();
     for &rate in &w.rates {
         let marker = if knee.is_some_and(|k| same_rate(k, rate)) {

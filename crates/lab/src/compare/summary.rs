@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use super::columns::Column;
-use super::report::{KNEE_FACTOR, Row, WorkloadResult, num, ratio, same_rate};
+use super::report::{KNEE_FACTOR, Row, WorkloadResult, columns_of, num, ratio, same_rate};
 use super::routers::RouterKind;
 
 /// The terminal width the summary is laid out for.
@@ -169,7 +169,8 @@ pub fn compact_table(w: &WorkloadResult) -> Vec<String> {
     if w.runs.is_empty() {
         return Vec::new();
     }
-    let kept = w.columns();
+    let rows = w.rows();
+    let kept = columns_of(&rows);
     let mut columns = vec![
         Column::RequestsPerS,
         Column::TtftP90,
@@ -183,7 +184,6 @@ pub fn compact_table(w: &WorkloadResult) -> Vec<String> {
             .take(COMPACT_EXTRAS),
     );
     let knee = w.knee();
-    let rows = w.rows();
     let title = format!("{} by rate (all columns in report.md):", w.workload);
     loop {
         let mut header = vec!["rate", "router"];
