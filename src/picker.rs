@@ -5,7 +5,8 @@
 //! Flow control: a request that fits no pod now (no pod has the KV it needs) is not placed
 //! on the least bad pod, where it would make it preempt: it waits in the [`waiting`] room
 //! until a pod has room, is refused at once when sheddable (negative priority; also when
-//! every pod is saturated) or when the room is full, and gets 429 when its wait runs out. A newcomer does not pass requests of its priority or higher already waiting.
+//! every pod is saturated) or when the room is full, and gets 429 when its wait runs out.
+//! A newcomer does not pass requests of its priority or higher already waiting.
 
 mod waiting;
 
@@ -510,14 +511,7 @@ impl Router for LivePicker {
         if queues && request.model().is_some() && self.room.must_queue_behind(class.priority) {
             return self.hold(request, class, blocks, labels, first_token_visible, false);
         }
-        // Sheddable requests are refused rather than placed without room, queue or not.
-        // A request without a model (GET /v1/models) takes no KV: it never waits for room.
-        let hold = match (request.model(), is_sheddable(class.priority), queues) {
-            (None, _, _) => Hold::Never,
-            (Some(_), true, _) => Hold::WhenSaturated,
-            (Some(_), false, true) => Hold::WithoutKv,
-            (Some(_), false, false) => Hold::Never,
-        };
+        let hold = Hold::on_arrival(request.model().is_some(), class.priority, queues);
         let started = Instant::now();
         let config = self.rules_for(class.priority, &class.tenant);
         let placed = self.place(request, &blocks, &fleet, first_token_visible, hold, config);

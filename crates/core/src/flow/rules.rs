@@ -32,6 +32,19 @@ pub enum Hold {
 }
 
 impl Hold {
+    /// What a newly arrived request is held or refused on: a request without a model (GET
+    /// /v1/models) takes no KV and is never held; a sheddable one is refused, queue or not,
+    /// rather than placed without room or on saturated pods; any other waits for KV when
+    /// the gateway `queues`.
+    pub fn on_arrival(names_model: bool, priority: Priority, queues: bool) -> Hold {
+        match (names_model, is_sheddable(priority), queues) {
+            (false, _, _) => Hold::Never,
+            (true, true, _) => Hold::WhenSaturated,
+            (true, false, true) => Hold::WithoutKv,
+            (true, false, false) => Hold::Never,
+        }
+    }
+
     /// Whether `decision` is declined.
     pub fn declines(self, decision: &Decision) -> bool {
         match self {
@@ -158,5 +171,13 @@ mod tests {
         assert!(Hold::WithoutKv.declines(&decision));
         decision.could_fit = false;
         assert!(!Hold::WithoutKv.declines(&decision), "waiting cannot help");
+    }
+
+    #[test]
+    fn on_arrival_a_request_without_a_model_is_never_held_and_a_sheddable_one_always_may_be() {
+        assert_eq!(Hold::on_arrival(false, -5, true), Hold::Never);
+        assert_eq!(Hold::on_arrival(true, -5, false), Hold::WhenSaturated);
+        assert_eq!(Hold::on_arrival(true, 0, true), Hold::WithoutKv);
+        assert_eq!(Hold::on_arrival(true, 0, false), Hold::Never);
     }
 }

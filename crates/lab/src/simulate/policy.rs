@@ -223,13 +223,8 @@ impl Kvroute {
         if queues && self.room.must_queue_behind(class.priority) {
             return self.hold(now, request, blocks, class, slot, false);
         }
-        // Sheddable requests are refused rather than placed without room, queue or not.
-        // (Every simulated request names a model: `Hold::Never` is flow control off.)
-        let hold = match (is_sheddable(class.priority), queues) {
-            (true, _) => Hold::WhenSaturated,
-            (false, true) => Hold::WithoutKv,
-            (false, false) => Hold::Never,
-        };
+        // Every simulated request names a model: `Hold::Never` is flow control off.
+        let hold = Hold::on_arrival(true, class.priority, queues);
         let shares = self.shares.borrow();
         let config = self
             .rules
