@@ -10,12 +10,15 @@
 //! - [`fleet`]: the snapshot types, and the per-pod bookkeeping kvroute keeps (in-flight
 //!   load, prefix memory, health hysteresis).
 //! - [`scheduler`]: `pick`, a pure function of request, fleet and configuration.
+//! - [`kvevents`]: vLLM's KV cache events decoded, and applied per pod to a prefix index
+//!   of what each engine really caches.
 //! - [`flow`]: the waiting room of flow control: requests that fit no pod now, served by
 //!   priority, tenant in turn and arrival.
 
 pub mod exposition;
 pub mod fleet;
 pub mod flow;
+pub mod kvevents;
 pub mod request;
 pub mod scheduler;
 pub mod vllm;

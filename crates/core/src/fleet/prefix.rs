@@ -665,16 +665,8 @@ impl PrefixIndex {
         if blocks.is_empty() {
             return;
         }
-        let (pod, pods) = {
-            let table = self.table();
-            let Some(pod) = table
-                .slots
-                .get(&endpoint)
-                .and_then(|&slot| table.pods.get(slot as usize)?.clone())
-            else {
-                return;
-            };
-            (pod, table.slots.len())
+        let Some((pod, pods)) = self.pod(endpoint) else {
+            return;
         };
         let mut pod = pod.lock().unwrap_or_else(|p| p.into_inner());
         if pod.gone {
@@ -716,6 +708,47 @@ impl PrefixIndex {
         if pod.order.len() > pod.held + pod.held / 2 + 64 {
             self.compact(&mut pod);
         }
+    }
+
+    /// Forgets that `endpoint` holds `blocks`: its engine reported them evicted (KV
+    /// events). Blocks it does not hold are passed over.
+    pub fn forget(&self, endpoint: SocketAddr, blocks: &[u64]) {
+        if blocks.is_empty() {
+            return;
+        }
+        let Some((pod, _)) = self.pod(endpoint) else {
+            return;
+        };
+        let mut pod = pod.lock().unwrap_or_else(|p| p.into_inner());
+        if pod.gone {
+            return;
+        }
+        let slot = pod.slot;
+        let mut removed = 0;
+        for &block in blocks {
+            let mut shard = self.shard(block);
+            if let Some(holder) = shard.holder(block, slot)
+                && shard.remove(block, holder)
+            {
+                removed += 1;
+            }
+        }
+        pod.held -= removed;
+        self.entries.fetch_sub(removed, Ordering::Relaxed);
+        // The forgotten blocks' recency entries are outdated now.
+        if pod.order.len() > pod.held + pod.held / 2 + 64 {
+            self.compact(&mut pod);
+        }
+    }
+
+    /// The pod's record and the number of pods followed, if `endpoint` is one of them.
+    fn pod(&self, endpoint: SocketAddr) -> Option<(Arc<Mutex<PodBlocks>>, usize)> {
+        let table = self.table();
+        let pod = table
+            .slots
+            .get(&endpoint)
+            .and_then(|&slot| table.pods.get(slot as usize)?.clone())?;
+        Some((pod, table.slots.len()))
     }
 
     /// Blocks remembered for `endpoint`.
