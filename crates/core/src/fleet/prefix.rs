@@ -136,17 +136,31 @@ pub fn block_hashes(model: &str, context: u64, prompt_prefix: &[u8]) -> Vec<u64>
 
 /// How many of a request's leading blocks each pod of one snapshot holds, for the
 /// scheduler: indexed by the pod's position in [`Snapshot::pods`].
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefixMatches {
     /// Blocks in the request (the denominator of the match share).
     pub request_blocks: u32,
+    /// Prompt tokens per block: [`BLOCK_TOKENS`] (an estimate) for the approximate
+    /// index's text blocks, the engine's block size for blocks known from KV events.
+    pub block_tokens: u32,
     /// Matched blocks by snapshot position; empty when no pod matches.
     by_pod: Vec<u32>,
 }
 
+impl Default for PrefixMatches {
+    fn default() -> Self {
+        PrefixMatches {
+            request_blocks: 0,
+            block_tokens: BLOCK_TOKENS as u32,
+            by_pod: Vec::new(),
+        }
+    }
+}
+
 impl PrefixMatches {
-    /// Matches given by hand (tests, benchmarks, offline simulation): `matched` names pods
-    /// by endpoint; endpoints not in `snapshot` are left out.
+    /// Matches given by hand (tests, benchmarks, offline simulation), in the approximate
+    /// index's blocks: `matched` names pods by endpoint; endpoints not in `snapshot` are
+    /// left out.
     pub fn new(request_blocks: u32, snapshot: &Snapshot, matched: &[(SocketAddr, u32)]) -> Self {
         let mut by_pod = vec![0; snapshot.pods().len()];
         for &(endpoint, blocks) in matched {
@@ -159,6 +173,7 @@ impl PrefixMatches {
         }
         PrefixMatches {
             request_blocks,
+            block_tokens: BLOCK_TOKENS as u32,
             by_pod,
         }
     }
@@ -168,9 +183,44 @@ impl PrefixMatches {
         self.by_pod.get(pod_index).copied().unwrap_or(0)
     }
 
+    /// Leading prompt tokens of the request that the pod at `pod_index` holds.
+    pub fn tokens_at(&self, pod_index: usize) -> u64 {
+        u64::from(self.blocks_at(pod_index)) * u64::from(self.block_tokens)
+    }
+
     /// Whether some pod holds part of the prompt.
     pub fn any(&self) -> bool {
         !self.by_pod.is_empty()
+    }
+
+    /// One view from two sources: `exact` (from KV events) for the pods `known` says it
+    /// covers, `guessed` (the approximate index) for the others, in `exact`'s blocks.
+    pub fn merge(
+        exact: PrefixMatches,
+        guessed: &PrefixMatches,
+        pods: usize,
+        known: impl Fn(usize) -> bool,
+    ) -> PrefixMatches {
+        let block_tokens = exact.block_tokens.max(1);
+        let mut by_pod = vec![0u32; pods];
+        let mut any = false;
+        for (i, slot) in by_pod.iter_mut().enumerate() {
+            let blocks = if known(i) {
+                exact.blocks_at(i)
+            } else {
+                u32::try_from(guessed.tokens_at(i) / u64::from(block_tokens)).unwrap_or(u32::MAX)
+            };
+            *slot = blocks;
+            any |= blocks > 0;
+        }
+        if !any {
+            by_pod.clear();
+        }
+        PrefixMatches {
+            request_blocks: exact.request_blocks,
+            block_tokens,
+            by_pod,
+        }
     }
 }
 
@@ -568,10 +618,22 @@ impl PrefixIndex {
     /// Costs one shard lookup per matched block, plus a copy of the holder set wherever
     /// it shrinks along the chain (see the module docs).
     pub fn matches(&self, blocks: &[u64], snapshot: &Snapshot) -> PrefixMatches {
+        self.matches_of(blocks, BLOCK_TOKENS as u32, snapshot)
+    }
+
+    /// [`PrefixIndex::matches`] for blocks of `block_tokens` tokens each (an index fed by
+    /// KV events holds the engine's blocks).
+    pub fn matches_of(
+        &self,
+        blocks: &[u64],
+        block_tokens: u32,
+        snapshot: &Snapshot,
+    ) -> PrefixMatches {
         self.follow(snapshot);
         let request_blocks = u32::try_from(blocks.len()).unwrap_or(u32::MAX);
         let none = PrefixMatches {
             request_blocks,
+            block_tokens,
             by_pod: Vec::new(),
         };
         // Levels: where the holder set shrinks, the slots holding from there on (sorted).
@@ -653,6 +715,7 @@ impl PrefixIndex {
         }
         PrefixMatches {
             request_blocks,
+            block_tokens,
             by_pod,
         }
     }

@@ -441,3 +441,31 @@ fn clearing_forgets_everything_the_pod_held() {
     assert_eq!(two.next_seq(), None);
     assert!(!index.matches(&chains, &snapshot).any());
 }
+
+#[test]
+fn a_merged_view_takes_each_pods_figure_from_the_source_that_covers_it() {
+    use crate::fleet::PrefixMatches;
+    let (_, snapshot) = index_for(&[1, 2, 3]);
+    // Events say pod 1 holds 2 of 8 engine blocks (32 tokens each) and pod 2 none; the
+    // approximate index guessed 5 blocks for pod 2 and 6 for pod 3 (16-token blocks too).
+    let mut exact = PrefixMatches::new(8, &snapshot, &[(pod(1), 2)]);
+    exact.block_tokens = 32;
+    let guessed = PrefixMatches::new(20, &snapshot, &[(pod(2), 5), (pod(3), 6)]);
+    let at = |port| snapshot.position(pod(port)).expect("pod");
+    let streaming = [at(1), at(2)];
+    let merged = PrefixMatches::merge(exact, &guessed, 3, |i| streaming.contains(&i));
+    assert_eq!(merged.request_blocks, 8);
+    assert_eq!(merged.blocks_at(at(1)), 2);
+    assert_eq!(
+        merged.blocks_at(at(2)),
+        0,
+        "events know better than the guess"
+    );
+    assert_eq!(
+        merged.tokens_at(at(3)),
+        96,
+        "6 × 16 guessed tokens in 32-token blocks"
+    );
+    let none = PrefixMatches::merge(PrefixMatches::default(), &guessed, 3, |_| true);
+    assert!(!none.any());
+}

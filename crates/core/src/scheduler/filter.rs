@@ -7,7 +7,7 @@
 
 use super::lora::{Serves, ServesModel};
 use super::{PickError, Relaxed, SchedulerConfig, free_kv_tokens};
-use crate::fleet::{BLOCK_TOKENS, Fleet, LoadSignals, PodLoad, PodView, PrefixMatches};
+use crate::fleet::{Fleet, LoadSignals, PodLoad, PodView, PrefixMatches};
 use crate::request::RouteRequest;
 
 /// Soft-filter outcomes of one pod, as bits: a pod passes a filter when its bit is set.
@@ -59,7 +59,7 @@ impl Demand<'_> {
     /// same leading blocks).
     fn cached_at(&self, index: usize) -> u32 {
         self.prefix.map_or(0, |prefix| {
-            let tokens = (u64::from(prefix.blocks_at(index)) * BLOCK_TOKENS).min(self.prompt);
+            let tokens = prefix.tokens_at(index).min(self.prompt);
             u32::try_from(tokens).unwrap_or(u32::MAX)
         })
     }
