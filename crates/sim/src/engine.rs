@@ -3,7 +3,8 @@
 //! No tokio, no clock reads, no I/O: the caller passes `now` to [`Engine::add_request`],
 //! [`Engine::advance`] and [`Engine::abort`], asks [`Engine::next_event_time`] when to come back,
 //! and drains [`Engine::take_events`] (tokens and completions, each stamped with its simulated
-//! time). The same engine can therefore run under the HTTP server's scaled wall clock or inside an
+//! time) and, when switched on, [`Engine::take_kv_events`] (vLLM's KV cache events, one batch
+//! per step). The same engine can therefore run under the HTTP server's scaled wall clock or inside an
 //! offline discrete-event simulation.
 //!
 //! Each step follows vLLM V1's scheduler: running requests first (decode: one token; partial
@@ -16,7 +17,7 @@
 //!
 //! Layout: `types` holds the public configuration, request and event types, `step` one
 //! scheduler step, `blocks` KV block growth, preemption and admission, `adapters` the LoRA
-//! bookkeeping. The engine's state and its public clock-driven API live here.
+//! bookkeeping, `kv_events` the KV cache events. The engine's state and its public clock-driven API live here.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -31,9 +32,11 @@ use super::stats::EngineStats;
 
 mod adapters;
 mod blocks;
+mod kv_events;
 mod step;
 mod types;
 
+pub use kv_events::{BlockStored, KvCacheEvent, KvEventBatch, StoredLora};
 pub use types::{
     EngineConfig, EngineLoad, Event, EventKind, FinishReason, LoraInfo, RequestId, RequestSpec,
     SimTime, Summary,
@@ -106,6 +109,7 @@ pub struct Engine {
     clock: SimTime,
     rng: SmallRng,
     events: Vec<Event>,
+    kv_events: Option<kv_events::KvEventLog>,
     stats: EngineStats,
 }
 
@@ -136,6 +140,7 @@ impl Engine {
             next_id: 0,
             clock: Duration::ZERO,
             events: Vec::new(),
+            kv_events: None,
             stats: EngineStats::default(),
         };
         if engine.lora_enabled() {

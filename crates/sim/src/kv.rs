@@ -153,19 +153,26 @@ impl BlockPool {
 
     /// Pops the least recently freed block, evicting its cached hash.
     pub fn allocate(&mut self) -> Option<BlockId> {
+        self.allocate_evicting().map(|(id, _)| id)
+    }
+
+    /// [`BlockPool::allocate`], also saying which registered hash the block lost (what vLLM's
+    /// `_maybe_evict_cached_block` announces as `BlockRemoved`).
+    pub fn allocate_evicting(&mut self) -> Option<(BlockId, Option<u64>)> {
         let id = self.head;
         if id == NIL {
             return None;
         }
         self.unlink(id);
         let block = &mut self.blocks[id as usize];
-        if let Some(h) = block.hash.take()
+        let evicted = block.hash.take();
+        if let Some(h) = evicted
             && self.cached.get(&h) == Some(&id)
         {
             self.cached.remove(&h);
         }
         block.ref_cnt = 1;
-        Some(id)
+        Some((id, evicted))
     }
 
     /// Drops one reference on each block; blocks reaching zero join the free queue in this order
@@ -180,15 +187,41 @@ impl BlockPool {
         }
     }
 
-    /// Registers a full block under its chained hash (first writer wins, as in vLLM).
+    /// Registers a full block under its chained hash. Lookups find the first block registered
+    /// under a hash (as vLLM's `get_one_block`); a later duplicate (two requests computed the
+    /// same prefix at once) keeps the hash too, so that its eviction is reported as vLLM
+    /// reports it, but is never found by a lookup.
     pub fn cache(&mut self, id: BlockId, hash: u64) {
         if self.blocks[id as usize].hash.is_some() {
             return;
         }
-        if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
-            e.insert(id);
-            self.blocks[id as usize].hash = Some(hash);
+        self.blocks[id as usize].hash = Some(hash);
+        self.cached.entry(hash).or_insert(id);
+    }
+
+    /// Blocks referenced by sequences.
+    pub fn num_in_use(&self) -> u32 {
+        self.num_blocks() - self.num_free
+    }
+
+    /// Forgets every registered hash (vLLM's `reset_prefix_cache`); false, and nothing
+    /// forgotten, while a sequence still holds a block.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.num_in_use() > 0 {
+            return false;
         }
+        self.cached.clear();
+        for block in &mut self.blocks {
+            block.hash = None;
+        }
+        true
+    }
+
+    /// Every hash a block carries (registered, including duplicates), for tests that check the
+    /// events announced against the pool.
+    #[cfg(test)]
+    pub(crate) fn registered_hashes(&self) -> Vec<u64> {
+        self.blocks.iter().filter_map(|b| b.hash).collect()
     }
 
     fn push_tail(&mut self, id: BlockId) {

@@ -24,8 +24,11 @@ impl Engine {
         }
         let mut new = Vec::with_capacity(need);
         for _ in 0..need {
-            match self.pool.allocate() {
-                Some(b) => new.push(b),
+            match self.pool.allocate_evicting() {
+                Some((b, evicted)) => {
+                    new.push(b);
+                    self.note_eviction(evicted);
+                }
                 None => break,
             }
         }
@@ -92,8 +95,9 @@ impl Engine {
         let mut blocks = hits;
         let num_hits = blocks.len();
         for _ in 0..need_new {
-            if let Some(b) = self.pool.allocate() {
+            if let Some((b, evicted)) = self.pool.allocate_evicting() {
                 blocks.push(b);
+                self.note_eviction(evicted);
             }
         }
         self.stats.prefix_cache_queries += u64::from(total);

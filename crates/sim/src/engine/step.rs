@@ -7,6 +7,7 @@ use crate::lora::AdapterId;
 use crate::profile::StepShape;
 use crate::tokens::output_token;
 
+use super::kv_events::{self, StoredLora};
 use super::{Engine, Event, EventKind, FinishReason, InFlight, Place, RequestId, SimTime, Summary};
 
 impl Engine {
@@ -101,6 +102,7 @@ impl Engine {
         }
 
         if batch.is_empty() {
+            self.close_kv_batch(t);
             return;
         }
         let shape = self.shape(&batch);
@@ -148,10 +150,26 @@ impl Engine {
             // Register newly full blocks in the prefix cache.
             seq.extend_hashes(bs);
             let full = (seq.num_computed / bs) as usize;
+            let first_new = seq.num_registered;
             while seq.num_registered < full.min(seq.blocks.len()).min(seq.hashes.len()) {
                 let i = seq.num_registered;
                 self.pool.cache(seq.blocks[i], seq.hashes[i]);
                 seq.num_registered += 1;
+            }
+            if let Some(log) = self.kv_events.as_mut()
+                && seq.num_registered > first_new
+            {
+                let lora = seq.adapter.map(|a| StoredLora {
+                    id: a.saturating_add(1),
+                    name: self.adapters.get(a as usize).cloned().unwrap_or_default(),
+                });
+                log.push(kv_events::stored(
+                    seq,
+                    first_new,
+                    seq.num_registered,
+                    bs,
+                    lora,
+                ));
             }
             if seq.num_computed < seq.tokens.len() as u32 {
                 continue; // prefill chunk, no token yet
@@ -183,6 +201,8 @@ impl Engine {
                 self.finish(id, t);
             }
         }
+        // One batch per step, as vLLM publishes after each `update_from_output`.
+        self.close_kv_batch(t);
     }
 
     fn finish(&mut self, id: RequestId, t: SimTime) {

@@ -215,3 +215,5 @@ fn an_aborted_request_releases_its_blocks() {
     assert_eq!(e.load().running, 0);
     run_to_end(&mut e);
 }
+
+mod kv_events;
