@@ -13,9 +13,11 @@
 //!     preload_loras: [sql]
 //!   - profile: a100-llama3-8b
 //!     max_loras: 2
+//!     kv_events_config: {enable_kv_cache_events: true, endpoint: "tcp://*:5557"}
 //! ```
 
-use std::net::IpAddr;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -23,6 +25,8 @@ use serde::Deserialize;
 
 use super::SimArgs;
 use super::engine::EngineConfig;
+use super::kv_events::KvEventsConfig;
+use super::kv_events::config::{PubTarget, clash};
 use super::profile::Profile;
 
 /// Why a configuration was refused.
@@ -63,6 +67,8 @@ pub struct PodConfig {
     pub lora_adapters: Vec<String>,
     /// Adapters put in GPU slots at startup.
     pub preload_loras: Vec<String>,
+    /// vLLM's KV events config (`--kv-events-config`); None: no events.
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 impl Default for PodConfig {
@@ -77,6 +83,7 @@ impl Default for PodConfig {
             engine,
             lora_adapters: Vec::new(),
             preload_loras: Vec::new(),
+            kv_events: None,
         }
     }
 }
@@ -189,6 +196,56 @@ impl FleetConfig {
                 return bad(format!("pod {i}: an adapter is named like the base model"));
             }
         }
+        self.check_ports()
+    }
+
+    /// Checks that no two sockets of the fleet would bind one port: HTTP ports and each
+    /// publishing pod's KV event endpoints (vLLM's defaults, 5557 and a replay port one
+    /// above, collide from the second pod on).
+    fn check_ports(&self) -> Result<(), ConfigError> {
+        let mut bound: Vec<(usize, &'static str, SocketAddr)> = Vec::new();
+        if self.port != 0 {
+            for i in 0..self.pods.len() {
+                let port = usize::from(self.port) + i;
+                let port = u16::try_from(port).unwrap_or(u16::MAX);
+                bound.push((i, "HTTP port", SocketAddr::new(self.host, port)));
+            }
+        }
+        for (i, p) in self.pods.iter().enumerate() {
+            let Some(kv) = &p.kv_events else { continue };
+            let invalid = |e: super::kv_events::KvEventsError| {
+                ConfigError::Invalid(format!("pod {i}: kv_events_config: {e}"))
+            };
+            kv.check().map_err(invalid)?;
+            if !kv.publishes() {
+                continue;
+            }
+            let endpoints = kv.endpoints_for(i).map_err(invalid)?;
+            if let PubTarget::Bind(addr) = endpoints.publish {
+                bound.push((i, "KV events endpoint", addr));
+            }
+            if let Some(addr) = endpoints.replay {
+                bound.push((i, "KV events replay endpoint", addr));
+            }
+        }
+        let mut by_port: HashMap<u16, Vec<(usize, &'static str, SocketAddr)>> = HashMap::new();
+        for entry in bound {
+            let same_port = by_port.entry(entry.2.port()).or_default();
+            if let Some(other) = same_port.iter().find(|o| clash(o.2, entry.2)) {
+                return Err(ConfigError::Invalid(format!(
+                    "pod {}'s {} tcp://{} and pod {}'s {} tcp://{} take the same port \
+                     (pod i binds each port + i: space the ports at least {} apart)",
+                    other.0,
+                    other.1,
+                    other.2,
+                    entry.0,
+                    entry.1,
+                    entry.2,
+                    self.pods.len()
+                )));
+            }
+            same_port.push(entry);
+        }
         Ok(())
     }
 }
@@ -222,6 +279,7 @@ struct PodGroup {
     jitter: Option<f64>,
     max_model_len: Option<u32>,
     enable_prefix_caching: Option<bool>,
+    kv_events_config: Option<KvEventsConfig>,
 }
 
 fn profile(name: &str, max_model_len: Option<u32>) -> Result<Profile, ConfigError> {
@@ -253,6 +311,7 @@ fn pod_from_args(args: &SimArgs) -> Result<PodConfig, ConfigError> {
         profile,
         lora_adapters: args.lora_adapters.clone(),
         preload_loras: args.preload_loras.clone(),
+        kv_events: args.kv_events_config.clone(),
     })
 }
 
@@ -302,6 +361,9 @@ fn apply(group: &PodGroup, base: &PodConfig) -> Result<PodConfig, ConfigError> {
     }
     if let Some(v) = &group.preload_loras {
         p.preload_loras = v.clone();
+    }
+    if let Some(v) = &group.kv_events_config {
+        p.kv_events = Some(v.clone());
     }
     Ok(p)
 }
@@ -425,6 +487,45 @@ mod tests {
         assert_eq!(fleet.pods[0].preload_loras, vec!["x"]);
         assert_eq!(fleet.pods[2].profile.name, "a100-llama3-8b");
         assert!(fleet.pods[2].engine.num_gpu_blocks > 20_000);
+    }
+
+    #[test]
+    fn kv_events_come_from_vllms_flag_or_a_pod_group() {
+        let json = r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:7000", "topic": "kv"}"#;
+        let a = args(&["--pods", "2", "--kv-events-config", json]);
+        let fleet = FleetConfig::try_from(&a).expect("valid");
+        let kv = fleet.pods[1]
+            .kv_events
+            .as_ref()
+            .expect("every pod publishes");
+        assert!(kv.publishes());
+        assert_eq!(kv.topic, "kv");
+
+        let yaml = "pods:\n  - count: 2\n  - kv_events_config:\n      enable_kv_cache_events: true\n      endpoint: tcp://*:9000\n      replay_endpoint: tcp://*:9100\n";
+        let fleet = from_yaml(yaml, &args(&[])).expect("valid");
+        assert_eq!(fleet.pods[0].kv_events, None);
+        let kv = fleet.pods[2].kv_events.as_ref().expect("the group's");
+        assert_eq!(kv.replay_endpoint.as_deref(), Some("tcp://*:9100"));
+        assert!(from_yaml("pods:\n  - kv_events_config: {topik: kv}\n", &args(&[])).is_err());
+    }
+
+    #[test]
+    fn kv_event_ports_that_collide_are_refused() {
+        // vLLM's usual pair, 5557 and 5558, collides from the second pod on.
+        let json = r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}"#;
+        let one = args(&["--pods", "1", "--kv-events-config", json]);
+        assert!(FleetConfig::try_from(&one).is_ok());
+        let two = args(&["--pods", "2", "--kv-events-config", json]);
+        let err = FleetConfig::try_from(&two).expect_err("pod 1 publishes on pod 0's replay port");
+        assert!(err.to_string().contains("take the same port"), "{err}");
+        let http = args(&["--port", "5556", "--kv-events-config", json]);
+        let err = FleetConfig::try_from(&http).expect_err("pod 1's HTTP port");
+        assert!(err.to_string().contains("HTTP port"), "{err}");
+        let off = r#"{"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}"#;
+        assert!(
+            FleetConfig::try_from(&args(&["--kv-events-config", off])).is_ok(),
+            "off binds nothing"
+        );
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! Each pod is an OpenAI-compatible HTTP server (`server`) in front of a pure, clock-driven
 //! engine (`engine`) that models continuous batching, a KV block pool with prefix caching
 //! (`kv`), recompute preemption, LoRA adapter slots with load times (`lora`) and step times from
-//! a GPU roofline (`profile`). `/metrics` speaks vLLM's names (`metrics`). The clock runs
+//! a GPU roofline (`profile`). `/metrics` speaks vLLM's names (`metrics`); with vLLM's
+//! `--kv-events-config`, each pod publishes its KV cache events over ZeroMQ (`kv_events`). The clock runs
 //! `--speedup` times faster than the wall clock. See docs/simulator.md for the model and its limits.
 
 mod api;
@@ -11,6 +12,7 @@ pub mod config;
 pub mod engine;
 pub mod fault;
 pub mod kv;
+pub mod kv_events;
 pub mod lora;
 pub mod metrics;
 pub mod profile;
@@ -22,7 +24,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
 pub use config::{ConfigError, FleetConfig, PodConfig};
-pub use server::SimFleet;
+pub use server::{KvEventsEndpoints, SimFleet};
 
 /// Flags of `kvroute-sim`.
 #[derive(clap::Args, Debug, Clone)]
@@ -100,15 +102,30 @@ pub struct SimArgs {
     /// mode (hang, garbage) and back; for fault tests.
     #[arg(long, env = "KVROUTE_SIM_FAULT_SWITCH")]
     pub fault_switch: bool,
+    /// vLLM's KV events config (JSON with vLLM's fields), e.g. '{"enable_kv_cache_events":
+    /// true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5567", "topic": "kv"}':
+    /// publish KV cache events over ZeroMQ; pod i uses each endpoint's port + i.
+    #[arg(long, env = "KVROUTE_SIM_KV_EVENTS_CONFIG", value_name = "JSON",
+          value_parser = kv_events::KvEventsConfig::from_json)]
+    pub kv_events_config: Option<kv_events::KvEventsConfig>,
 }
 
 /// `kvroute-sim`: starts the fleet, prints one line per pod, runs until `shutdown`.
 pub async fn run(args: SimArgs, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     let config = FleetConfig::try_from(&args)?;
     let fleet = SimFleet::start(config.clone()).await?;
+    let kv_events = fleet.kv_events_endpoints();
     for (i, (addr, pod)) in fleet.endpoints().iter().zip(&config.pods).enumerate() {
+        let events = match kv_events.get(i).and_then(Option::as_ref) {
+            Some(e) => format!(
+                " kv_events={} kv_events_replay={}",
+                e.endpoint,
+                e.replay_endpoint.as_deref().unwrap_or("none")
+            ),
+            None => String::new(),
+        };
         println!(
-            "pod {}: http://{addr} profile={} num_gpu_blocks={} max_loras={} adapters={}",
+            "pod {}: http://{addr} profile={} num_gpu_blocks={} max_loras={} adapters={}{events}",
             config.first_pod_index + i,
             pod.profile.name,
             pod.engine.num_gpu_blocks,

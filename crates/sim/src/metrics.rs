@@ -3,12 +3,15 @@
 //! Like Python's `prometheus_client`, labels are sorted by name, floats are written with a
 //! decimal point, counters are declared without their `_total` suffix in `# HELP` / `# TYPE`,
 //! and `vllm:lora_requests_info` keeps one series per label set it has exported, the newest
-//! (largest value: a unix timestamp) being current. One series is the simulator's own and not
-//! vLLM's: `kvroute_sim:lora_loads_total{source="disk"|"host"}`, adapter loads for benchmarks.
+//! (largest value: a unix timestamp) being current. Some series are the simulator's own and not
+//! vLLM's: `kvroute_sim:lora_loads_total{source="disk"|"host"}`, adapter loads for benchmarks,
+//! and, on a pod publishing KV events, where it publishes and how many batches went out or were
+//! dropped ([`render_kv_events`]).
 
 use std::fmt::Write;
 
 use super::engine::Engine;
+use super::kv_events::KvEventSink;
 use super::stats::Histogram;
 
 /// What the renderer needs besides the engine.
@@ -281,6 +284,51 @@ pub fn render(engine: &Engine, ctx: RenderContext<'_>) -> String {
         }
     }
     out
+}
+
+/// Appends a publishing pod's KV event series: where it publishes (an info gauge) and its
+/// batches by outcome (published, or dropped because the queue to the publisher was full).
+pub fn render_kv_events(out: &mut String, model: &str, sink: &KvEventSink) {
+    use std::sync::atomic::Ordering;
+    let base: &[(&str, &str)] = &[("engine", "0"), ("model_name", model)];
+    let replay = sink.replay_endpoint.as_deref().unwrap_or("");
+    let mut info = base.to_vec();
+    info.extend([
+        ("endpoint", sink.endpoint.as_str()),
+        ("replay_endpoint", replay),
+        ("topic", sink.topic.as_str()),
+    ]);
+    header(
+        out,
+        "kvroute_sim:kv_events_publisher_info",
+        "gauge",
+        "Where this pod publishes its KV cache events (simulator only, not a vLLM metric).",
+    );
+    let _ = writeln!(
+        out,
+        "kvroute_sim:kv_events_publisher_info{} 1.0",
+        labels(&info)
+    );
+    header(
+        out,
+        "kvroute_sim:kv_event_batches",
+        "counter",
+        "KV cache event batches published, or dropped because the queue to the publisher was full (simulator only, not a vLLM metric).",
+    );
+    let counts = sink.counts();
+    for (outcome, n) in [
+        ("dropped", counts.dropped.load(Ordering::Relaxed)),
+        ("published", counts.published.load(Ordering::Relaxed)),
+    ] {
+        let mut l = base.to_vec();
+        l.push(("outcome", outcome));
+        let _ = writeln!(
+            out,
+            "kvroute_sim:kv_event_batches_total{} {}",
+            labels(&l),
+            f(n as f64)
+        );
+    }
 }
 
 /// The exposition `text` with only the samples whose name is in `names`, and the

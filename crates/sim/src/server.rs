@@ -5,6 +5,8 @@
 //! until the engine's next event (or a wake-up from a handler), advances the engine to the
 //! scaled clock and forwards the events. Simulated time is `(wall elapsed) × speedup`; every
 //! event carries its own simulated timestamp, so a late wake-up delays delivery, not the model.
+//! A pod with KV events on hands each step's batch to its publisher (`kv_events::publisher`)
+//! in the same places, without waiting.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -25,10 +27,11 @@ use tokio::time::Instant;
 use super::api;
 use super::config::FleetConfig;
 use super::engine::{
-    Engine, EngineLoad, Event, EventKind, RequestId, RequestSpec, SimTime, Summary,
+    Engine, EngineLoad, Event, EventKind, KvEventBatch, RequestId, RequestSpec, SimTime, Summary,
 };
 use super::fault::MetricsFault;
 use super::kv::mix;
+use super::kv_events::{KvEventSink, PublisherTasks, publisher};
 
 /// The simulated clock: `(wall elapsed since start) × speedup`.
 #[derive(Debug, Clone, Copy)]
@@ -64,12 +67,22 @@ pub(crate) struct Core {
     /// Adapters this pod serves (static ones first, then loaded at run time).
     pub(crate) adapters: Vec<String>,
     scratch: Vec<Event>,
+    /// Where KV event batches go, when the pod publishes them.
+    kv_events: Option<KvEventSink>,
+    kv_scratch: Vec<KvEventBatch>,
     closed: bool,
 }
 
 impl Core {
-    /// Forwards the engine's events to their requests; aborts requests whose client left.
+    /// Forwards the engine's events to their requests, and its KV event batches to the
+    /// publisher; aborts requests whose client left.
     fn dispatch(&mut self, now: SimTime) {
+        if let Some(sink) = &self.kv_events {
+            self.engine.take_kv_events(&mut self.kv_scratch);
+            for batch in self.kv_scratch.drain(..) {
+                sink.publish(batch);
+            }
+        }
         self.engine.take_events(&mut self.scratch);
         let mut gone = Vec::new();
         for ev in self.scratch.drain(..) {
@@ -160,13 +173,17 @@ impl Pod {
         let now = self.clock.now();
         core.engine.advance(now);
         core.dispatch(now);
-        super::metrics::render(
+        let mut text = super::metrics::render(
             &core.engine,
             super::metrics::RenderContext {
                 model: &self.model,
                 epoch_unix: self.epoch_unix,
             },
-        )
+        );
+        if let Some(sink) = &core.kv_events {
+            super::metrics::render_kv_events(&mut text, &self.model, sink);
+        }
+        text
     }
 
     /// A response id unique in the fleet.
@@ -201,6 +218,8 @@ async fn drive(pod: Arc<Pod>, mut shutdown: watch::Receiver<bool>) {
     let mut core = pod.lock();
     core.closed = true;
     core.streams.clear();
+    // Dropping the sink lets the publisher send what is queued and stop.
+    core.kv_events = None;
 }
 
 async fn add_pod_header(State(index): State<usize>, mut res: Response) -> Response {
@@ -245,6 +264,17 @@ struct PodHandle {
     addr: SocketAddr,
     server: JoinHandle<()>,
     driver: JoinHandle<()>,
+    kv_events: Option<(KvEventsEndpoints, PublisherTasks)>,
+}
+
+/// Where a pod publishes its KV cache events.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEventsEndpoints {
+    /// The PUB socket: `tcp://ADDR:PORT` as bound (the port resolved), or the endpoint it
+    /// connects to.
+    pub endpoint: String,
+    /// The replay ROUTER socket as bound, if configured.
+    pub replay_endpoint: Option<String>,
 }
 
 /// A running fleet of simulated pods, embeddable in tests, the demo and benchmarks.
@@ -254,7 +284,8 @@ pub struct SimFleet {
 }
 
 impl SimFleet {
-    /// Binds every pod (port 0: an ephemeral port each; else `port + i`) and starts serving.
+    /// Binds every pod (port 0: an ephemeral port each; else `port + i`), and the KV event
+    /// sockets of the pods that publish, and starts serving.
     pub async fn start(config: FleetConfig) -> anyhow::Result<SimFleet> {
         config.validate()?;
         let mut listeners = Vec::with_capacity(config.pods.len());
@@ -279,8 +310,27 @@ impl SimFleet {
             .unwrap_or_default()
             .as_secs_f64();
         let (shutdown, _) = watch::channel(false);
+        // Every socket is bound before any pod runs; on an error, dropping `shutdown` and the
+        // sinks stops the publishers already started.
+        let mut publishers = Vec::with_capacity(config.pods.len());
+        for (i, pc) in config.pods.iter().enumerate() {
+            let publisher = match pc.kv_events.as_ref().filter(|kv| kv.publishes()) {
+                Some(kv) => Some(
+                    publisher::start(kv, i, epoch_unix, shutdown.subscribe())
+                        .await
+                        .with_context(|| format!("pod {i}: KV events"))?,
+                ),
+                None => None,
+            };
+            publishers.push(publisher);
+        }
         let mut pods = Vec::with_capacity(listeners.len());
-        for (i, (listener, pc)) in listeners.into_iter().zip(&config.pods).enumerate() {
+        for (i, ((listener, pc), publisher)) in listeners
+            .into_iter()
+            .zip(&config.pods)
+            .zip(publishers)
+            .enumerate()
+        {
             let addr = listener.local_addr()?;
             let index = config.first_pod_index + i;
             let mut engine_cfg = pc.engine.clone();
@@ -289,6 +339,17 @@ impl SimFleet {
             for a in &pc.preload_loras {
                 engine.preload_adapter(a);
             }
+            let (sink, kv_events) = match publisher {
+                Some((sink, tasks)) => {
+                    engine.set_kv_events(true);
+                    let endpoints = KvEventsEndpoints {
+                        endpoint: sink.endpoint.clone(),
+                        replay_endpoint: sink.replay_endpoint.clone(),
+                    };
+                    (Some(sink), Some((endpoints, tasks)))
+                }
+                None => (None, None),
+            };
             let pod = Arc::new(Pod {
                 index,
                 model: config.model.clone(),
@@ -301,6 +362,8 @@ impl SimFleet {
                     streams: HashMap::new(),
                     adapters: pc.lora_adapters.clone(),
                     scratch: Vec::new(),
+                    kv_events: sink,
+                    kv_scratch: Vec::new(),
                     closed: false,
                 }),
                 wake: Notify::new(),
@@ -323,6 +386,7 @@ impl SimFleet {
                 addr,
                 server,
                 driver,
+                kv_events,
             });
         }
         Ok(SimFleet { pods, shutdown })
@@ -333,12 +397,24 @@ impl SimFleet {
         self.pods.iter().map(|p| p.addr).collect()
     }
 
-    /// Stops the drivers (ending open streams) and the servers.
+    /// Where each pod publishes its KV cache events (None: it does not), in pod order.
+    pub fn kv_events_endpoints(&self) -> Vec<Option<KvEventsEndpoints>> {
+        self.pods
+            .iter()
+            .map(|p| p.kv_events.as_ref().map(|(e, _)| e.clone()))
+            .collect()
+    }
+
+    /// Stops the drivers (ending open streams), the servers and the KV event publishers
+    /// (after they sent what was queued).
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);
         for p in self.pods {
             let _ = p.driver.await;
             let _ = p.server.await;
+            if let Some((_, tasks)) = p.kv_events {
+                tasks.join().await;
+            }
         }
     }
 }
