@@ -13,7 +13,11 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
+use kvroute_sim::kv_events::KvEventsConfig;
+use kvroute_sim::{FleetConfig, PodConfig, SimFleet};
 use serde_json::{Value, json};
+use zeromq::{Socket, SocketEvent, SocketRecv, SubSocket};
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 const BLOCK_SIZE: usize = 16;
@@ -265,4 +269,70 @@ async fn pods_publish_their_cache_as_vllm_does_and_replay_it() {
         "the decoder's verdict:\n{}",
         report.join("\n")
     );
+}
+
+#[tokio::test]
+async fn a_publisher_without_a_wildcard_connects_to_a_subscriber_that_binds() {
+    let mut sub = SubSocket::new();
+    sub.subscribe("kv").await.expect("subscribes");
+    let listener = TcpListener::bind("127.0.0.1:0").expect("an ephemeral port");
+    let port = listener.local_addr().expect("bound").port();
+    let mut monitor = sub.monitor();
+    sub.bind_listener(listener)
+        .await
+        .expect("the subscriber binds");
+
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let pod = PodConfig {
+        kv_events: Some(KvEventsConfig {
+            enable_kv_cache_events: true,
+            endpoint: endpoint.clone(),
+            topic: "kv".into(),
+            ..KvEventsConfig::default()
+        }),
+        ..PodConfig::default()
+    };
+    let fleet = SimFleet::start(FleetConfig {
+        speedup: 20.0,
+        ..FleetConfig::uniform(1, pod)
+    })
+    .await
+    .expect("the fleet starts");
+    let published = fleet.kv_events_endpoints()[0]
+        .clone()
+        .expect("it publishes");
+    assert_eq!(published.endpoint, endpoint);
+    assert_eq!(published.replay_endpoint, None);
+
+    let accepted = async {
+        while let Some(event) = monitor.next().await {
+            if matches!(event, SocketEvent::Accepted(..)) {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(STARTUP, accepted)
+        .await
+        .expect("the publisher connects");
+
+    // Our subscription reaches the publisher a moment after it connected, and a PUB socket
+    // drops what nobody has subscribed to yet: new prompts until one batch comes through.
+    let c = reqwest::Client::new();
+    let pod = fleet.endpoints()[0];
+    let deadline = Instant::now() + STARTUP;
+    let mut attempt = 0;
+    let message = loop {
+        complete(&c, pod, &words(&format!("try{attempt}x"), 0..40)).await;
+        attempt += 1;
+        match tokio::time::timeout(Duration::from_millis(200), sub.recv()).await {
+            Ok(Ok(message)) => break message,
+            _ => assert!(Instant::now() < deadline, "no batch arrived"),
+        }
+    };
+    let frames = message.into_vec();
+    assert_eq!(frames.len(), 3, "[topic, seq, payload]");
+    assert_eq!(frames[0].as_ref(), b"kv");
+    assert_eq!(frames[1].len(), 8);
+    assert_eq!(frames[2].first(), Some(&0x93), "a batch is a 3-array");
+    fleet.shutdown().await;
 }

@@ -348,6 +348,36 @@ fn start_seq(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::KvCacheEvent;
+
+    #[tokio::test]
+    async fn a_full_queue_drops_and_counts_instead_of_waiting() {
+        let config = KvEventsConfig {
+            enable_kv_cache_events: true,
+            endpoint: "tcp://*:0".into(),
+            max_queue_size: 2,
+            ..KvEventsConfig::default()
+        };
+        let (_stop, shutdown) = watch::channel(false);
+        let (sink, tasks) = start(&config, 0, 0.0, shutdown).await.expect("binds");
+        let batch = KvEventBatch {
+            at: Duration::ZERO,
+            events: vec![KvCacheEvent::AllBlocksCleared],
+        };
+        // This test's runtime runs one task at a time: the publisher cannot drain in between.
+        for _ in 0..5 {
+            sink.publish(batch.clone());
+        }
+        assert_eq!(sink.counts().dropped.load(Ordering::Relaxed), 3);
+        let counts = sink.counts.clone();
+        drop(sink);
+        tasks.join().await;
+        assert_eq!(
+            counts.published.load(Ordering::Relaxed),
+            2,
+            "the queued ones go out"
+        );
+    }
 
     #[test]
     fn a_replay_start_is_read_as_pythons_int_from_bytes() {
