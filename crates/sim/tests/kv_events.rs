@@ -1,7 +1,8 @@
 //! KV cache events end to end: `kvroute-sim --kv-events-config` pods publish what their
 //! engines cache and evict, and an independent decoder (`kv_events_subscriber.py`: pyzmq and
 //! msgpack from the workspace's `.venv`, installed by `scripts/setup`) reads it as a vLLM
-//! subscriber would. Loopback only, bounded in time.
+//! subscriber would. Every connection goes over loopback (the PUB sockets bind `*`, every
+//! interface, because vLLM binds only on a wildcard); every wait is bounded.
 
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
