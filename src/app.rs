@@ -29,12 +29,14 @@ use crate::admin::pb::ListEndpointsResponse;
 use crate::config::{GrpcKeepalive, GrpcTls, ServeConfig};
 use crate::discovery::Discovery;
 use crate::extproc::{ExtProcService, OpenStreams, RequestPolicy};
+use crate::kvevents::{KvEventsManager, PreciseIndex};
 use crate::listener::ConnectionCap;
-use crate::picker::LivePicker;
+use crate::picker::{LivePicker, PreciseRouting};
 use crate::scrape::ScrapeManager;
 use crate::shutdown;
 use crate::store::PodStore;
 use crate::telemetry;
+use crate::tokenize::Tokenizer;
 
 /// gRPC health service names, as the Gateway API Inference Extension's picker uses.
 pub const LIVENESS_SERVICE: &str = "liveness";
@@ -63,6 +65,8 @@ pub struct App {
     debug: Option<TcpListener>,
     store: Arc<PodStore>,
     picker: Arc<LivePicker>,
+    /// The index fed by the pods' KV events, when the prefix source uses them.
+    precise: Option<Arc<PreciseIndex>>,
     prometheus: PrometheusHandle,
     discovery: Discovery,
 }
@@ -100,6 +104,15 @@ impl App {
             config.prefix_index_bytes,
             Arc::new(config.flow.clone()),
         ));
+        let precise = config.prefix_source.uses_events().then(|| {
+            let index = Arc::new(PreciseIndex::with_budget(config.kv_events_index_bytes));
+            picker.match_on_events(PreciseRouting::new(
+                Arc::clone(&index),
+                config.prefix_source,
+                Tokenizer::new(config.tokenize_timeout, config.scrape.pod_api_key.clone()),
+            ));
+            index
+        });
         Ok(App {
             config,
             grpc,
@@ -109,6 +122,7 @@ impl App {
             debug,
             store,
             picker,
+            precise,
             prometheus,
             discovery,
         })
@@ -155,6 +169,7 @@ impl App {
             debug,
             store,
             picker,
+            precise,
             prometheus,
             discovery,
         } = self;
@@ -162,10 +177,13 @@ impl App {
         let grpc_tls = config.grpc_tls.as_ref().map(server_tls).transpose()?;
         let scrapers = ScrapeManager::new(Arc::clone(&store), config.scrape.clone())
             .context("cannot build the HTTP client for scraping")?;
+        let subscribers = precise
+            .map(|index| KvEventsManager::new(Arc::clone(&store), index, config.kv_events.clone()));
         let reconciler = tokio::spawn(apply_endpoints(
             discovery.start(),
             Arc::clone(&store),
             scrapers,
+            subscribers,
         ));
         let publisher = tokio::spawn(Arc::clone(&store).run_publisher(config.scrape.interval));
         let waiting_room = tokio::spawn(Arc::clone(&picker).run_waiting_room());
@@ -429,17 +447,21 @@ async fn serve_optional_http(
 
 /// Applies every endpoint set that discovery sends: the store drops removed endpoints
 /// with their in-flight accounting and adds new ones (down until scraped), its
-/// publisher rebuilds the snapshot, and the scrapers follow. Owns the scrapers: they
-/// stop when this task is aborted.
+/// publisher rebuilds the snapshot, and the scrapers (and KV event subscribers) follow.
+/// Owns them: they stop when this task is aborted.
 async fn apply_endpoints(
     mut endpoints: watch::Receiver<Vec<SocketAddr>>,
     store: Arc<PodStore>,
     scrapers: ScrapeManager,
+    subscribers: Option<KvEventsManager>,
 ) {
     loop {
         let current = endpoints.borrow_and_update().clone();
         if store.set_endpoints(&current) {
             scrapers.reconcile();
+            if let Some(subscribers) = &subscribers {
+                subscribers.reconcile();
+            }
             info!(endpoints = current.len(), "endpoint set changed");
         }
         if endpoints.changed().await.is_err() {
@@ -544,6 +566,9 @@ async fn render_metrics(
     telemetry::touch_standing_series();
     let (entries, capacity) = picker.prefix_index_size();
     telemetry::record_prefix_index(entries, capacity);
+    if let Some(entries) = picker.event_index_size() {
+        telemetry::record_kv_event_index(entries);
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         prometheus.render(),

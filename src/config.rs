@@ -19,6 +19,7 @@ use kvroute_core::scheduler::{Saturation, SchedulerConfig, Weights};
 
 use crate::extproc::policy::DEFAULT_ALLOWED_PATHS;
 use crate::flow::FlowSettings;
+use crate::kvevents::{EndpointTemplate, KvEventsConfig, PrefixSource};
 use crate::scrape::{ApiKey, ScrapeConfig};
 
 #[derive(Debug, thiserror::Error)]
@@ -205,6 +206,31 @@ pub struct ServeArgs {
     /// 1,000 pods, ~670k at 100.
     #[arg(long, env = "KVROUTE_PREFIX_INDEX_MIB", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     pub prefix_index_mib: u32,
+    /// Where prefix matches come from: `approximate`, what kvroute sent to each pod;
+    /// `precise`, the pods' KV events (vLLM --kv-events-config), for every pod; `auto`,
+    /// the events of pods whose events flow and what kvroute sent for the others. With
+    /// events, each prompt is tokenized on a pod's /tokenize before it is placed.
+    #[arg(long, env = "KVROUTE_PREFIX_SOURCE", default_value = "approximate", value_parser = crate::kvevents::parse_prefix_source)]
+    pub prefix_source: PrefixSource,
+    /// Each pod's KV event publisher (vLLM's `endpoint`, bound on every pod): `{host}` is
+    /// the pod's IP, `{port}` its HTTP port, `{port+N}` / `{port-N}` that port shifted.
+    #[arg(long, env = "KVROUTE_KV_EVENTS_ENDPOINT", default_value = "tcp://{host}:5557", value_parser = parse_template)]
+    pub kv_events_endpoint: EndpointTemplate,
+    /// Each pod's replay socket (vLLM's `replay_endpoint`), asked for batches kvroute
+    /// missed; `none`: gaps are repaired by dropping the pod's entries.
+    #[arg(long, env = "KVROUTE_KV_EVENTS_REPLAY_ENDPOINT", default_value = "tcp://{host}:5558", value_parser = parse_optional_template)]
+    pub kv_events_replay_endpoint: OptionalTemplate,
+    /// The topic prefix subscribed to (vLLM's `topic`; empty: all).
+    #[arg(long, env = "KVROUTE_KV_EVENTS_TOPIC", default_value = "")]
+    pub kv_events_topic: String,
+    /// Memory for the index built from KV events, in MiB (the same layout and bounds as
+    /// --prefix-index-mib's).
+    #[arg(long, env = "KVROUTE_KV_EVENTS_INDEX_MIB", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    pub kv_events_index_mib: u32,
+    /// Longest wait for a pod to tokenize a prompt; past it the request is placed on the
+    /// approximate index.
+    #[arg(long, env = "KVROUTE_TOKENIZE_TIMEOUT", default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub tokenize_timeout: Duration,
     /// Connections each listener (ext_proc, health, admin, metrics, debug) holds open at
     /// most; past it a new connection is closed on arrival and counted. A gateway opens a
     /// few per Envoy worker.
@@ -418,6 +444,14 @@ pub struct ServeConfig {
     pub flow: FlowSettings,
     /// See [`ServeArgs::prefix_index_mib`]; in bytes.
     pub prefix_index_bytes: usize,
+    /// See [`ServeArgs::prefix_source`].
+    pub prefix_source: PrefixSource,
+    /// How the pods' KV events are followed (used unless the source is approximate).
+    pub kv_events: KvEventsConfig,
+    /// See [`ServeArgs::kv_events_index_mib`]; in bytes.
+    pub kv_events_index_bytes: usize,
+    /// See [`ServeArgs::tokenize_timeout`].
+    pub tokenize_timeout: Duration,
     pub drain_timeout: Duration,
     /// See [`ServeArgs::max_connections`].
     pub max_connections: usize,
@@ -428,6 +462,21 @@ pub struct ServeConfig {
     pub grpc_keepalive: GrpcKeepalive,
     /// TLS on the ext_proc port; `None`: plain HTTP/2.
     pub grpc_tls: Option<GrpcTls>,
+}
+
+/// `--kv-events-replay-endpoint`: a template, or `none`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OptionalTemplate(pub Option<EndpointTemplate>);
+
+fn parse_template(value: &str) -> Result<EndpointTemplate, String> {
+    EndpointTemplate::parse(value).map_err(|e| e.to_string())
+}
+
+fn parse_optional_template(value: &str) -> Result<OptionalTemplate, String> {
+    if value == "none" {
+        return Ok(OptionalTemplate(None));
+    }
+    parse_template(value).map(|t| OptionalTemplate(Some(t)))
 }
 
 /// The ext_proc port's TLS: its certificate, and the CA that signs gateways' client
@@ -479,6 +528,10 @@ impl ServeConfig {
             debug_decisions: 0,
             flow: FlowSettings::default(),
             prefix_index_bytes: kvroute_core::fleet::DEFAULT_PREFIX_BUDGET_BYTES,
+            prefix_source: PrefixSource::Approximate,
+            kv_events: KvEventsConfig::default(),
+            kv_events_index_bytes: kvroute_core::fleet::DEFAULT_PREFIX_BUDGET_BYTES,
+            tokenize_timeout: Duration::from_millis(100),
             drain_timeout: Duration::from_secs(10),
             drain_grace: Duration::from_secs(3),
             max_connections: 4096,
@@ -577,6 +630,15 @@ impl ServeConfig {
                 objectives,
             },
             prefix_index_bytes: (args.prefix_index_mib as usize) << 20,
+            prefix_source: args.prefix_source,
+            kv_events: KvEventsConfig {
+                endpoint: args.kv_events_endpoint.clone(),
+                replay_endpoint: args.kv_events_replay_endpoint.0.clone(),
+                topic: args.kv_events_topic.clone(),
+                ..KvEventsConfig::default()
+            },
+            kv_events_index_bytes: (args.kv_events_index_mib as usize) << 20,
+            tokenize_timeout: args.tokenize_timeout,
             drain_timeout: args.drain_timeout,
             drain_grace: args.drain_grace,
             max_connections: args.max_connections as usize,
@@ -682,6 +744,18 @@ impl ServeConfig {
         }
         if self.health.failures_to_mark_down == 0 || self.health.successes_to_mark_up == 0 {
             return invalid("--unhealthy-after and --healthy-after must be at least 1");
+        }
+        if self.prefix_source.uses_events() {
+            if self.tokenize_timeout.is_zero() {
+                return invalid("--tokenize-timeout must be above zero");
+            }
+            // Prompts are tokenized over plain HTTP.
+            if self.scrape.pod_ca_bundle.is_some() {
+                return invalid(
+                    "--prefix-source precise or auto tokenizes prompts over plain HTTP, \
+                     and --pod-ca-bundle says the pods speak HTTPS: use approximate",
+                );
+            }
         }
         Ok(self.scheduler.validate()?)
     }

@@ -12,16 +12,18 @@ mod waiting;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use kvroute_core::fleet::{
-    Fleet, ModelClass, PrefillEnd, PrefixIndex, Reservation, Snapshot, adapter_key, block_hashes,
+    Fleet, ModelClass, PrefillEnd, PrefixIndex, PrefixMatches, Reservation, Snapshot, adapter_key,
+    block_hashes,
 };
 use kvroute_core::flow::{
     FlowRules, Hold, Holds, MAX_MISSES_PER_PASS, TenantShares, is_sheddable, pods_key,
 };
+use kvroute_core::kvevents::{PromptBlocks, TokenBlocks, matches_with_events, token_block_hashes};
 use kvroute_core::request::RouteRequest;
 use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
 use serde::Serialize;
@@ -30,11 +32,14 @@ use tracing::{debug, warn};
 
 use crate::extproc::messages::ErrorReply;
 use crate::extproc::{
-    InFlight, Placement, ResponseSummary, Routed, Router, Unrouted, UnroutedKind, Waiting,
+    InFlight, Placement, RawRequest, ResponseSummary, Routed, Router, Unrouted, UnroutedKind,
+    Waiting,
 };
 use crate::flow::{DropReason, FlowSettings, RequestClass};
+use crate::kvevents::{PreciseIndex, PrefixSource};
 use crate::store::PodStore;
 use crate::telemetry::{self, ModelLabels, Outcome, QueueExit};
+use crate::tokenize::{TokenizeError, Tokenizer, tokenize_body};
 
 use waiting::{Waiter, WaitingRoom};
 
@@ -72,6 +77,32 @@ pub struct LivePicker {
     tap: broadcast::Sender<Arc<DecisionRecord>>,
     /// Requests that fit no pod yet.
     room: Arc<WaitingRoom>,
+    /// Prefix matching on the pods' KV events, when switched on.
+    precise: OnceLock<PreciseRouting>,
+    /// This picker, for the tasks that tokenize a prompt before placing its request.
+    me: OnceLock<Weak<LivePicker>>,
+}
+
+/// Prefix matching on what the pods' KV events say they cache.
+#[derive(Debug)]
+pub struct PreciseRouting {
+    pub index: Arc<PreciseIndex>,
+    /// `Precise` or `Auto` (`Approximate` never builds one).
+    pub source: PrefixSource,
+    pub tokenizer: Tokenizer,
+    /// Where the next tokenization starts looking for a pod.
+    next_pod: AtomicUsize,
+}
+
+impl PreciseRouting {
+    pub fn new(index: Arc<PreciseIndex>, source: PrefixSource, tokenizer: Tokenizer) -> Self {
+        PreciseRouting {
+            index,
+            source,
+            tokenizer,
+            next_pod: AtomicUsize::new(0),
+        }
+    }
 }
 
 /// Decisions a watcher may fall behind by before it starts missing some.
@@ -95,7 +126,21 @@ impl LivePicker {
             decisions: DecisionLog::new(keep_decisions),
             tap: broadcast::channel(TAP_CAPACITY).0,
             room: Arc::new(WaitingRoom::new(flow)),
+            precise: OnceLock::new(),
+            me: OnceLock::new(),
         }
+    }
+
+    /// Matches prompts on the pods' KV events from now on, as `precise.source` says.
+    /// Once per picker; a second call changes nothing.
+    pub fn match_on_events(self: &Arc<Self>, precise: PreciseRouting) {
+        let _ = self.me.set(Arc::downgrade(self));
+        let _ = self.precise.set(precise);
+    }
+
+    /// (pod, block) pairs the event index holds, if there is one.
+    pub fn event_index_size(&self) -> Option<usize> {
+        self.precise.get().map(|p| p.index.index().entries())
     }
 
     /// Requests waiting for room now.
@@ -289,7 +334,7 @@ impl LivePicker {
         &self,
         request: &RouteRequest<'_>,
         class: &RequestClass,
-        blocks: Vec<u64>,
+        blocks: PromptBlocks,
         labels: ModelLabels,
         first_token_visible: bool,
         no_endpoints: bool,
@@ -437,20 +482,134 @@ impl LivePicker {
         &self.decisions
     }
 
+    /// With matching on KV events, a request whose prompt a pod can tokenize waits
+    /// (holding no thread) while one does, then is routed as any other; `None`: route it
+    /// now, on the approximate index. A failed or late tokenization leaves the request
+    /// to the approximate index too.
+    fn tokenize_first(
+        &self,
+        request: &RouteRequest<'_>,
+        raw: RawRequest<'_>,
+        class: &RequestClass,
+        first_token_visible: bool,
+    ) -> Option<Placement<InFlightRequest>> {
+        let precise = self.precise.get()?;
+        let inference = request.inference?;
+        let streaming = precise.index.streaming();
+        if streaming.is_empty() {
+            return None;
+        }
+        let fleet = self.store.fleet();
+        let pod = tokenizing_pod(precise, fleet.snapshot(), &inference.model, &streaming)?;
+        let block_tokens = pod
+            .metrics()
+            .and_then(|m| m.block_size)
+            .unwrap_or(BLOCK_TOKENS_DEFAULT)
+            .max(1);
+        // A prompt shorter than a block has no block to match.
+        if inference.prompt_tokens < block_tokens {
+            return None;
+        }
+        let body = tokenize_body(raw.api, raw.body)?;
+        let me = self.me.get()?.upgrade()?;
+        // Blocks of an adapter's requests are stored under its name.
+        let adapter = pod
+            .models
+            .as_ref()
+            .is_some_and(|m| m.is_adapter(&inference.model))
+            .then(|| inference.model.clone());
+        let endpoint = pod.endpoint;
+        let text = text_blocks(request);
+        let (inference, subset, class) =
+            (inference.clone(), request.subset.cloned(), class.clone());
+        let tokenizer = precise.tokenizer.clone();
+        let max_wait = tokenizer.timeout() + self.room.settings.max_wait;
+        let (answer, answered) = oneshot::channel();
+        tokio::spawn(async move {
+            let mut answer = answer;
+            let started = Instant::now();
+            let tokens = tokenizer.tokenize(endpoint, body).await;
+            let outcome = tokens.as_ref().err().map(TokenizeError::kind);
+            telemetry::record_tokenize(started.elapsed(), outcome);
+            let tokens = match tokens {
+                Ok(tokens) => Some(TokenBlocks {
+                    chains: token_block_hashes(adapter.as_deref(), &tokens, block_tokens),
+                    block_tokens,
+                }),
+                Err(error) => {
+                    debug!(pod = %endpoint, %error, "tokenization failed; matching on what kvroute sent");
+                    None
+                }
+            };
+            // The client left while the prompt was tokenized.
+            if answer.is_closed() {
+                return;
+            }
+            let request = RouteRequest {
+                inference: Some(&inference),
+                subset: subset.as_ref(),
+            };
+            let blocks = PromptBlocks { text, tokens };
+            match me.route_with(&request, &class, first_token_visible, blocks) {
+                Placement::Routed(routed) => {
+                    let _ = answer.send(Ok(routed));
+                }
+                Placement::Unrouted(unrouted) => {
+                    let _ = answer.send(Err(unrouted));
+                }
+                // Flow control holds it: pass its answer on, or leave the queue when the
+                // client leaves (dropping `held` takes it out).
+                Placement::Waiting(held) => {
+                    tokio::select! {
+                        result = held => {
+                            let _ = answer.send(result);
+                        }
+                        () = answer.closed() => {}
+                    }
+                }
+            }
+        });
+        Some(Placement::Waiting(Waiting::new(
+            answered,
+            Box::new(()),
+            max_wait,
+        )))
+    }
+
+    /// Which leading blocks of the prompt each pod holds: from the KV events where the
+    /// prompt was tokenized (for every pod in `precise` mode, for the pods whose events
+    /// flow in `auto` mode), else from what kvroute sent.
+    fn matches(&self, blocks: &PromptBlocks, fleet: &Fleet) -> PrefixMatches {
+        let snapshot = fleet.snapshot();
+        let guessed = self.prefix.matches(&blocks.text, snapshot);
+        let Some(precise) = self.precise.get() else {
+            return guessed;
+        };
+        let streaming = precise.index.streaming();
+        matches_with_events(
+            precise.source,
+            precise.index.index(),
+            blocks.tokens.as_ref(),
+            guessed,
+            snapshot,
+            |pod| streaming.contains(&pod.endpoint),
+        )
+    }
+
     /// Picks under the placement lock and reserves the winner's capacity, so the next
-    /// pick sees this request. `blocks` are the prompt's prefix-block hashes.
+    /// pick sees this request. `blocks` are the prompt's prefix blocks.
     /// A request `hold` declines is not placed ([`Placed::NoRoom`]).
     fn place(
         &self,
         request: &RouteRequest<'_>,
-        blocks: &[u64],
+        blocks: &PromptBlocks,
         fleet: &Fleet,
         first_token_visible: bool,
         hold: Hold,
         config: &SchedulerConfig,
     ) -> Result<Placed, PickError> {
-        // Matching reads the index's own shards: concurrent requests match in parallel.
-        let matches = self.prefix.matches(blocks, fleet.snapshot());
+        // Matching reads the indexes' own shards: concurrent requests match in parallel.
+        let matches = self.matches(blocks, fleet);
         let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
         let decision = scheduler::pick(request, Some(&matches), fleet, config, &mut rand::rng())?;
         if hold.declines(&decision) {
@@ -483,7 +642,8 @@ impl LivePicker {
             load.reserve(tokens, prompt, prefill_end)
         });
         drop(placement);
-        self.prefix.record(decision.endpoint, blocks, capacity);
+        self.prefix
+            .record(decision.endpoint, &blocks.text, capacity);
         Ok(Placed::Routed(decision, reservation))
     }
 }
@@ -498,15 +658,66 @@ impl Router for LivePicker {
     fn route(
         &self,
         request: &RouteRequest<'_>,
+        raw: RawRequest<'_>,
         class: &RequestClass,
         first_token_visible: bool,
     ) -> Placement<InFlightRequest> {
+        if let Some(later) = self.tokenize_first(request, raw, class, first_token_visible) {
+            return later;
+        }
+        let blocks = PromptBlocks {
+            text: text_blocks(request),
+            tokens: None,
+        };
+        self.route_with(request, class, first_token_visible, blocks)
+    }
+}
+
+/// Tokens per engine block where a pod does not say (vLLM's default on GPUs).
+const BLOCK_TOKENS_DEFAULT: u32 = 16;
+
+/// A ready pod whose events flow and which serves `model`, to tokenize a prompt: the
+/// pods take turns, and at most 64 are looked at.
+fn tokenizing_pod<'s>(
+    precise: &PreciseRouting,
+    snapshot: &'s Snapshot,
+    model: &str,
+    streaming: &std::collections::HashSet<SocketAddr>,
+) -> Option<&'s kvroute_core::fleet::PodView> {
+    let pods = snapshot.pods();
+    if pods.is_empty() {
+        return None;
+    }
+    let start = precise.next_pod.fetch_add(1, Ordering::Relaxed) % pods.len();
+    (0..pods.len().min(64))
+        .map(|k| &pods[(start + k) % pods.len()])
+        .find(|pod| {
+            pod.healthy
+                && streaming.contains(&pod.endpoint)
+                && pod.models.as_ref().is_some_and(|m| m.serves(model))
+        })
+}
+
+/// The prompt's text blocks for the approximate index. Hashing is the costly part of
+/// prefix matching, so it happens before the placement lock.
+fn text_blocks(request: &RouteRequest<'_>) -> Vec<u64> {
+    request.inference.map_or_else(Vec::new, |r| {
+        block_hashes(&r.model, r.prefix_context, &r.prompt_prefix)
+    })
+}
+
+impl LivePicker {
+    /// Routes `request` whose prompt blocks are `blocks`: places it now, holds it, or
+    /// answers why not.
+    fn route_with(
+        &self,
+        request: &RouteRequest<'_>,
+        class: &RequestClass,
+        first_token_visible: bool,
+        blocks: PromptBlocks,
+    ) -> Placement<InFlightRequest> {
         let fleet = self.store.fleet();
         let labels = model_labels(request.model(), fleet.snapshot(), &self.config);
-        // Hashing is the costly part of prefix matching, so it happens before the lock.
-        let blocks = request.inference.map_or_else(Vec::new, |r| {
-            block_hashes(&r.model, r.prefix_context, &r.prompt_prefix)
-        });
         let queues = self.room.settings.queues();
         if queues && request.model().is_some() && self.room.must_queue_behind(class.priority) {
             return self.hold(request, class, blocks, labels, first_token_visible, false);

@@ -54,6 +54,27 @@ pub const FLOW_QUEUE: &str = "kvroute_flow_queue_requests";
 pub const FLOW_QUEUE_WAIT: &str = "kvroute_flow_queue_wait_seconds";
 pub const FLOW_DROPPED: &str = "kvroute_flow_dropped_total";
 pub const FLOW_TENANT_REQUESTS: &str = "kvroute_flow_tenant_requests_total";
+pub const KV_EVENT_BATCHES: &str = "kvroute_kv_event_batches_total";
+pub const KV_EVENT_BLOCKS: &str = "kvroute_kv_event_blocks_total";
+pub const KV_EVENT_GAPS: &str = "kvroute_kv_event_gaps_total";
+pub const KV_EVENT_REPLAYS: &str = "kvroute_kv_event_replays_total";
+pub const KV_EVENT_RESETS: &str = "kvroute_kv_event_resets_total";
+pub const KV_EVENT_STREAMS: &str = "kvroute_kv_event_streams";
+pub const KV_EVENT_INDEX_ENTRIES: &str = "kvroute_kv_event_index_entries";
+pub const TOKENIZE_DURATION: &str = "kvroute_tokenize_duration_seconds";
+
+/// The `result` values of [`KV_EVENT_BATCHES`].
+pub const KV_BATCH_RESULTS: [&str; 5] = [
+    "applied",
+    "seen",
+    "out_of_order",
+    "undecodable",
+    "malformed",
+];
+/// The `action` values of [`KV_EVENT_BLOCKS`].
+pub const KV_BLOCK_ACTIONS: [&str; 5] = ["stored", "removed", "skipped", "unresolved", "malformed"];
+/// The `outcome` values of [`KV_EVENT_REPLAYS`].
+pub const KV_REPLAY_OUTCOMES: [&str; 3] = ["answered", "failed", "timeout"];
 
 /// Distinct tenants that get their own label value in [`FLOW_TENANT_REQUESTS`]; later
 /// ones count as `other`, so a client inventing ids cannot grow the exposition.
@@ -186,6 +207,11 @@ fn build_and_install(idle_gauge_timeout: Duration) -> Result<PrometheusHandle, T
         .and_then(|b| {
             b.set_buckets_for_metric(Matcher::Full(FLOW_QUEUE_WAIT.into()), &wait_buckets)
         })
+        // A pod's /tokenize: a loopback round trip is a fraction of a millisecond, a long
+        // chat rendered in Python tens of them.
+        .and_then(|b| {
+            b.set_buckets_for_metric(Matcher::Full(TOKENIZE_DURATION.into()), &scrape_buckets)
+        })
         .map_err(|e| TelemetryError::Buckets(e.to_string()))?
         .build_recorder();
     let handle = recorder.handle();
@@ -302,6 +328,39 @@ fn describe() {
         FLOW_TENANT_REQUESTS,
         "Requests admitted (routed or queued) and shed, by tenant (fairness id; after 64 distinct ids, other)."
     );
+    describe_counter!(
+        KV_EVENT_BATCHES,
+        "KV event batches received from the pods' publishers, by result (applied; seen: already applied, a replay overlapping the live stream; out_of_order; undecodable; malformed frames)."
+    );
+    describe_counter!(
+        KV_EVENT_BLOCKS,
+        "Blocks in applied KV events, by action (stored, removed: in or out of the index; skipped: another medium or cache group, extra hash keys, an adapter named only by id; unresolved: parent never seen; malformed: token count against block count)."
+    );
+    describe_counter!(
+        KV_EVENT_GAPS,
+        "Gaps in a pod's KV event sequence numbers (each answered by a replay request)."
+    );
+    describe_counter!(
+        KV_EVENT_REPLAYS,
+        "Replay requests to the pods' replay sockets, by outcome (answered, failed, timeout)."
+    );
+    describe_counter!(
+        KV_EVENT_RESETS,
+        "Times a pod's entries in the event index were dropped: a gap no replay filled, or its publisher restarted."
+    );
+    describe_gauge!(
+        KV_EVENT_STREAMS,
+        "Pods whose KV event stream is connected and in sequence."
+    );
+    describe_histogram!(
+        TOKENIZE_DURATION,
+        Unit::Seconds,
+        "Time to tokenize a prompt on a pod's /tokenize before matching it on the KV event index, by outcome (ok, http, timeout, status, answer)."
+    );
+    describe_gauge!(
+        KV_EVENT_INDEX_ENTRIES,
+        "(pod, block) pairs in the index built from the pods' KV events."
+    );
     describe_gauge!(
         PREFIX_INDEX_CAPACITY,
         "The most (pod, prompt block) pairs the prefix index keeps (--prefix-index-mib); at it, each pod keeps an equal share of its most recent blocks."
@@ -333,6 +392,23 @@ fn register_counters() {
     standing.extend(["admitted", "shed"].map(
         |outcome| counter!(FLOW_TENANT_REQUESTS, "tenant" => DEFAULT_TENANT, "outcome" => outcome),
     ));
+    standing.extend(
+        KV_BATCH_RESULTS
+            .iter()
+            .map(|&result| counter!(KV_EVENT_BATCHES, "result" => result)),
+    );
+    standing.extend(
+        KV_BLOCK_ACTIONS
+            .iter()
+            .map(|&action| counter!(KV_EVENT_BLOCKS, "action" => action)),
+    );
+    standing.extend(
+        KV_REPLAY_OUTCOMES
+            .iter()
+            .map(|&outcome| counter!(KV_EVENT_REPLAYS, "outcome" => outcome)),
+    );
+    standing.push(counter!(KV_EVENT_GAPS));
+    standing.push(counter!(KV_EVENT_RESETS));
     let _ = STANDING.set(standing);
     // The default band's queue length, at 0 until something waits.
     let _ = STANDING_GAUGES.set(vec![gauge!(FLOW_QUEUE, "priority" => "0")]);
@@ -538,6 +614,58 @@ pub fn jemalloc_stats() -> Option<AllocatorStats> {
 pub fn record_prefix_index(entries: usize, capacity: usize) {
     gauge!(PREFIX_INDEX_ENTRIES).set(entries as f64);
     gauge!(PREFIX_INDEX_CAPACITY).set(capacity as f64);
+}
+
+/// Sets the event index's gauge (read when `/metrics` is scraped).
+pub fn record_kv_event_index(entries: usize) {
+    gauge!(KV_EVENT_INDEX_ENTRIES).set(entries as f64);
+}
+
+/// One KV event batch received; `result` is one of [`KV_BATCH_RESULTS`].
+pub fn record_kv_batch(result: &'static str) {
+    counter!(KV_EVENT_BATCHES, "result" => result).increment(1);
+}
+
+/// The blocks of one applied batch, by what happened to them.
+pub fn record_kv_blocks(applied: &kvroute_core::kvevents::Applied) {
+    for (action, n) in [
+        ("stored", applied.stored),
+        ("removed", applied.removed),
+        ("skipped", applied.skipped),
+        ("unresolved", applied.unresolved),
+        ("malformed", applied.malformed),
+    ] {
+        if n > 0 {
+            counter!(KV_EVENT_BLOCKS, "action" => action).increment(n);
+        }
+    }
+}
+
+/// One prompt tokenized on a pod (`failure`: why not, if it failed).
+pub fn record_tokenize(duration: Duration, failure: Option<&'static str>) {
+    histogram!(TOKENIZE_DURATION, "outcome" => failure.unwrap_or("ok"))
+        .record(duration.as_secs_f64());
+}
+
+/// A gap in a pod's sequence numbers.
+pub fn record_kv_gap() {
+    counter!(KV_EVENT_GAPS).increment(1);
+}
+
+/// One replay request; `outcome` is one of [`KV_REPLAY_OUTCOMES`].
+pub fn record_kv_replay(outcome: &'static str) {
+    counter!(KV_EVENT_REPLAYS, "outcome" => outcome).increment(1);
+}
+
+/// A pod's entries dropped from the event index (`blocks` of them).
+pub fn record_kv_reset(blocks: u64) {
+    counter!(KV_EVENT_RESETS).increment(1);
+    counter!(KV_EVENT_BLOCKS, "action" => "removed").increment(blocks);
+}
+
+/// How many pods' event streams are connected and in sequence.
+pub fn set_kv_event_streams(streams: usize) {
+    gauge!(KV_EVENT_STREAMS).set(streams as f64);
 }
 
 /// Sets the allocator gauges, if a reader is registered.

@@ -1429,6 +1429,8 @@ impl Drop for Prometheus {
 const MODEL: &str = "llama";
 /// The model of the dashboard test's full pod.
 const FULL_MODEL: &str = "mistral";
+/// Served by the simulated pod that publishes KV events.
+const EVENTS_MODEL: &str = "qwen";
 
 /// POSTs `body` (raw) to Envoy; returns the status.
 async fn post(client: &reqwest::Client, url: &str, body: String) -> u16 {
@@ -1449,7 +1451,7 @@ async fn traffic_round(
     url: &str,
 ) -> Vec<(&'static str, u16, &'static [u16])> {
     let mut outcomes = Vec::new();
-    let requests: [(&str, Value, &[u16]); 7] = [
+    let requests: [(&str, Value, &[u16]); 8] = [
         (
             "base model",
             json!({"model": MODEL, "prompt": "hello", "max_tokens": 8}),
@@ -1478,6 +1480,11 @@ async fn traffic_round(
             &[404],
         ),
         ("no model", json!({"prompt": "hi"}), &[400]),
+        (
+            "a model whose pod publishes KV events (its prompt is tokenized on the pod)",
+            json!({"model": EVENTS_MODEL, "prompt": "a prompt long enough to fill a few blocks of sixteen tokens each, and then some more words", "max_tokens": 4}),
+            &[200],
+        ),
         (
             "a model whose pods have no room",
             // More KV than the full pod has free.
@@ -1527,14 +1534,31 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus_scraping_kvro
         kv_usage: 0.97,
         ..FakeMetrics::default()
     });
+    // A simulated pod publishing its KV events, followed by kvroute (the event panels).
+    let (events_config, templates) =
+        kvroute_lab::compare::with_kv_events(kvroute_sim::FleetConfig {
+            model: EVENTS_MODEL.into(),
+            speedup: 20.0,
+            ..kvroute_sim::FleetConfig::uniform(1, kvroute_sim::PodConfig::default())
+        })
+        .expect("ports for the events");
+    let events_fleet = kvroute_sim::SimFleet::start(events_config)
+        .await
+        .expect("the simulated pod starts");
     let mut live: Vec<SocketAddr> = pods.iter().map(|p| p.addr).collect();
     live.push(full.addr);
+    live.extend(events_fleet.endpoints());
     let mut endpoints = live.clone();
     endpoints.push(down);
     // As the binary does: jemalloc's counters feed the memory gauges.
     kvroute::telemetry::register_allocator_stats(kvroute::telemetry::jemalloc_stats);
     let mut config = test_config(endpoints);
     config.flow.max_wait = Duration::from_millis(100);
+    config.prefix_source = kvroute::kvevents::PrefixSource::Auto;
+    config.kv_events.endpoint =
+        kvroute::kvevents::EndpointTemplate::parse(&templates.endpoint).expect("template");
+    config.kv_events.replay_endpoint =
+        Some(kvroute::kvevents::EndpointTemplate::parse(&templates.replay).expect("template"));
     let kvroute = Kvroute::start(config).await;
     kvroute
         .wait_for(
@@ -1625,6 +1649,7 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus_scraping_kvro
             }
         }
     }
+    events_fleet.shutdown().await;
     assert!(
         failures.is_empty(),
         "{} of {} dashboard queries failed:\n{}\n\nkvroute exposes: {exposed:?}",

@@ -36,8 +36,8 @@ use kvroute_core::request::{
 };
 
 use super::{
-    InFlight, Placement, ResponseSummary, RouteRequest, Routed, Router, Unrouted, UnroutedKind,
-    Waiting,
+    InFlight, Placement, RawRequest, ResponseSummary, RouteRequest, Routed, Router, Unrouted,
+    UnroutedKind, Waiting,
 };
 use crate::flow::{ClassError, DropReason, FAIRNESS_HEADERS, OBJECTIVE_HEADERS, RequestClass};
 use crate::telemetry::{self, ModelLabels, Outcome};
@@ -334,11 +334,12 @@ impl<R: Router> Exchange<R> {
                 vec![self.refuse(partial_body(), Outcome::TooLarge)]
             }
             // Buffered modes deliver the whole body at once; once routed, Envoy holds
-            // it, not kvroute.
+            // it, not kvroute (the router reads it while routing, for one).
             _ => {
                 let parsed = self.parse_body();
+                let answers = self.route_parsed(parsed, AnswerIn::Body);
                 self.drop_body();
-                self.route_parsed(parsed, AnswerIn::Body)
+                answers
             }
         }
     }
@@ -527,9 +528,13 @@ impl<R: Router> Exchange<R> {
         // Only a streamed response body shows its first token as it leaves the pod; a
         // buffered one arrives whole, at the end.
         let first_token_visible = self.response_mode == BodyMode::FullDuplex;
+        let raw = RawRequest {
+            api: ApiKind::from_path(&self.path),
+            body: &self.body,
+        };
         match self
             .router
-            .route(&route_request, &self.class, first_token_visible)
+            .route(&route_request, raw, &self.class, first_token_visible)
         {
             Placement::Routed(routed) => self.forward(routed),
             Placement::Unrouted(unrouted) => {

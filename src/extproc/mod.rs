@@ -166,16 +166,25 @@ pub trait InFlight: Send + 'static {
     fn finish(self, response: ResponseSummary);
 }
 
+/// A request as the gateway sent it: which API, and its whole body (empty without one).
+#[derive(Debug, Clone, Copy)]
+pub struct RawRequest<'a> {
+    pub api: kvroute_core::request::ApiKind,
+    pub body: &'a [u8],
+}
+
 /// Chooses the destination of a request.
 pub trait Router: Send + Sync + 'static {
     type Ticket: InFlight;
 
-    /// Routes `request` of `class`, now or once a pod has room. `first_token_visible`:
-    /// the gateway sends response bodies to kvroute, so [`InFlight::first_token`] will be
-    /// called when the first one passes.
+    /// Routes `request` of `class`, now or once a pod has room. `raw` is the request as
+    /// it came (a router that needs more than the parsed form reads it there).
+    /// `first_token_visible`: the gateway sends response bodies to kvroute, so
+    /// [`InFlight::first_token`] will be called when the first one passes.
     fn route(
         &self,
         request: &RouteRequest<'_>,
+        raw: RawRequest<'_>,
         class: &RequestClass,
         first_token_visible: bool,
     ) -> Placement<Self::Ticket>;

@@ -17,12 +17,20 @@ fn picker(keep_decisions: usize) -> LivePicker {
     )
 }
 
+/// The raw request of routing tests that give the parsed form only.
+fn no_body() -> RawRequest<'static> {
+    RawRequest {
+        api: kvroute_core::request::ApiKind::Completions,
+        body: &[],
+    }
+}
+
 fn route_unplaceable(picker: &LivePicker) {
     let request = RouteRequest {
         inference: None,
         subset: None,
     };
-    let placement = picker.route(&request, &RequestClass::default(), true);
+    let placement = picker.route(&request, no_body(), &RequestClass::default(), true);
     assert!(
         matches!(placement, Placement::Unrouted(_)),
         "no pods: not routed"
@@ -135,7 +143,7 @@ mod waiting_room {
             inference: Some(&inference),
             subset: None,
         };
-        picker.route(&request, &class(priority), false)
+        picker.route(&request, no_body(), &class(priority), false)
     }
 
     fn held(placement: Placement<InFlightRequest>) -> Waiting<InFlightRequest> {
@@ -261,7 +269,7 @@ mod waiting_room {
             priority,
             tenant: tenant.to_owned(),
         };
-        picker.route(&request, &class, false)
+        picker.route(&request, no_body(), &class, false)
     }
 
     #[tokio::test]

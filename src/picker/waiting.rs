@@ -29,8 +29,8 @@ pub(super) type Answer = oneshot::Sender<Result<Routed<InFlightRequest>, Unroute
 pub(super) struct Waiter {
     pub(super) request: Option<InferenceRequest>,
     pub(super) subset: Option<EndpointSubset>,
-    /// The prompt's prefix-block hashes, computed once.
-    pub(super) blocks: Vec<u64>,
+    /// The prompt's prefix blocks, computed once.
+    pub(super) blocks: kvroute_core::kvevents::PromptBlocks,
     pub(super) first_token_visible: bool,
     pub(super) labels: ModelLabels,
     /// The pods it competes for: a digest of its base model.

@@ -188,6 +188,28 @@ pub fn free_port() -> std::io::Result<u16> {
         .port())
 }
 
+/// `n` consecutive free loopback ports, held (bound) until the listeners are dropped, for
+/// processes that take a base port and add a pod's index: returns the first port.
+pub fn reserve_port_range(n: u16) -> std::io::Result<(u16, Vec<std::net::TcpListener>)> {
+    let n = n.max(1);
+    for _ in 0..64 {
+        let base = free_port()?;
+        if base.checked_add(n).is_none() {
+            continue;
+        }
+        let held: Result<Vec<_>, _> = (base..base + n)
+            .map(|port| std::net::TcpListener::bind(("127.0.0.1", port)))
+            .collect();
+        if let Ok(held) = held {
+            return Ok((base, held));
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!("no {n} consecutive free ports on loopback"),
+    ))
+}
+
 /// An Envoy child process, killed when dropped. Envoy 1.40 exits when the thread that
 /// started it ends, so start it from a thread that outlives it (e.g. `main`).
 #[derive(Debug)]

@@ -94,6 +94,7 @@ impl Router for StubRouter {
     fn route(
         &self,
         request: &RouteRequest<'_>,
+        _raw: RawRequest<'_>,
         class: &RequestClass,
         first_token_visible: bool,
     ) -> Placement<StubTicket> {

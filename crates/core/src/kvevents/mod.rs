@@ -12,8 +12,72 @@ mod event;
 pub mod msgpack;
 mod pod;
 
+use crate::fleet::{PodView, PrefixIndex, PrefixMatches, Snapshot};
+
 pub use event::{BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent, decode_batch};
 pub use pod::{Applied, PodEvents, Sequence, chain, chain_root, token_block_hashes};
+
+/// Where prefix matches come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefixSource {
+    /// What kvroute sent to each pod (no events needed).
+    #[default]
+    Approximate,
+    /// The pods' KV events, for every pod: a pod whose events do not flow matches
+    /// nothing.
+    Precise,
+    /// The pods' KV events for pods whose events flow, what kvroute sent for the others.
+    Auto,
+}
+
+impl PrefixSource {
+    /// Whether this source subscribes to the pods' events.
+    pub fn uses_events(self) -> bool {
+        !matches!(self, PrefixSource::Approximate)
+    }
+}
+
+/// A prompt's blocks as the event index keys them: chained hashes of the engine's token
+/// blocks ([`token_block_hashes`]), `block_tokens` tokens each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenBlocks {
+    pub chains: Vec<u64>,
+    pub block_tokens: u32,
+}
+
+/// A prompt's prefix blocks, for matching against both indexes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PromptBlocks {
+    /// Chained hashes of the prompt text's blocks (the approximate index's,
+    /// [`crate::fleet::block_hashes`]).
+    pub text: Vec<u64>,
+    /// The engine's token blocks, when the prompt was tokenized.
+    pub tokens: Option<TokenBlocks>,
+}
+
+/// The prefix matches a pick uses: `guessed` (the approximate index's) unless the prompt
+/// was tokenized, else the event index's, for every pod (`Precise`) or for the pods
+/// `streams` says are followed, `guessed` for the others (`Auto`).
+pub fn matches_with_events(
+    source: PrefixSource,
+    events: &PrefixIndex,
+    tokens: Option<&TokenBlocks>,
+    guessed: PrefixMatches,
+    snapshot: &Snapshot,
+    streams: impl Fn(&PodView) -> bool,
+) -> PrefixMatches {
+    let Some(tokens) = tokens.filter(|_| source.uses_events()) else {
+        return guessed;
+    };
+    let exact = events.matches_of(&tokens.chains, tokens.block_tokens, snapshot);
+    match source {
+        PrefixSource::Auto => {
+            let pods = snapshot.pods();
+            PrefixMatches::merge(exact, &guessed, pods.len(), |i| streams(&pods[i]))
+        }
+        PrefixSource::Precise | PrefixSource::Approximate => exact,
+    }
+}
 
 #[cfg(test)]
 mod tests;

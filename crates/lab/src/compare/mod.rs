@@ -16,7 +16,7 @@ pub mod routers;
 pub mod summary;
 pub mod targets;
 
-pub use routers::RouterKind;
+pub use routers::{KvEventTemplates, RouterKind, with_kv_events};
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -196,10 +196,17 @@ async fn run_router(
         .fleet_config()
         .with_context(|| format!("workload {}: fleet", workload.name))?;
     let speedup = fleet_config.speedup;
+    let (fleet_config, kv_events) = if kind == RouterKind::KvrouteEvents {
+        let (config, templates) = routers::with_kv_events(fleet_config)?;
+        (config, Some(templates))
+    } else {
+        (fleet_config, None)
+    };
     let fleet = SimFleet::start(fleet_config).await?;
     let pods = fleet.endpoints();
     let outcome = async {
-        let router = routers::start(kind, &pods, speedup, workload, tools).await?;
+        let router =
+            routers::start(kind, &pods, speedup, workload, tools, kv_events.as_ref()).await?;
         let measured = measure(&router.base_url, workload, file, rates, step, quick, &pods).await;
         router.stop().await;
         measured

@@ -27,6 +27,8 @@ use crate::loadgen::Workload;
 pub enum RouterKind {
     /// kvroute behind Envoy (shipped fail-closed gateway).
     Kvroute,
+    /// kvroute matching prompts on the pods' KV events (`--prefix-source auto`).
+    KvrouteEvents,
     /// Envoy ROUND_ROBIN.
     RoundRobin,
     /// Envoy LEAST_REQUEST.
@@ -51,6 +53,7 @@ impl RouterKind {
     pub fn name(self) -> &'static str {
         match self {
             RouterKind::Kvroute => "kvroute",
+            RouterKind::KvrouteEvents => "kvroute-events",
             RouterKind::RoundRobin => "round-robin",
             RouterKind::LeastRequest => "least-request",
             RouterKind::Sglang => "sglang",
@@ -63,6 +66,9 @@ impl RouterKind {
         match self {
             RouterKind::Kvroute => {
                 "kvroute behind Envoy, shipped fail-closed gateway (ORIGINAL_DST), scrape every 50 ms simulated but at most every 20 ms of wall time, requests held at most 15 s simulated (`--max-queue-wait`)"
+            }
+            RouterKind::KvrouteEvents => {
+                "kvroute as above with `--prefix-source auto`: each pod publishes its KV cache events as vLLM does (`--kv-events-config`), kvroute follows them and matches each prompt, tokenized on a pod's `/tokenize`, against what the pods really cache"
             }
             RouterKind::RoundRobin => "Envoy `ROUND_ROBIN`",
             RouterKind::LeastRequest => "Envoy `LEAST_REQUEST`",
@@ -148,17 +154,23 @@ pub async fn start(
     speedup: f64,
     workload: &Workload,
     tools: &Tools,
+    kv_events: Option<&KvEventTemplates>,
 ) -> anyhow::Result<RunningRouter> {
     let model = workload.model.as_str();
     let (guard, base_url) = match kind {
-        RouterKind::Kvroute => {
+        RouterKind::Kvroute | RouterKind::KvrouteEvents => {
             let mut timing = KvrouteTiming::for_speedup(speedup);
             if let Some(interval) = tools.kvroute_scrape_interval {
                 timing.scrape_interval = interval;
                 timing.max_metrics_age = timing.max_metrics_age.max(interval * 10);
             }
             let objectives = workload.objectives.clone().unwrap_or_default();
-            start_kvroute(timing, pods, &objectives, tools).await?
+            let events = if kind == RouterKind::KvrouteEvents {
+                Some(kv_events.context("kvroute-events needs a fleet publishing KV events")?)
+            } else {
+                None
+            };
+            start_kvroute(timing, pods, &objectives, tools, events).await?
         }
         RouterKind::RoundRobin | RouterKind::LeastRequest => {
             let gateway = if kind == RouterKind::RoundRobin {
@@ -195,6 +207,51 @@ pub async fn start(
         .await
         .with_context(|| format!("{} did not become ready", kind.name()))?;
     Ok(router)
+}
+
+/// Where the pods of a fleet publish their KV events, as `kvroute serve` templates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEventTemplates {
+    pub endpoint: String,
+    pub replay: String,
+}
+
+/// `config` with every pod publishing KV events as vLLM does, on consecutive loopback
+/// ports (pod `i` on the base port + `i`, as vLLM offsets data-parallel ranks), its HTTP
+/// ports consecutive too, so that one template (`{port+N}`) names every pod's publisher.
+pub fn with_kv_events(
+    mut config: kvroute_sim::FleetConfig,
+) -> anyhow::Result<(kvroute_sim::FleetConfig, KvEventTemplates)> {
+    let n = u16::try_from(config.pods.len()).context("too many pods")?;
+    // Held together, so the three ranges differ; released for the fleet to bind.
+    let (http, a) = crate::envoy::reserve_port_range(n)?;
+    let (publish, b) = crate::envoy::reserve_port_range(n)?;
+    let (replay, c) = crate::envoy::reserve_port_range(n)?;
+    drop((a, b, c));
+    let json = format!(
+        r#"{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{publish}", "replay_endpoint": "tcp://*:{replay}", "topic": "kv"}}"#
+    );
+    let events = kvroute_sim::kv_events::KvEventsConfig::from_json(&json)
+        .map_err(|e| anyhow::anyhow!("kv events config: {e}"))?;
+    config.port = http;
+    for pod in &mut config.pods {
+        pod.kv_events = Some(events.clone());
+    }
+    let shift = |to: u16| {
+        let delta = i32::from(to) - i32::from(http);
+        if delta >= 0 {
+            format!("tcp://{{host}}:{{port+{delta}}}")
+        } else {
+            format!("tcp://{{host}}:{{port-{}}}", -delta)
+        }
+    };
+    Ok((
+        config,
+        KvEventTemplates {
+            endpoint: shift(publish),
+            replay: shift(replay),
+        },
+    ))
 }
 
 /// kvroute scrapes every 50 ms of simulated time (at least every 2 ms of wall time) and
@@ -251,6 +308,7 @@ async fn start_kvroute(
     pods: &[SocketAddr],
     objectives: &BTreeMap<String, i32>,
     tools: &Tools,
+    kv_events: Option<&KvEventTemplates>,
 ) -> anyhow::Result<(Guard, String)> {
     let exe = &tools.kvroute;
     let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()?));
@@ -283,6 +341,13 @@ async fn start_kvroute(
         .args(["--drain-timeout", "1s"])
         // One `--flag=value` argument: a value cannot be taken for a flag.
         .args(objective_priority_arg(objectives).map(|map| format!("--objective-priority={map}")))
+        .args(kv_events.into_iter().flat_map(|t| {
+            [
+                "--prefix-source=auto".to_string(),
+                format!("--kv-events-endpoint={}", t.endpoint),
+                format!("--kv-events-replay-endpoint={}", t.replay),
+            ]
+        }))
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())

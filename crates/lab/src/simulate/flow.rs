@@ -18,6 +18,7 @@ use kvroute_core::flow::{self, EntryId, FlowQueue, Priority};
 pub use kvroute_core::flow::{
     DEFAULT_TENANT, DropReason, FlowSettings, MAX_MISSES_PER_PASS, pods_key,
 };
+use kvroute_core::kvevents::PromptBlocks;
 use kvroute_core::request::InferenceRequest;
 
 use crate::loadgen::Workload;
@@ -65,8 +66,8 @@ pub struct Waiter {
     /// The caller's name for the request.
     pub slot: u32,
     pub request: InferenceRequest,
-    /// The prompt's prefix-block hashes, computed once.
-    pub blocks: Vec<u64>,
+    /// The prompt's prefix blocks, computed once.
+    pub blocks: PromptBlocks,
     /// The pods it competes for: a digest of its base model.
     pub pods_key: u64,
     pub priority: Priority,
@@ -147,7 +148,7 @@ mod tests {
                 prompt_prefix: Vec::new(),
                 prefix_context: 0,
             },
-            blocks: Vec::new(),
+            blocks: PromptBlocks::default(),
             pods_key: 0,
             priority,
             tenant: Arc::from(DEFAULT_TENANT),

@@ -60,6 +60,8 @@ use crate::loadgen::Workload;
 pub enum Router {
     /// kvroute's scheduler, prefix index and ledgers (`kvroute_core`).
     Kvroute,
+    /// kvroute matching prompts on the engines' KV events (`--prefix-source auto`).
+    KvrouteEvents,
     /// Envoy `ROUND_ROBIN`.
     RoundRobin,
     /// Envoy `LEAST_REQUEST` (two random choices, fewer active requests).
@@ -74,6 +76,7 @@ impl Router {
     pub fn kind(self) -> RouterKind {
         match self {
             Router::Kvroute => RouterKind::Kvroute,
+            Router::KvrouteEvents => RouterKind::KvrouteEvents,
             Router::RoundRobin => RouterKind::RoundRobin,
             Router::LeastRequest => RouterKind::LeastRequest,
         }
@@ -83,6 +86,9 @@ impl Router {
         match self {
             Router::Kvroute => {
                 "kvroute_core's prefix index, `scheduler::pick` (default configuration) and in-flight ledgers, as `LivePicker` runs them behind the fail-closed gateway, with its flow control (requests no pod has the KV for held at most --max-queue-wait, by priority and tenants in turn; sheddable ones refused); metrics from scrapes every --scrape-interval, seen --scrape-delay late"
+            }
+            Router::KvrouteEvents => {
+                "kvroute as above with `--prefix-source auto`: each engine publishes its KV cache events after every step, applied at once to kvroute's event index, and each prompt's engine tokens are matched there"
             }
             Router::RoundRobin => "Envoy `ROUND_ROBIN` (each pod in turn)",
             Router::LeastRequest => {

@@ -16,6 +16,11 @@
 //!   are published as the gateway's store does it (`PodStore::publish`: the ledger absorbs
 //!   the scrape, a new `Fleet` is built with the metrics' ages). Prefill ends at the next
 //!   scrape, as with the shipped gateways, which keep response bodies away from kvroute.
+//!   With KV events ([`Kvroute::with_kv_events`], the gateway's `--prefix-source auto`),
+//!   every pod's engine publishes its cache's changes after each step; they are applied to
+//!   an event index at once (events cross a socket in well under a millisecond, where
+//!   scrapes wait for the next interval), and a request's prompt tokens, the engine's own,
+//!   are matched there.
 //! - [`Policy::RoundRobin`]: Envoy's `ROUND_ROBIN` over equal hosts.
 //! - [`Policy::LeastRequest`]: Envoy's `LEAST_REQUEST` over equal hosts: two hosts drawn at
 //!   random (with replacement), the one with fewer active requests, the first on a tie.
@@ -34,6 +39,10 @@ use kvroute_core::fleet::{
     Reservation, ScrapeTicket, ServedModels, adapter_key, block_hashes,
 };
 use kvroute_core::flow::{EntryId, FlowRules, Hold, Holds, TenantShares, is_sheddable};
+use kvroute_core::kvevents::{
+    EventBatch, PodEvents, PrefixSource, PromptBlocks, TokenBlocks, matches_with_events,
+    token_block_hashes,
+};
 use kvroute_core::request::{InferenceRequest, RouteRequest};
 use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
 
@@ -96,6 +105,8 @@ pub struct Kvroute {
     /// queue while placing (which counts each routed request in at once), as the live one.
     shares: RefCell<TenantShares>,
     prefix: PrefixIndex,
+    /// The index the pods' KV events feed, when they publish them.
+    events: Option<EventIndex>,
     rng: SmallRng,
     loads: Vec<Arc<PodLoad>>,
     models: Arc<ServedModels>,
@@ -107,6 +118,18 @@ pub struct Kvroute {
     generation: u64,
     /// Requests that fit no pod yet.
     room: WaitingRoom,
+}
+
+/// The event index and each pod's event state (`kvevents::PodSubscriber`'s, without the
+/// sockets).
+#[derive(Debug)]
+struct EventIndex {
+    index: PrefixIndex,
+    pods: Vec<PodEvents>,
+    /// Each pod's next sequence number.
+    seq: Vec<u64>,
+    /// Tokens per block of the pods' engines.
+    block_tokens: u32,
 }
 
 /// What placing a request came to (`LivePicker::place`'s `Placed`).
@@ -129,6 +152,7 @@ impl Kvroute {
             config,
             shares: RefCell::default(),
             prefix: PrefixIndex::with_budget(DEFAULT_PREFIX_BUDGET_BYTES),
+            events: None,
             rng: SmallRng::seed_from_u64(seed),
             loads: (0..pods).map(|_| Arc::new(PodLoad::default())).collect(),
             models,
@@ -137,6 +161,42 @@ impl Kvroute {
             fleet: Fleet::default(),
             generation: 0,
             room: WaitingRoom::new(flow),
+        }
+    }
+
+    /// Matches prompts on the pods' KV events (engines of `block_tokens`-token blocks),
+    /// as the gateway's `--prefix-source auto` with every pod's events flowing.
+    pub fn with_kv_events(mut self, block_tokens: u32) -> Self {
+        let pods = self.loads.len();
+        self.events = Some(EventIndex {
+            index: PrefixIndex::with_budget(DEFAULT_PREFIX_BUDGET_BYTES),
+            pods: (0..pods).map(|_| PodEvents::new()).collect(),
+            seq: vec![0; pods],
+            block_tokens: block_tokens.max(1),
+        });
+        self
+    }
+
+    /// Whether prompts are matched on KV events (the caller then passes prompt tokens).
+    pub fn uses_kv_events(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// Pod `pod`'s engine published `batch`.
+    pub fn kv_events(&mut self, pod: usize, batch: &EventBatch) {
+        let Some(events) = &mut self.events else {
+            return;
+        };
+        events.index.follow(self.fleet.snapshot());
+        let capacity = self
+            .metrics
+            .get(pod)
+            .and_then(|m| m.as_ref())
+            .and_then(|(m, _)| m.kv_capacity_tokens)
+            .unwrap_or(0);
+        if let (Some(state), Some(seq)) = (events.pods.get_mut(pod), events.seq.get_mut(pod)) {
+            state.apply(*seq, batch, &events.index, endpoint(pod), capacity);
+            *seq += 1;
         }
     }
 
@@ -211,14 +271,27 @@ impl Kvroute {
         &mut self,
         now: Duration,
         request: InferenceRequest,
+        tokens: Option<Vec<u32>>,
         class: &FlowClass,
         slot: u32,
     ) -> Placement {
-        let blocks = block_hashes(
+        let text = block_hashes(
             &request.model,
             request.prefix_context,
             &request.prompt_prefix,
         );
+        // The engine's own tokens: what the gateway gets from a pod's /tokenize.
+        let tokens = self.events.as_ref().zip(tokens).map(|(events, tokens)| {
+            let adapter = self
+                .models
+                .is_adapter(&request.model)
+                .then_some(request.model.as_str());
+            TokenBlocks {
+                chains: token_block_hashes(adapter, &tokens, events.block_tokens),
+                block_tokens: events.block_tokens,
+            }
+        });
+        let blocks = PromptBlocks { text, tokens };
         let queues = self.room.settings.queues();
         if queues && self.room.must_queue_behind(class.priority) {
             return self.hold(now, request, blocks, class, slot, false);
@@ -231,6 +304,7 @@ impl Kvroute {
             .for_request(class.priority, &class.tenant, &shares);
         let placed = place(
             &self.prefix,
+            self.events.as_ref(),
             &self.fleet,
             &mut self.rng,
             &request,
@@ -262,7 +336,7 @@ impl Kvroute {
         &mut self,
         now: Duration,
         request: InferenceRequest,
-        blocks: Vec<u64>,
+        blocks: PromptBlocks,
         class: &FlowClass,
         slot: u32,
         no_endpoints: bool,
@@ -315,6 +389,7 @@ impl Kvroute {
             rules,
             shares,
             prefix,
+            events,
             rng,
             fleet,
             room,
@@ -339,6 +414,7 @@ impl Kvroute {
                 let config = rules.for_request(waiter.priority, &waiter.tenant, &shares.borrow());
                 match place(
                     prefix,
+                    events.as_ref(),
                     fleet,
                     rng,
                     &waiter.request,
@@ -388,12 +464,14 @@ impl Kvroute {
 
 /// `LivePicker::place`: match, pick; unless `hold` declines the decision, reserve and
 /// record.
+#[allow(clippy::too_many_arguments)]
 fn place(
     prefix: &PrefixIndex,
+    events: Option<&EventIndex>,
     fleet: &Fleet,
     rng: &mut SmallRng,
     request: &InferenceRequest,
-    blocks: &[u64],
+    blocks: &PromptBlocks,
     hold: Hold,
     config: &SchedulerConfig,
 ) -> Result<Placed, PickError> {
@@ -401,7 +479,19 @@ fn place(
         inference: Some(request),
         subset: None,
     };
-    let matches = prefix.matches(blocks, fleet.snapshot());
+    let guessed = prefix.matches(&blocks.text, fleet.snapshot());
+    let matches = match events {
+        // Every simulated pod's events flow.
+        Some(events) => matches_with_events(
+            PrefixSource::Auto,
+            &events.index,
+            blocks.tokens.as_ref(),
+            guessed,
+            fleet.snapshot(),
+            |_| true,
+        ),
+        None => guessed,
+    };
     let decision = scheduler::pick(&route, Some(&matches), fleet, config, rng)?;
     if hold.declines(&decision) {
         return Ok(Placed::NoRoom);
@@ -426,7 +516,7 @@ fn place(
         // The shipped gateways show kvroute no response body: prefill ends at a scrape.
         load.reserve(tokens, prompt, PrefillEnd::NextScrape)
     });
-    prefix.record(decision.endpoint, blocks, capacity);
+    prefix.record(decision.endpoint, &blocks.text, capacity);
     Ok(Placed::Routed(Routed {
         pod,
         reservation,
@@ -445,23 +535,26 @@ pub enum Policy {
 
 impl Policy {
     /// Routes one request arriving at `now`; `inflight` is each pod's active requests
-    /// (Envoy's `rq_active`), `request` builds kvroute's parsed request when needed, `class`
-    /// is its place in kvroute's flow control and `slot` the caller's name for it should
-    /// kvroute hold it.
+    /// (Envoy's `rq_active`), `request` builds kvroute's parsed request when needed (and,
+    /// when asked, the prompt's engine tokens), `class` is its place in kvroute's flow
+    /// control and `slot` the caller's name for it should kvroute hold it.
     pub fn route(
         &mut self,
         now: Duration,
         inflight: &[u32],
         class: &FlowClass,
         slot: u32,
-        request: impl FnOnce() -> InferenceRequest,
+        request: impl FnOnce(bool) -> (InferenceRequest, Option<Vec<u32>>),
     ) -> Placement {
         let pods = inflight.len();
         if pods == 0 {
             return Placement::Failed(PickError::NoEndpoints);
         }
         let pod = match self {
-            Policy::Kvroute(k) => return k.route(now, request(), class, slot),
+            Policy::Kvroute(k) => {
+                let (request, tokens) = request(k.uses_kv_events());
+                return k.route(now, request, tokens, class, slot);
+            }
             Policy::RoundRobin { next } => {
                 let pod = *next % pods;
                 *next = (pod + 1) % pods;
@@ -510,7 +603,7 @@ mod tests {
         };
         let picks: Vec<usize> = (0..200)
             .map(
-                |_| match p.route(Duration::ZERO, &inflight, &class, 0, || unreachable!()) {
+                |_| match p.route(Duration::ZERO, &inflight, &class, 0, |_| unreachable!()) {
                     Placement::Routed(r) => r.pod,
                     other => panic!("{other:?}"),
                 },
@@ -615,8 +708,8 @@ mod tests {
     #[test]
     fn a_request_no_pod_has_the_kv_for_waits_and_is_routed_when_a_request_ends() {
         let mut k = kvroute(1, secs(15));
-        let first = routed(k.route(secs(0), request(8_000), &class(0), 0));
-        let second = k.route(secs(1), request(8_000), &class(0), 1);
+        let first = routed(k.route(secs(0), request(8_000), None, &class(0), 0));
+        let second = k.route(secs(1), request(8_000), None, &class(0), 1);
         assert!(is_held(&second), "{second:?}");
         assert_eq!(k.waiting(), 1);
         // A scrape changes nothing: the first request still holds the pod's KV.
@@ -628,9 +721,9 @@ mod tests {
         assert_eq!(routed_slots(&pass), [1]);
         assert_eq!(k.waiting(), 0);
         // A newcomer behind a waiting request of its priority queues even when it fits.
-        let big = k.route(secs(4), request(8_000), &class(0), 2);
+        let big = k.route(secs(4), request(8_000), None, &class(0), 2);
         assert!(is_held(&big));
-        let small = k.route(secs(4), request(1_000), &class(0), 3);
+        let small = k.route(secs(4), request(1_000), None, &class(0), 3);
         assert!(is_held(&small), "{small:?}");
     }
 
@@ -639,24 +732,30 @@ mod tests {
         let mut k = kvroute(2, secs(15));
         // Every pod's queue at the saturation threshold; both have the KV.
         rescrape(&mut k, secs(1), 5);
-        let shed = k.route(secs(1), request(1_000), &class(-10), 0);
+        let shed = k.route(secs(1), request(1_000), None, &class(-10), 0);
         assert!(
             matches!(shed, Placement::Shed(DropReason::Saturated)),
             "{shed:?}"
         );
         // A request that is not sheddable goes to a pod with the KV, saturated or not.
-        routed(k.route(secs(1), request(1_000), &class(0), 1));
+        routed(k.route(secs(1), request(1_000), None, &class(0), 1));
         // Not saturated: the sheddable request is placed.
         rescrape(&mut k, secs(2), 0);
-        routed(k.route(secs(2), request(1_000), &class(-10), 2));
+        routed(k.route(secs(2), request(1_000), None, &class(-10), 2));
         assert_eq!(k.waiting(), 0, "a sheddable request never waits");
     }
 
     #[test]
     fn a_wait_that_runs_out_is_shed_as_ttl_expired() {
         let mut k = kvroute(1, secs(15));
-        let _first = routed(k.route(secs(0), request(8_000), &class(0), 0));
-        assert!(is_held(&k.route(secs(1), request(8_000), &class(0), 1)));
+        let _first = routed(k.route(secs(0), request(8_000), None, &class(0), 0));
+        assert!(is_held(&k.route(
+            secs(1),
+            request(8_000),
+            None,
+            &class(0),
+            1
+        )));
         rescrape(&mut k, secs(15), 0);
         let pass = k.dispatch(secs(15));
         assert!(pass.expired.is_empty(), "15 s after 1 s: not yet");
@@ -669,10 +768,22 @@ mod tests {
     #[test]
     fn a_higher_priority_leaves_first() {
         let mut k = kvroute(1, secs(15));
-        let first = routed(k.route(secs(0), request(8_000), &class(0), 0));
-        assert!(is_held(&k.route(secs(1), request(8_000), &class(0), 1)));
+        let first = routed(k.route(secs(0), request(8_000), None, &class(0), 0));
+        assert!(is_held(&k.route(
+            secs(1),
+            request(8_000),
+            None,
+            &class(0),
+            1
+        )));
         // Higher than anything waiting: not behind the earlier request.
-        assert!(is_held(&k.route(secs(2), request(8_000), &class(100), 2)));
+        assert!(is_held(&k.route(
+            secs(2),
+            request(8_000),
+            None,
+            &class(100),
+            2
+        )));
         end(&mut k, first);
         let pass = k.dispatch(secs(3));
         assert_eq!(
@@ -686,12 +797,12 @@ mod tests {
     #[test]
     fn with_no_queue_nothing_is_held() {
         let mut k = kvroute(1, Duration::ZERO);
-        let _first = routed(k.route(secs(0), request(8_000), &class(0), 0));
+        let _first = routed(k.route(secs(0), request(8_000), None, &class(0), 0));
         // No pod has the KV: placed anyway, on the least bad pod.
-        let second = routed(k.route(secs(1), request(8_000), &class(0), 1));
+        let second = routed(k.route(secs(1), request(8_000), None, &class(0), 1));
         assert!(second.decision.expect("kvroute decides").lacks_room());
         // Sheddable requests are still refused.
-        let shed = k.route(secs(1), request(8_000), &class(-1), 2);
+        let shed = k.route(secs(1), request(8_000), None, &class(-1), 2);
         assert!(matches!(shed, Placement::Shed(DropReason::Saturated)));
         assert_eq!(k.waiting(), 0);
     }

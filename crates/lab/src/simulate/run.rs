@@ -26,8 +26,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::flow::EntryId;
+use kvroute_core::kvevents::{BlockStored, EventBatch, KvEvent};
 use kvroute_core::scheduler::{PickError, SchedulerConfig};
-use kvroute_sim::engine::{Engine, Event, EventKind, FinishReason, RequestSpec};
+use kvroute_sim::engine::{
+    Engine, Event, EventKind, FinishReason, KvCacheEvent, KvEventBatch, RequestSpec,
+};
 use kvroute_sim::kv::mix;
 
 use super::diagnose::{Diagnostics, PodSample};
@@ -132,6 +135,8 @@ struct World<'s> {
     steps: Vec<StepAcc>,
     adapter_names: Vec<String>,
     events: Vec<Event>,
+    /// Buffer for the engines' KV event batches (kvroute-events).
+    kv_batches: Vec<KvEventBatch>,
     words: Vec<u8>,
     max_model_len: u32,
     stats: SimStats,
@@ -145,6 +150,41 @@ struct World<'s> {
     labels: ClassLabels,
     /// Something that wakes kvroute's dispatcher happened while handling the current event.
     wake: bool,
+}
+
+/// An engine's batch as kvroute decodes it off the wire (`kvroute_sim::kv_events::wire`
+/// writes the same fields).
+fn event_batch(batch: &KvEventBatch) -> EventBatch {
+    let events = batch
+        .events
+        .iter()
+        .map(|event| match event {
+            KvCacheEvent::BlockStored(stored) => KvEvent::BlockStored(BlockStored {
+                block_hashes: stored.block_hashes.clone(),
+                parent_block_hash: stored.parent_block_hash,
+                token_ids: stored.token_ids.clone(),
+                block_size: stored.block_size,
+                lora_id: stored.lora.as_ref().map(|l| u64::from(l.id)),
+                lora_name: stored.lora.as_ref().map(|l| l.name.clone()),
+                medium: Some("GPU".into()),
+                keyed: false,
+                group_idx: Some(0),
+            }),
+            KvCacheEvent::BlockRemoved { block_hashes } => {
+                KvEvent::BlockRemoved(kvroute_core::kvevents::BlockRemoved {
+                    block_hashes: block_hashes.clone(),
+                    medium: Some("GPU".into()),
+                    group_idx: Some(0),
+                })
+            }
+            KvCacheEvent::AllBlocksCleared => KvEvent::AllBlocksCleared,
+        })
+        .collect();
+    EventBatch {
+        ts: batch.at.as_secs_f64(),
+        events,
+        data_parallel_rank: Some(0),
+    }
 }
 
 fn secs(t: SimTime) -> f64 {
@@ -171,9 +211,15 @@ impl<'s> World<'s> {
                 }
             })
             .collect();
+        let mut pods = pods;
+        if router == Router::KvrouteEvents {
+            for p in &mut pods {
+                p.engine.set_kv_events(true);
+            }
+        }
         let max_model_len = pods.first().map_or(0, |p| p.engine.max_model_len());
         let policy = match router {
-            Router::Kvroute => {
+            Router::Kvroute | Router::KvrouteEvents => {
                 let config = SchedulerConfig {
                     // As `compare` runs kvroute: stale after ten scrape periods, at least 1 s.
                     max_metrics_age: (setup.scrape_interval * 10).max(Duration::from_secs(1)),
@@ -185,13 +231,13 @@ impl<'s> World<'s> {
                     max_wait: setup.max_queue_wait,
                     ..FlowSettings::default()
                 };
-                Policy::Kvroute(Box::new(Kvroute::new(
-                    setup.pods,
-                    models,
-                    config,
-                    flow,
-                    mix(setup.seed, 0x91c6),
-                )))
+                let kvroute =
+                    Kvroute::new(setup.pods, models, config, flow, mix(setup.seed, 0x91c6));
+                Policy::Kvroute(Box::new(if router == Router::KvrouteEvents {
+                    kvroute.with_kv_events(pod.engine.block_size)
+                } else {
+                    kvroute
+                }))
             }
             Router::RoundRobin => Policy::RoundRobin { next: 0 },
             Router::LeastRequest => Policy::LeastRequest {
@@ -213,6 +259,7 @@ impl<'s> World<'s> {
             steps: Vec::new(),
             adapter_names,
             events: Vec::new(),
+            kv_batches: Vec::new(),
             words: Vec::new(),
             max_model_len,
             stats: SimStats {
@@ -317,6 +364,14 @@ impl<'s> World<'s> {
             }
         }
         self.events = events;
+        if let Policy::Kvroute(k) = &mut self.policy
+            && k.uses_kv_events()
+        {
+            self.pods[i].engine.take_kv_events(&mut self.kv_batches);
+            for batch in self.kv_batches.drain(..) {
+                k.kv_events(i, &event_batch(&batch));
+            }
+        }
     }
 
     /// Ends the request in `slot`: releases its pod's accounting (dropping the
@@ -372,8 +427,12 @@ impl<'s> World<'s> {
         let wall = Instant::now();
         let placement = self
             .policy
-            .route(now, &self.inflight, &flow_class, slot, || {
-                request.inference(api, model, words)
+            .route(now, &self.inflight, &flow_class, slot, |tokens| {
+                let inference = request.inference(api, model, words);
+                // The prompt as the engine tokenizes it (the gateway asks a pod's
+                // /tokenize), when kvroute matches on KV events.
+                let tokens = tokens.then(|| request.engine_tokens(api, words));
+                (inference, tokens)
             });
         self.stats.route_wall_s += wall.elapsed().as_secs_f64();
         match placement {
