@@ -52,6 +52,16 @@ pub struct UpArgs {
     /// cold load) to serve another, which kvroute avoids.
     #[arg(long, default_value_t = 1)]
     pub max_loras: u32,
+    /// The pods publish their KV cache events as vLLM does (`--kv-events-config`) and
+    /// kvroute matches prompts on them (`--prefix-source auto`).
+    #[arg(long)]
+    pub kv_events: bool,
+    /// With --kv-events: the first pod's event publisher port (pod i on PORT+i).
+    #[arg(long, default_value_t = 5557)]
+    pub kv_events_port: u16,
+    /// With --kv-events: the first pod's replay port (pod i on PORT+i).
+    #[arg(long, default_value_t = 5567)]
+    pub kv_events_replay_port: u16,
     /// Where the logs and Envoy's configuration go.
     #[arg(long, default_value = "kvroute-up")]
     pub log_dir: PathBuf,
@@ -255,10 +265,17 @@ pub fn instructions(args: &UpArgs, on_path: bool) -> String {
 /// Fails with the flag to change when one of the ports is taken.
 fn check_ports_free(args: &UpArgs) -> anyhow::Result<()> {
     let mut ports: Vec<(u16, &str)> = args.ports().into_iter().zip(PORT_FLAGS).collect();
-    for i in 0..args.pods {
-        let port = u16::try_from(u32::from(args.pods_port) + u32::from(i))
-            .context("--pods-port + --pods runs past port 65535")?;
-        ports.push((port, "--pods-port"));
+    let mut ranges = vec![(args.pods_port, "--pods-port")];
+    if args.kv_events {
+        ranges.push((args.kv_events_port, "--kv-events-port"));
+        ranges.push((args.kv_events_replay_port, "--kv-events-replay-port"));
+    }
+    for (first, flag) in ranges {
+        for i in 0..args.pods {
+            let port = u16::try_from(u32::from(first) + u32::from(i))
+                .with_context(|| format!("{flag} + --pods runs past port 65535"))?;
+            ports.push((port, flag));
+        }
     }
     for (i, (port, flag)) in ports.iter().enumerate() {
         if ports[..i].iter().any(|(other, _)| other == port) {
@@ -271,6 +288,30 @@ fn check_ports_free(args: &UpArgs) -> anyhow::Result<()> {
         })?;
     }
     Ok(())
+}
+
+/// kvroute's flags for following the pods' events: each pod's publisher and replay
+/// ports sit at a fixed offset from its HTTP port.
+fn kv_events_flags(args: &UpArgs) -> Vec<String> {
+    if !args.kv_events {
+        return Vec::new();
+    }
+    let shifted = |to: u16| {
+        let delta = i32::from(to) - i32::from(args.pods_port);
+        if delta >= 0 {
+            format!("tcp://{{host}}:{{port+{delta}}}")
+        } else {
+            format!("tcp://{{host}}:{{port-{}}}", -delta)
+        }
+    };
+    vec![
+        "--prefix-source=auto".into(),
+        format!("--kv-events-endpoint={}", shifted(args.kv_events_port)),
+        format!(
+            "--kv-events-replay-endpoint={}",
+            shifted(args.kv_events_replay_port)
+        ),
+    ]
 }
 
 fn log_file(dir: &Path, name: &str) -> anyhow::Result<std::fs::File> {
@@ -308,6 +349,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             .args(["--port", &args.pods_port.to_string(), "--host", "127.0.0.1"])
             .args(["--lora-adapters", &args.adapters.join(",")])
             .args(["--max-loras", &args.max_loras.to_string()])
+            .args(args.kv_events.then(|| {
+                format!(
+                    r#"--kv-events-config={{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{}", "replay_endpoint": "tcp://*:{}", "topic": "kv"}}"#,
+                    args.kv_events_port, args.kv_events_replay_port
+                )
+            }))
             .env("RUST_LOG", "info")
             // Its own process group: a terminal's Ctrl-C reaches `up` alone, which then
             // stops Envoy first, lets kvroute drain, and the pods last.
@@ -330,6 +377,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             .args(["--health-addr", "off"])
             .args(["--drain-timeout", &format!("{}s", DRAIN.as_secs())])
             .args(["--drain-grace", "0s"])
+            .args(kv_events_flags(&args))
             .env("RUST_LOG", "info")
             .process_group(0)
             .stdin(Stdio::null())
@@ -560,5 +608,46 @@ mod tests {
         .expect_err("one port for two servers")
         .to_string();
         assert!(error.contains("given twice"), "{error}");
+    }
+
+    #[test]
+    fn with_kv_events_kvroute_is_told_where_each_pod_publishes() {
+        assert!(kv_events_flags(&args(&[])).is_empty());
+        let up = args(&[
+            "--kv-events",
+            "--pods-port",
+            "8000",
+            "--kv-events-port",
+            "5557",
+            "--kv-events-replay-port",
+            "9000",
+        ]);
+        assert_eq!(
+            kv_events_flags(&up),
+            [
+                "--prefix-source=auto",
+                "--kv-events-endpoint=tcp://{host}:{port-2443}",
+                "--kv-events-replay-endpoint=tcp://{host}:{port+1000}",
+            ]
+        );
+    }
+
+    #[test]
+    fn with_kv_events_a_taken_event_port_is_refused_with_its_flag() {
+        let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = taken.local_addr().expect("addr").port().to_string();
+        let free = crate::envoy::free_port().expect("a free port").to_string();
+        let error = check_ports_free(&free_args(&[
+            "--kv-events",
+            "--kv-events-port",
+            &free,
+            "--kv-events-replay-port",
+            &port,
+        ]))
+        .expect_err("the replay port is taken")
+        .to_string();
+        assert!(error.contains("--kv-events-replay-port"), "{error}");
+        // Without --kv-events the event ports are not used, so not checked.
+        check_ports_free(&free_args(&["--kv-events-replay-port", &port])).expect("not needed");
     }
 }
