@@ -47,13 +47,38 @@ use waiting::{Waiter, WaitingRoom};
 struct Origin {
     labels: ModelLabels,
     tenant: Arc<str>,
+    /// Where the decision's prefix matches came from.
+    prefix: PrefixFrom,
     /// How long it waited for room, if it did.
     waited: Option<std::time::Duration>,
 }
 
+/// Where a decision's prefix matches came from, for the decision trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefixFrom {
+    /// What kvroute sent each pod (`--prefix-source approximate`, or a prompt that was
+    /// not tokenized).
+    Sent,
+    /// The pods' KV events, for every candidate.
+    KvEvents,
+    /// The KV events of the pods whose events flow, what kvroute sent for the others.
+    KvEventsAndSent,
+}
+
+impl PrefixFrom {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PrefixFrom::Sent => "sent",
+            PrefixFrom::KvEvents => "kv_events",
+            PrefixFrom::KvEventsAndSent => "kv_events+sent",
+        }
+    }
+}
+
 /// What placing a request came to.
 enum Placed {
-    Routed(Decision, Option<Reservation>),
+    Routed(Decision, Option<Reservation>, PrefixFrom),
     /// No pod has room now; nothing was reserved.
     NoRoom(Decision),
 }
@@ -225,6 +250,7 @@ impl LivePicker {
                 &waiter.route_request(),
                 Err(format!("dropped ({}): {message}", reason.as_str())),
                 waited,
+                PrefixFrom::Sent,
             );
             let _ = waiter
                 .answer
@@ -250,13 +276,14 @@ impl LivePicker {
             Hold::WithoutKv,
             config,
         ) {
-            Ok(Placed::Routed(decision, reservation)) => Some(self.routed(
+            Ok(Placed::Routed(decision, reservation, prefix)) => Some(self.routed(
                 &request,
                 decision,
                 reservation,
                 Origin {
                     labels: waiter.labels.clone(),
                     tenant: Arc::clone(&waiter.tenant),
+                    prefix,
                     waited: Some(waiter.since.elapsed()),
                 },
                 started.elapsed(),
@@ -287,6 +314,7 @@ impl LivePicker {
         let Origin {
             labels,
             tenant,
+            prefix,
             waited,
         } = origin;
         lock(&self.shares).started(&tenant);
@@ -300,8 +328,11 @@ impl LivePicker {
             "routed"
         );
         match waited {
-            Some(waited) => self.record_after_wait(request, Ok(&decision), waited),
-            None => self.record(request, Ok(&decision)),
+            Some(waited) => self.record_after_wait(request, Ok(&decision), waited, prefix),
+            None => self.publish(|| DecisionRecord {
+                prefix_source: Some(prefix),
+                ..DecisionRecord::new(request, Ok(&decision))
+            }),
         }
         let endpoints = std::iter::once(decision.endpoint)
             .chain(decision.fallbacks)
@@ -418,6 +449,7 @@ impl LivePicker {
         request: &RouteRequest<'_>,
         outcome: Result<&Decision, String>,
         waited: std::time::Duration,
+        prefix: PrefixFrom,
     ) {
         self.publish(|| {
             let (decision, error) = match outcome {
@@ -425,6 +457,7 @@ impl LivePicker {
                 Err(error) => (None, Some(error)),
             };
             DecisionRecord {
+                prefix_source: decision.is_some().then_some(prefix),
                 decision,
                 error,
                 queued_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
@@ -454,6 +487,7 @@ impl LivePicker {
                 )),
                 held: None,
                 queued_ms: 0,
+                prefix_source: None,
             }
         });
     }
@@ -579,21 +613,33 @@ impl LivePicker {
     /// Which leading blocks of the prompt each pod holds: from the KV events where the
     /// prompt was tokenized (for every pod in `precise` mode, for the pods whose events
     /// flow in `auto` mode), else from what kvroute sent.
-    fn matches(&self, blocks: &PromptBlocks, fleet: &Fleet) -> PrefixMatches {
+    fn matches(&self, blocks: &PromptBlocks, fleet: &Fleet) -> (PrefixMatches, PrefixFrom) {
         let snapshot = fleet.snapshot();
         let guessed = self.prefix.matches(&blocks.text, snapshot);
-        let Some(precise) = self.precise.get() else {
-            return guessed;
+        let Some(precise) = self.precise.get().filter(|_| blocks.tokens.is_some()) else {
+            return (guessed, PrefixFrom::Sent);
         };
         let streaming = precise.index.streaming();
-        matches_with_events(
+        let from = match precise.source {
+            PrefixSource::Auto
+                if !snapshot
+                    .pods()
+                    .iter()
+                    .all(|pod| streaming.contains(&pod.endpoint)) =>
+            {
+                PrefixFrom::KvEventsAndSent
+            }
+            _ => PrefixFrom::KvEvents,
+        };
+        let matches = matches_with_events(
             precise.source,
             precise.index.index(),
             blocks.tokens.as_ref(),
             guessed,
             snapshot,
             |pod| streaming.contains(&pod.endpoint),
-        )
+        );
+        (matches, from)
     }
 
     /// Picks under the placement lock and reserves the winner's capacity, so the next
@@ -609,7 +655,7 @@ impl LivePicker {
         config: &SchedulerConfig,
     ) -> Result<Placed, PickError> {
         // Matching reads the indexes' own shards: concurrent requests match in parallel.
-        let matches = self.matches(blocks, fleet);
+        let (matches, prefix) = self.matches(blocks, fleet);
         let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
         let decision = scheduler::pick(request, Some(&matches), fleet, config, &mut rand::rng())?;
         if hold.declines(&decision) {
@@ -644,7 +690,7 @@ impl LivePicker {
         drop(placement);
         self.prefix
             .record(decision.endpoint, &blocks.text, capacity);
-        Ok(Placed::Routed(decision, reservation))
+        Ok(Placed::Routed(decision, reservation, prefix))
     }
 }
 
@@ -728,11 +774,12 @@ impl LivePicker {
         let placed = self.place(request, &blocks, &fleet, first_token_visible, hold, config);
         let elapsed = started.elapsed();
         match placed {
-            Ok(Placed::Routed(decision, reservation)) => {
+            Ok(Placed::Routed(decision, reservation, prefix)) => {
                 telemetry::record_tenant(&class.tenant, true);
                 let origin = Origin {
                     labels,
                     tenant: Arc::from(class.tenant.as_str()),
+                    prefix,
                     waited: None,
                 };
                 Placement::Routed(self.routed(request, decision, reservation, origin, elapsed))
@@ -913,6 +960,9 @@ pub struct DecisionRecord {
     /// How long the request waited for room before this decision.
     #[serde(skip_serializing_if = "is_zero")]
     pub queued_ms: u64,
+    /// Where a routed request's prefix matches came from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix_source: Option<PrefixFrom>,
 }
 
 fn is_zero(value: &u64) -> bool {
@@ -931,6 +981,7 @@ impl DecisionRecord {
             error: None,
             held: None,
             queued_ms: 0,
+            prefix_source: None,
         }
     }
 

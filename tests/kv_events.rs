@@ -67,6 +67,7 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
     let (fleet, templates) = fleet().await;
     let pods = fleet.endpoints();
     let mut config = test_config(pods.clone());
+    config.debug_decisions = 16;
     config.prefix_source = PrefixSource::Auto;
     config.kv_events.endpoint = EndpointTemplate::parse(&templates.endpoint).expect("template");
     config.kv_events.replay_endpoint =
@@ -133,5 +134,24 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
             .any(|l| l.starts_with("kvroute_tokenize_duration_seconds_count{outcome=\"ok\"} ")),
         "prompts were tokenized on the pods:\n{text}"
     );
+    // The decision trace says the prefix scores came from the events.
+    let decisions: serde_json::Value = client
+        .get(format!(
+            "http://{}/debug/decisions",
+            kvroute.addrs.debug.expect("debug pages")
+        ))
+        .send()
+        .await
+        .expect("debug pages answer")
+        .json()
+        .await
+        .expect("JSON");
+    let sources: Vec<&str> = decisions
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|d| d["prefix_source"].as_str())
+        .collect();
+    assert_eq!(sources, ["kv_events"; 6], "{decisions:#}");
     fleet.shutdown().await;
 }

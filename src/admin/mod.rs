@@ -130,7 +130,11 @@ impl Admin for AdminService {
 /// The wire form of one decision.
 pub fn event(record: &DecisionRecord) -> pb::DecisionEvent {
     let outcome = match (&record.decision, &record.error, record.held) {
-        (Some(decision), _, _) => Some(pb::decision_event::Outcome::Routed(routed(decision))),
+        (Some(decision), _, _) => {
+            let mut routed = routed(decision);
+            routed.prefix_source = record.prefix_source.map_or("", |p| p.as_str()).to_owned();
+            Some(pb::decision_event::Outcome::Routed(routed))
+        }
         (None, Some(error), _) => Some(pb::decision_event::Outcome::Error(error.clone())),
         (None, None, Some(priority)) => {
             Some(pb::decision_event::Outcome::Held(pb::Held { priority }))
@@ -169,6 +173,7 @@ fn routed(decision: &Decision) -> pb::Routed {
         tokens_needed: decision.tokens_needed,
         candidates: u32::try_from(decision.candidates).unwrap_or(u32::MAX),
         ranked: decision.ranked.iter().map(candidate).collect(),
+        prefix_source: String::new(),
     }
 }
 

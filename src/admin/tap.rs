@@ -151,6 +151,10 @@ pub fn render_event(event: &pb::DecisionEvent, top: usize) -> String {
             if event.queued_ms > 0 {
                 let _ = write!(out, " waited={}ms", event.queued_ms);
             }
+            // Said only when the events took part: the default needs no note.
+            if !routed.prefix_source.is_empty() && routed.prefix_source != "sent" {
+                let _ = write!(out, " prefix_from={}", routed.prefix_source);
+            }
             if let Some(relaxed) = &routed.relaxed {
                 let names: Vec<&str> = [
                     (relaxed.saturation, "saturation"),

@@ -12,6 +12,7 @@ fn record(model: Option<&str>) -> DecisionRecord {
         max_output_tokens: Some(50),
         held: None,
         queued_ms: 0,
+        prefix_source: Some(crate::picker::PrefixFrom::KvEvents),
         decision: Some(Decision {
             endpoint,
             fallbacks: vec!["10.0.0.2:8000".parse().expect("addr")],
@@ -60,6 +61,7 @@ fn a_decision_keeps_its_endpoint_reason_and_scores_on_the_wire() {
     assert_eq!(routed.endpoint, "10.0.0.1:8000");
     assert_eq!(routed.fallbacks, ["10.0.0.2:8000"]);
     assert_eq!(routed.reason, "lora_active");
+    assert_eq!(routed.prefix_source, "kv_events");
     assert!(
         routed
             .relaxed
