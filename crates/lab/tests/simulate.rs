@@ -35,6 +35,7 @@ fn args(pods: Option<usize>, rates: &[f64], duration: Duration) -> SimulateArgs 
         jobs: Some(1),
         no_warmup: false,
         diagnose: None,
+        replicas: 1,
         output_dir: PathBuf::new(),
     }
 }
@@ -237,6 +238,7 @@ fn the_command_writes_compares_report_shape() {
         "## Workload `kv-pressure`",
         "kv-pressure: kvroute / each other router",
         "| kvroute |",
+        "| kvroute-events |",
         "| round-robin |",
         "| least-request |",
     ] {
@@ -245,8 +247,8 @@ fn the_command_writes_compares_report_shape() {
     let results: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.path().join("results.json")).unwrap()).unwrap();
     assert_eq!(results[0]["pods"], 4);
-    assert_eq!(results[0]["runs"].as_array().map(Vec::len), Some(3));
-    for router in ["kvroute", "round-robin", "least-request"] {
+    assert_eq!(results[0]["runs"].as_array().map(Vec::len), Some(4));
+    for router in ["kvroute", "kvroute-events", "round-robin", "least-request"] {
         assert!(
             out.path()
                 .join(format!("kv-pressure-{router}.json"))
@@ -297,4 +299,29 @@ fn the_command_reports_each_objectives_statistics_and_the_target_checks() {
         throughput["value"].is_number(),
         "steady throughput measured"
     );
+}
+
+#[test]
+fn kvroute_on_kv_events_accounts_for_every_request_with_one_replica_or_two() {
+    let file = workload_file("shared-prefix");
+    let w = Workload::from_file(&file).unwrap();
+    let a = args(Some(4), &[16.0], Duration::from_secs(10));
+    let setup = Setup::new(&a, &w, &file).unwrap();
+    let (rr, _) = run(&setup, Router::RoundRobin);
+    let hit_rate = |r: &RouterRun| r.fleet_total.prefix_hit_rate.unwrap_or(0.0);
+    for replicas in [1, 2] {
+        let setup = Setup {
+            replicas,
+            ..setup.clone()
+        };
+        let (events, stats) = run(&setup, Router::KvrouteEvents);
+        assert_accounted(&events, &stats);
+        // Each prompt goes where the engines say its shared prefix is cached.
+        assert!(
+            hit_rate(&events) > hit_rate(&rr) + 0.1,
+            "{replicas} replica(s): prefix hit rate {} against round robin's {}",
+            hit_rate(&events),
+            hit_rate(&rr)
+        );
+    }
 }

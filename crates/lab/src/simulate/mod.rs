@@ -70,7 +70,12 @@ pub enum Router {
 
 impl Router {
     /// Every policy, in report order.
-    pub const ALL: [Router; 3] = [Router::Kvroute, Router::RoundRobin, Router::LeastRequest];
+    pub const ALL: [Router; 4] = [
+        Router::Kvroute,
+        Router::KvrouteEvents,
+        Router::RoundRobin,
+        Router::LeastRequest,
+    ];
 
     /// The comparison's name for it (reports, file names).
     pub fn kind(self) -> RouterKind {
@@ -162,6 +167,10 @@ pub struct SimulateArgs {
     /// fleet sample to `<workload>-<policy>-pods.csv` in the output directory.
     #[arg(long, env = "KVROUTE_SIMULATE_DIAGNOSE", value_name = "N")]
     pub diagnose: Option<u64>,
+    /// kvroute replicas behind the one gateway (requests go to them in turn; each scrapes
+    /// and follows every pod but sees only its own requests in flight and sent).
+    #[arg(long, env = "KVROUTE_SIMULATE_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub replicas: u16,
     /// Where report.md, the plots and the JSON go.
     #[arg(
         long,
@@ -210,6 +219,8 @@ pub struct Setup<'w> {
     pub warmup: Option<Warmup>,
     /// `--diagnose`: keep every N-th decision, write the files into this directory.
     pub diagnose: Option<(u64, PathBuf)>,
+    /// kvroute replicas (`--replicas`).
+    pub replicas: usize,
 }
 
 impl<'w> Setup<'w> {
@@ -268,6 +279,7 @@ impl<'w> Setup<'w> {
             timeout: TIMEOUT,
             warmup,
             diagnose: args.diagnose.map(|n| (n, args.output_dir.clone())),
+            replicas: usize::from(args.replicas),
         })
     }
 }

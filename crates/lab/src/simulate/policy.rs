@@ -66,6 +66,15 @@ pub struct Routed {
     pub decision: Option<Decision>,
     /// The tenant whose share the request counts in until it ends (kvroute only).
     pub tenant: Option<Arc<str>>,
+    /// The kvroute replica that routed it (0 for the other policies).
+    pub replica: usize,
+}
+
+/// A request held in a replica's waiting room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldEntry {
+    pub replica: usize,
+    pub entry: EntryId,
 }
 
 /// What routing a request came to.
@@ -74,7 +83,7 @@ pub enum Placement {
     Routed(Routed),
     /// Held in kvroute's waiting room at `entry` until `deadline` at the latest.
     Held {
-        entry: EntryId,
+        entry: HeldEntry,
         deadline: Duration,
     },
     /// Refused by flow control; it never reaches a pod.
@@ -95,9 +104,9 @@ pub struct Pass {
 /// ledger's ticket.
 type PendingScrape = (Duration, Vec<(Arc<PodMetrics>, ScrapeTicket)>);
 
-/// kvroute's picker and store, in virtual time.
+/// One kvroute replica's picker and store, in virtual time.
 #[derive(Debug)]
-pub struct Kvroute {
+pub struct Replica {
     config: SchedulerConfig,
     /// `config`, and the thresholds of requests that must leave room or may use it.
     rules: FlowRules,
@@ -139,7 +148,7 @@ enum Placed {
     NoRoom,
 }
 
-impl Kvroute {
+impl Replica {
     pub fn new(
         pods: usize,
         models: Arc<ServedModels>,
@@ -147,7 +156,7 @@ impl Kvroute {
         flow: FlowSettings,
         seed: u64,
     ) -> Self {
-        Kvroute {
+        Replica {
             rules: FlowRules::new(&config),
             config,
             shares: RefCell::default(),
@@ -360,7 +369,10 @@ impl Kvroute {
             since: now,
         };
         match self.room.hold(waiter) {
-            Some((entry, deadline)) => Placement::Held { entry, deadline },
+            Some((entry, deadline)) => Placement::Held {
+                entry: HeldEntry { replica: 0, entry },
+                deadline,
+            },
             None => Placement::Shed(DropReason::Saturated),
         }
     }
@@ -385,7 +397,7 @@ impl Kvroute {
         }
         let starving_after = self.room.settings.max_wait / 2;
         let expired = self.room.expire(now);
-        let Kvroute {
+        let Replica {
             rules,
             shares,
             prefix,
@@ -462,6 +474,156 @@ impl Kvroute {
     }
 }
 
+/// kvroute in virtual time: one replica, or several behind one gateway. Envoy spreads
+/// its ext_proc streams over the replicas of the processor cluster in turn, so requests go
+/// to the replicas in turn; each replica scrapes every pod and follows every pod's events,
+/// but sees in flight, and remembers as sent, only the requests it routed itself.
+#[derive(Debug)]
+pub struct Kvroute {
+    replicas: Vec<Replica>,
+    next: usize,
+}
+
+impl Kvroute {
+    pub fn new(
+        pods: usize,
+        models: Arc<ServedModels>,
+        config: SchedulerConfig,
+        flow: FlowSettings,
+        seed: u64,
+    ) -> Self {
+        Kvroute {
+            replicas: vec![Replica::new(pods, models, config, flow, seed)],
+            next: 0,
+        }
+    }
+
+    /// `n` replicas (at least one) instead of one, each configured as the first.
+    pub fn with_replicas(mut self, n: usize) -> Self {
+        let Some(first) = self.replicas.first() else {
+            return self;
+        };
+        let block_tokens = first.events.as_ref().map(|e| e.block_tokens);
+        let more: Vec<Replica> = (1..n.max(1))
+            .map(|r| {
+                let replica = Replica::new(
+                    first.loads.len(),
+                    Arc::clone(&first.models),
+                    first.config.clone(),
+                    first.room.settings.clone(),
+                    first.rng.clone().random::<u64>() ^ r as u64,
+                );
+                match block_tokens {
+                    Some(tokens) => replica.with_kv_events(tokens),
+                    None => replica,
+                }
+            })
+            .collect();
+        self.replicas.extend(more);
+        self
+    }
+
+    /// Every replica matches prompts on the pods' KV events.
+    pub fn with_kv_events(mut self, block_tokens: u32) -> Self {
+        self.replicas = self
+            .replicas
+            .into_iter()
+            .map(|r| r.with_kv_events(block_tokens))
+            .collect();
+        self
+    }
+
+    pub fn uses_kv_events(&self) -> bool {
+        self.replicas.first().is_some_and(Replica::uses_kv_events)
+    }
+
+    /// Pod `pod`'s engine published `batch`: every replica follows it.
+    pub fn kv_events(&mut self, pod: usize, batch: &EventBatch) {
+        for replica in &mut self.replicas {
+            replica.kv_events(pod, batch);
+        }
+    }
+
+    /// Every replica scrapes every pod at `now`.
+    pub fn scrape(&mut self, now: Duration, mut read: impl FnMut(usize) -> PodMetrics) {
+        for replica in &mut self.replicas {
+            replica.scrape(now, &mut read);
+        }
+    }
+
+    pub fn publish(&mut self, now: Duration) {
+        for replica in &mut self.replicas {
+            replica.publish(now);
+        }
+    }
+
+    /// What the replicas' ledgers still hold, summed (zero once every request ended).
+    pub fn held(&self) -> u64 {
+        self.replicas.iter().map(Replica::held).sum()
+    }
+
+    pub fn waiting(&self) -> usize {
+        self.replicas.iter().map(Replica::waiting).sum()
+    }
+
+    /// Routes a request on the next replica in turn.
+    pub fn route(
+        &mut self,
+        now: Duration,
+        request: InferenceRequest,
+        tokens: Option<Vec<u32>>,
+        class: &FlowClass,
+        slot: u32,
+    ) -> Placement {
+        let r = self.next % self.replicas.len().max(1);
+        self.next = r + 1;
+        let Some(replica) = self.replicas.get_mut(r) else {
+            return Placement::Failed(PickError::NoEndpoints);
+        };
+        match replica.route(now, request, tokens, class, slot) {
+            Placement::Routed(mut routed) => {
+                routed.replica = r;
+                Placement::Routed(routed)
+            }
+            Placement::Held { entry, deadline } => Placement::Held {
+                entry: HeldEntry {
+                    replica: r,
+                    entry: entry.entry,
+                },
+                deadline,
+            },
+            other => other,
+        }
+    }
+
+    pub fn leave(&mut self, held: HeldEntry) {
+        if let Some(replica) = self.replicas.get_mut(held.replica) {
+            replica.leave(held.entry);
+        }
+    }
+
+    /// A request routed by `replica` for `tenant` ended.
+    pub fn ended(&mut self, replica: usize, tenant: &str) {
+        if let Some(replica) = self.replicas.get_mut(replica) {
+            replica.ended(tenant);
+        }
+    }
+
+    /// Each replica's dispatch pass at `now`.
+    pub fn dispatch(&mut self, now: Duration) -> Pass {
+        let mut pass = Pass::default();
+        for (r, replica) in self.replicas.iter_mut().enumerate() {
+            let mut one = replica.dispatch(now);
+            for (_, routed) in &mut one.routed {
+                routed.replica = r;
+            }
+            pass.expired.append(&mut one.expired);
+            pass.routed.append(&mut one.routed);
+        }
+        pass
+    }
+}
+
 /// `LivePicker::place`: match, pick; unless `hold` declines the decision, reserve and
 /// record.
 #[allow(clippy::too_many_arguments)]
@@ -522,6 +684,7 @@ fn place(
         reservation,
         decision: Some(decision),
         tenant: None,
+        replica: 0,
     }))
 }
 
@@ -575,6 +738,7 @@ impl Policy {
             reservation: None,
             decision: None,
             tenant: None,
+            replica: 0,
         })
     }
 }
@@ -701,8 +865,9 @@ mod tests {
 
     fn end(k: &mut Kvroute, r: Routed) {
         let tenant = r.tenant.clone().expect("kvroute counts a tenant");
+        let replica = r.replica;
         drop(r);
-        k.ended(&tenant);
+        k.ended(replica, &tenant);
     }
 
     #[test]
@@ -763,6 +928,31 @@ mod tests {
         assert_eq!(pass.expired, [(1, DropReason::TtlExpired)]);
         assert!(pass.routed.is_empty());
         assert_eq!(k.waiting(), 0);
+    }
+
+    #[test]
+    fn replicas_take_requests_in_turn_and_each_sees_only_its_own_in_flight() {
+        let mut k = kvroute(1, secs(15)).with_replicas(2);
+        rescrape(&mut k, Duration::ZERO, 0);
+        // One pod whose KV holds one 8,000-token request at a time: each replica places
+        // one, not knowing of the other's (the double booking replicas risk).
+        let first = routed(k.route(secs(0), request(8_000), None, &class(0), 0));
+        let second = routed(k.route(secs(0), request(8_000), None, &class(0), 1));
+        assert_eq!((first.replica, second.replica), (0, 1));
+        // The third goes to replica 0 again, which has the first in flight: it waits there.
+        let Placement::Held { entry, .. } = k.route(secs(1), request(8_000), None, &class(0), 2)
+        else {
+            panic!("the first replica's pod is full");
+        };
+        assert_eq!(entry.replica, 0);
+        assert_eq!(k.waiting(), 1);
+        // The second's end frees nothing for replica 0; the first's does.
+        end(&mut k, second);
+        assert!(k.dispatch(secs(2)).routed.is_empty());
+        end(&mut k, first);
+        let pass = k.dispatch(secs(3));
+        assert_eq!(routed_slots(&pass), [2]);
+        assert_eq!(pass.routed[0].1.replica, 0);
     }
 
     #[test]

@@ -25,7 +25,6 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::flow::EntryId;
 use kvroute_core::kvevents::{BlockStored, EventBatch, KvEvent};
 use kvroute_core::scheduler::{PickError, SchedulerConfig};
 use kvroute_sim::engine::{
@@ -36,7 +35,7 @@ use kvroute_sim::kv::mix;
 use super::diagnose::{Diagnostics, PodSample};
 use super::flow::{self, FlowClass, FlowSettings};
 use super::observe::{pod_metrics, served_models};
-use super::policy::{Kvroute, Placement, Policy, Routed};
+use super::policy::{HeldEntry, Kvroute, Placement, Policy, Routed};
 use super::stats::{ClassLabels, Completion, FleetCounters, StepAcc, window_of};
 use super::trace::{StepTrace, TraceRequest};
 use super::{Router, Setup, SimStats};
@@ -83,7 +82,7 @@ enum Stage {
     /// In kvroute's waiting room at `entry`; what sending it needs once routed.
     Held {
         request: Box<TraceRequest>,
-        entry: EntryId,
+        entry: HeldEntry,
     },
     /// At its pod.
     Sent(Sent),
@@ -99,6 +98,8 @@ struct Sent {
     _reservation: Option<kvroute_core::fleet::Reservation>,
     /// The tenant whose share it counts in (kvroute), until it ends.
     tenant: Option<Arc<str>>,
+    /// The kvroute replica that routed it.
+    replica: usize,
 }
 
 /// Where a request being sent to its pod comes from.
@@ -233,11 +234,12 @@ impl<'s> World<'s> {
                 };
                 let kvroute =
                     Kvroute::new(setup.pods, models, config, flow, mix(setup.seed, 0x91c6));
-                Policy::Kvroute(Box::new(if router == Router::KvrouteEvents {
+                let kvroute = if router == Router::KvrouteEvents {
                     kvroute.with_kv_events(pod.engine.block_size)
                 } else {
                     kvroute
-                }))
+                };
+                Policy::Kvroute(Box::new(kvroute.with_replicas(setup.replicas)))
             }
             Router::RoundRobin => Policy::RoundRobin { next: 0 },
             Router::LeastRequest => Policy::LeastRequest {
@@ -384,15 +386,15 @@ impl<'s> World<'s> {
         self.steps[open.step].open -= 1;
         if let Stage::Sent(sent) = &open.stage {
             self.inflight[sent.pod as usize] -= 1;
-            self.ended(sent.tenant.as_deref());
+            self.ended(sent.replica, sent.tenant.as_deref());
         }
         Some(open)
     }
 
     /// A routed request of `tenant` ended: its share ends, and kvroute's dispatcher wakes.
-    fn ended(&mut self, tenant: Option<&str>) {
+    fn ended(&mut self, replica: usize, tenant: Option<&str>) {
         if let (Policy::Kvroute(k), Some(tenant)) = (&mut self.policy, tenant) {
-            k.ended(tenant);
+            k.ended(replica, tenant);
             self.wake = true;
         }
     }
@@ -519,7 +521,7 @@ impl<'s> World<'s> {
                 self.open_total -= 1;
                 self.steps[step].open -= 1;
             }
-            self.ended(routed.tenant.as_deref());
+            self.ended(routed.replica, routed.tenant.as_deref());
             return Ok(());
         }
         let serial = match origin {
@@ -558,6 +560,7 @@ impl<'s> World<'s> {
                 last_token: None,
                 _reservation: routed.reservation,
                 tenant: routed.tenant,
+                replica: routed.replica,
             }),
         });
         self.inflight[i] += 1;
@@ -924,6 +927,7 @@ mod tests {
             jobs: Some(1),
             no_warmup: true,
             diagnose: None,
+            replicas: 1,
             output_dir: PathBuf::new(),
         }
     }
