@@ -155,3 +155,200 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
     assert_eq!(sources, ["kv_events"; 6], "{decisions:#}");
     fleet.shutdown().await;
 }
+
+/// A `kvroute serve` process following the fleet's events: a replica.
+struct Replica {
+    child: std::process::Child,
+    grpc: SocketAddr,
+    metrics: SocketAddr,
+    debug: SocketAddr,
+}
+
+impl Replica {
+    fn start(pods: &[SocketAddr], templates: &kvroute_lab::compare::KvEventTemplates) -> Replica {
+        let port = || kvroute_lab::envoy::free_port().expect("a free port");
+        let local = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
+        let (grpc, metrics, debug) = (local(port()), local(port()), local(port()));
+        let endpoints: Vec<String> = pods.iter().map(ToString::to_string).collect();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["serve", "--endpoints", &endpoints.join(",")])
+            .args(["--grpc-addr", &grpc.to_string()])
+            .args(["--metrics-addr", &metrics.to_string()])
+            .args(["--debug-addr", &debug.to_string()])
+            .args(["--health-addr", "off", "--admin-addr", "off"])
+            .args([
+                "--refresh-metrics-interval",
+                "20ms",
+                "--debug-decisions",
+                "64",
+            ])
+            .arg("--prefix-source=auto")
+            .arg(format!("--kv-events-endpoint={}", templates.endpoint))
+            .arg(format!("--kv-events-replay-endpoint={}", templates.replay))
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start kvroute");
+        Replica {
+            child,
+            grpc,
+            metrics,
+            debug,
+        }
+    }
+
+    /// Waits until its exposition shows both pods' streams and `entries` indexed blocks.
+    async fn wait_following(&self, entries: f64) {
+        let client = http_client();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = match client
+                .get(format!("http://{}/metrics", self.metrics))
+                .send()
+                .await
+            {
+                Ok(response) => response.text().await.unwrap_or_default(),
+                Err(_) => String::new(),
+            };
+            if gauge(&text, "kvroute_kv_event_streams") == Some(2.0)
+                && gauge(&text, "kvroute_kv_event_index_entries").is_some_and(|e| e >= entries)
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replica {} did not catch up:\n{text}",
+                self.grpc
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// How many requests it routed, by its decision log.
+    async fn routed(&self) -> usize {
+        let decisions: serde_json::Value = http_client()
+            .get(format!("http://{}/debug/decisions", self.debug))
+            .send()
+            .await
+            .expect("debug pages answer")
+            .json()
+            .await
+            .expect("JSON");
+        decisions.as_array().map_or(0, |d| {
+            d.iter().filter(|d| d["decision"].is_object()).count()
+        })
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends `text` and a question through Envoy: its status and the pod that served it.
+async fn ask(client: &reqwest::Client, url: &str, text: &str) -> (u16, Option<usize>) {
+    let response = client
+        .post(url)
+        .json(&json!({"model": MODEL, "prompt": format!("{text} and then?"), "max_tokens": 2}))
+        .send()
+        .await
+        .expect("Envoy answers");
+    let pod = response
+        .headers()
+        .get("x-sim-pod")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok());
+    (response.status().as_u16(), pod)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_agree_from_the_events_and_one_left_alone_routes_everything() {
+    let (fleet, templates) = fleet().await;
+    let pods = fleet.endpoints();
+    // The prompts are cached before either replica starts: what the replicas know of
+    // them comes from the events' replay alone, and neither ever sent them anywhere.
+    let client = http_client();
+    let prompts: Vec<(String, SocketAddr)> = (0..6).map(|k| (prompt(k), pods[k % 2])).collect();
+    for (text, pod) in &prompts {
+        let status = client
+            .post(format!("http://{pod}/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": text, "max_tokens": 1}))
+            .send()
+            .await
+            .expect("the pod answers")
+            .status();
+        assert_eq!(status, 200);
+    }
+    let replicas = [
+        Replica::start(&pods, &templates),
+        Replica::start(&pods, &templates),
+    ];
+    for replica in &replicas {
+        replica.wait_following(6.0 * 18.0).await;
+    }
+    let envoy = kvroute_lab::envoy::EnvoyProcess::start(
+        kvroute_lab::envoy::Gateway::OriginalDstReplicas {
+            kvroutes: [replicas[0].grpc, replicas[1].grpc],
+        },
+        &pods,
+        &support::envoy_binary(),
+        "warning",
+    )
+    .await
+    .expect("Envoy starts");
+    let url = envoy.url("/v1/completions");
+
+    // Envoy spreads the requests over both replicas; each sends every prompt where the
+    // events say it is cached.
+    for round in 0..2 {
+        for (k, (text, warm)) in prompts.iter().enumerate() {
+            let (status, served) = ask(&client, &url, text).await;
+            assert_eq!(status, 200, "round {round}, prompt {k}: {}", envoy.log());
+            let served = served.expect("the pod names itself");
+            assert_eq!(pods[served], *warm, "round {round}, prompt {k}");
+        }
+    }
+    let (a, b) = (replicas[0].routed().await, replicas[1].routed().await);
+    assert!(a > 0 && b > 0 && a + b == 12, "replicas routed {a} and {b}");
+
+    // One replica dies. Until the gateway's health check takes it out (two missed
+    // checks a second apart), a request sent its way is answered 503 at once; nothing
+    // hangs, and then the survivor routes every request, still by the events.
+    let [mut gone, survivor] = replicas;
+    gone.child.kill().expect("kill a replica");
+    gone.child.wait().expect("reaped");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut in_a_row = 0;
+    let mut refused = 0;
+    while in_a_row < 12 {
+        assert!(
+            Instant::now() < deadline,
+            "the survivor did not take over: {refused} refused\n{}",
+            envoy.log()
+        );
+        let (k, (text, warm)) = prompts
+            .iter()
+            .enumerate()
+            .nth(in_a_row % prompts.len())
+            .expect("a prompt");
+        match ask(&client, &url, text).await {
+            (200, Some(served)) => {
+                assert_eq!(pods[served], *warm, "prompt {k} after the kill");
+                in_a_row += 1;
+            }
+            (503, None) => {
+                refused += 1;
+                in_a_row = 0;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => panic!("prompt {k} after the kill: {other:?}\n{}", envoy.log()),
+        }
+    }
+    assert!(survivor.routed().await >= 12);
+    drop(envoy);
+    fleet.shutdown().await;
+}

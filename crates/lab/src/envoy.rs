@@ -65,6 +65,9 @@ pub enum Gateway {
         kvroute: SocketAddr,
         certs: &'static str,
     },
+    /// The fail-closed gateway with two kvroute replicas in its processor cluster (Envoy
+    /// spreads the ext_proc streams over both, health checks each).
+    OriginalDstReplicas { kvroutes: [SocketAddr; 2] },
     /// No picker: Envoy's own ROUND_ROBIN over the pods.
     RoundRobin,
     /// No picker: Envoy's own LEAST_REQUEST over the pods.
@@ -294,6 +297,21 @@ impl EnvoyProcess {
                     &format!("{KVROUTE_CLUSTER_HEAD}{tls}"),
                 );
                 rewrite_shipped(&template, port, admin_port, kvroute, pods)
+            }
+            Gateway::OriginalDstReplicas {
+                kvroutes: [first, second],
+            } => {
+                const ENDPOINT: &str = "              - endpoint:\n                  address:\n                    socket_address: { address: 127.0.0.1, port_value: 9002 }\n";
+                assert!(
+                    ORIGINAL_DST_CONFIG.contains(ENDPOINT),
+                    "the shipped gateway's kvroute endpoint changed: update this rewrite"
+                );
+                let other = ENDPOINT.replace(
+                    "address: 127.0.0.1, port_value: 9002",
+                    &format!("address: {}, port_value: {}", second.ip(), second.port()),
+                );
+                let template = ORIGINAL_DST_CONFIG.replace(ENDPOINT, &format!("{ENDPOINT}{other}"));
+                rewrite_shipped(&template, port, admin_port, first, pods)
             }
             Gateway::RoundRobin => plain_config(port, admin_port, "ROUND_ROBIN", pods),
             Gateway::LeastRequest => plain_config(port, admin_port, "LEAST_REQUEST", pods),
