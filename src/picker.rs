@@ -319,6 +319,9 @@ impl LivePicker {
         } = origin;
         lock(&self.shares).started(&tenant);
         telemetry::record_pick(elapsed, decision.reason.as_str());
+        if let Some(winner) = decision.ranked.first() {
+            telemetry::record_predicted_cached(prefix.as_str(), winner.cached_tokens);
+        }
         telemetry::record_request(&labels, Outcome::Routed);
         debug!(
             endpoint = %decision.endpoint,

@@ -62,6 +62,11 @@ pub const KV_EVENT_RESETS: &str = "kvroute_kv_event_resets_total";
 pub const KV_EVENT_STREAMS: &str = "kvroute_kv_event_streams";
 pub const KV_EVENT_INDEX_ENTRIES: &str = "kvroute_kv_event_index_entries";
 pub const TOKENIZE_DURATION: &str = "kvroute_tokenize_duration_seconds";
+pub const PREFIX_PREDICTED: &str = "kvroute_prefix_predicted_cached_tokens_total";
+pub const POD_PREFIX_HITS: &str = "kvroute_pod_prefix_cache_hit_tokens_total";
+
+/// The `source` values of [`PREFIX_PREDICTED`] (`picker::PrefixFrom::as_str`).
+pub const PREFIX_SOURCES: [&str; 3] = ["sent", "kv_events", "kv_events+sent"];
 
 /// The `result` values of [`KV_EVENT_BATCHES`].
 pub const KV_BATCH_RESULTS: [&str; 5] = [
@@ -357,6 +362,14 @@ fn describe() {
         Unit::Seconds,
         "Time to tokenize a prompt on a pod's /tokenize before matching it on the KV event index, by outcome (ok, http, timeout, status, answer)."
     );
+    describe_counter!(
+        PREFIX_PREDICTED,
+        "Prompt tokens kvroute expected the chosen pod to find in its prefix cache, by where the prediction came from (sent, kv_events, kv_events+sent): against the pods' own kvroute_pod_prefix_cache_hit_tokens_total, it shows when the prefix index drifts from the engines."
+    );
+    describe_counter!(
+        POD_PREFIX_HITS,
+        "Prompt tokens each pod served from its prefix cache (vLLM's prefix_cache_hits counter, as last scraped)."
+    );
     describe_gauge!(
         KV_EVENT_INDEX_ENTRIES,
         "(pod, block) pairs in the index built from the pods' KV events."
@@ -407,6 +420,11 @@ fn register_counters() {
             .iter()
             .map(|&outcome| counter!(KV_EVENT_REPLAYS, "outcome" => outcome)),
     );
+    standing.extend(
+        PREFIX_SOURCES
+            .iter()
+            .map(|&source| counter!(PREFIX_PREDICTED, "source" => source)),
+    );
     standing.push(counter!(KV_EVENT_GAPS));
     standing.push(counter!(KV_EVENT_RESETS));
     let _ = STANDING.set(standing);
@@ -450,6 +468,8 @@ pub struct PodSeries {
 }
 
 struct LoadGauges {
+    /// The pod's own prefix cache hits (a counter kvroute mirrors).
+    prefix_hits: Counter,
     kv_usage: Gauge,
     kv_capacity: Gauge,
     waiting: Gauge,
@@ -524,6 +544,7 @@ impl PodSeries {
     pub fn record_metrics(&mut self, metrics: &PodMetrics) {
         let pod = &self.pod;
         let load = self.load.get_or_insert_with(|| LoadGauges {
+            prefix_hits: counter!(POD_PREFIX_HITS, "pod" => pod.clone()),
             kv_usage: gauge!(POD_KV_USAGE, "pod" => pod.clone()),
             kv_capacity: gauge!(POD_KV_CAPACITY, "pod" => pod.clone()),
             waiting: gauge!(POD_WAITING, "pod" => pod.clone()),
@@ -531,6 +552,9 @@ impl PodSeries {
             running_adapters: gauge!(POD_RUNNING_ADAPTERS, "pod" => pod.clone()),
         });
         load.kv_usage.set(metrics.kv_usage);
+        if let Some(hits) = metrics.prefix_cache_hits_total {
+            load.prefix_hits.absolute(hits.max(0.0) as u64);
+        }
         if let Some(capacity) = metrics.kv_capacity_tokens {
             load.kv_capacity.set(capacity as f64);
         }
@@ -639,6 +663,12 @@ pub fn record_kv_blocks(applied: &kvroute_core::kvevents::Applied) {
             counter!(KV_EVENT_BLOCKS, "action" => action).increment(n);
         }
     }
+}
+
+/// A routed request the chosen pod was expected to hold `tokens` of in its prefix cache,
+/// by the index `source` says.
+pub fn record_predicted_cached(source: &'static str, tokens: u64) {
+    counter!(PREFIX_PREDICTED, "source" => source).increment(tokens);
 }
 
 /// One prompt tokenized on a pod (`failure`: why not, if it failed).

@@ -134,6 +134,25 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
             .any(|l| l.starts_with("kvroute_tokenize_duration_seconds_count{outcome=\"ok\"} ")),
         "prompts were tokenized on the pods:\n{text}"
     );
+    // The telemetry weighs what kvroute expected the pods to hold against what they say
+    // they served from their caches: each prompt's 18 blocks of 16 tokens, at least.
+    let predicted = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("kvroute_prefix_predicted_cached_tokens_total{source=\"kv_events\"} ")?
+                .parse::<f64>()
+                .ok()
+        })
+        .unwrap_or(0.0);
+    assert!(
+        predicted >= 6.0 * 18.0 * 16.0,
+        "{predicted} tokens predicted:\n{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("kvroute_pod_prefix_cache_hit_tokens_total{")),
+        "the pods' own hits are mirrored:\n{text}"
+    );
     // The decision trace says the prefix scores came from the events.
     let decisions: serde_json::Value = client
         .get(format!(
