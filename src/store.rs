@@ -245,5 +245,9 @@ impl PodStore {
     }
 }
 
+mod pod_tasks;
+
+pub use pod_tasks::PodTasks;
+
 #[cfg(test)]
 mod tests;

@@ -54,6 +54,20 @@ async fn wait_for_gauge(kvroute: &Kvroute, name: &str, at_least: f64) {
     }
 }
 
+/// Has each prompt computed on its pod directly, not through kvroute.
+async fn compute_on(client: &reqwest::Client, prompts: &[(String, SocketAddr)]) {
+    for (text, pod) in prompts {
+        let status = client
+            .post(format!("http://{pod}/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": text, "max_tokens": 1}))
+            .send()
+            .await
+            .expect("the pod answers")
+            .status();
+        assert_eq!(status, 200);
+    }
+}
+
 /// A prompt of about 300 tokens no other prompt shares a block with.
 fn prompt(k: usize) -> String {
     (0..300)
@@ -87,16 +101,7 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
     // events can tell kvroute where it is cached.
     let client = http_client();
     let prompts: Vec<(String, SocketAddr)> = (0..6).map(|k| (prompt(k), pods[k % 2])).collect();
-    for (text, pod) in &prompts {
-        let status = client
-            .post(format!("http://{pod}/v1/completions"))
-            .json(&json!({"model": MODEL, "prompt": text, "max_tokens": 1}))
-            .send()
-            .await
-            .expect("the pod answers")
-            .status();
-        assert_eq!(status, 200);
-    }
+    compute_on(&client, &prompts).await;
     // Six prompts of at least 18 full blocks each, all announced.
     wait_for_gauge(&kvroute, "kvroute_kv_event_index_entries", 6.0 * 18.0).await;
 
@@ -292,16 +297,7 @@ async fn two_replicas_agree_from_the_events_and_one_left_alone_routes_everything
     // them comes from the events' replay alone, and neither ever sent them anywhere.
     let client = http_client();
     let prompts: Vec<(String, SocketAddr)> = (0..6).map(|k| (prompt(k), pods[k % 2])).collect();
-    for (text, pod) in &prompts {
-        let status = client
-            .post(format!("http://{pod}/v1/completions"))
-            .json(&json!({"model": MODEL, "prompt": text, "max_tokens": 1}))
-            .send()
-            .await
-            .expect("the pod answers")
-            .status();
-        assert_eq!(status, 200);
-    }
+    compute_on(&client, &prompts).await;
     let replicas = [
         Replica::start(&pods, &templates),
         Replica::start(&pods, &templates),

@@ -11,16 +11,14 @@
 
 mod subscriber;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
-
-use tokio::task::JoinHandle;
 
 use kvroute_core::fleet::PrefixIndex;
 
-use crate::store::PodStore;
+use crate::store::{PodStore, PodTasks};
 
 /// Where a pod's publisher is, from the pod's HTTP endpoint: `{host}` is its IP,
 /// `{port}` its HTTP port, `{port+N}` / `{port-N}` that port shifted.
@@ -217,7 +215,7 @@ pub struct KvEventsManager {
     store: Arc<PodStore>,
     precise: Arc<PreciseIndex>,
     config: KvEventsConfig,
-    tasks: Mutex<HashMap<SocketAddr, JoinHandle<()>>>,
+    tasks: PodTasks,
 }
 
 impl std::fmt::Debug for KvEventsManager {
@@ -234,7 +232,7 @@ impl KvEventsManager {
             store,
             precise,
             config,
-            tasks: Mutex::new(HashMap::new()),
+            tasks: PodTasks::new(),
         }
     }
 
@@ -242,42 +240,26 @@ impl KvEventsManager {
     /// the index as it follows the next snapshot.
     pub fn reconcile(&self) {
         let endpoints = self.store.endpoints();
-        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
-        tasks.retain(|endpoint, task| {
-            let keep = endpoints.contains(endpoint);
-            if !keep {
-                task.abort();
-                self.precise.set_streaming(*endpoint, false);
-            }
-            keep
-        });
-        for endpoint in endpoints {
-            if tasks.contains_key(&endpoint) {
-                continue;
-            }
-            match subscriber::PodSubscriber::new(
-                endpoint,
-                &self.config,
-                Arc::clone(&self.store),
-                Arc::clone(&self.precise),
-            ) {
-                Ok(subscriber) => {
-                    tasks.insert(endpoint, tokio::spawn(subscriber.run()));
+        self.tasks.reconcile(
+            &endpoints,
+            |endpoint| {
+                match subscriber::PodSubscriber::new(
+                    endpoint,
+                    &self.config,
+                    Arc::clone(&self.store),
+                    Arc::clone(&self.precise),
+                ) {
+                    Ok(subscriber) => Some(tokio::spawn(subscriber.run())),
+                    // The templates were checked at start; only a port shifted out of
+                    // range for this pod gets here.
+                    Err(error) => {
+                        tracing::warn!(pod = %endpoint, %error, "no KV event subscription");
+                        None
+                    }
                 }
-                // The templates were checked at start; only a port shifted out of range
-                // for this pod gets here.
-                Err(error) => tracing::warn!(pod = %endpoint, %error, "no KV event subscription"),
-            }
-        }
-    }
-}
-
-impl Drop for KvEventsManager {
-    fn drop(&mut self) {
-        let tasks = self.tasks.get_mut().unwrap_or_else(|p| p.into_inner());
-        for task in tasks.values() {
-            task.abort();
-        }
+            },
+            |endpoint| self.precise.set_streaming(endpoint, false),
+        );
     }
 }
 

@@ -9,13 +9,11 @@
 //! timeout) starve the healthy ones, whose metrics then silently age.
 
 use anyhow::Context;
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Semaphore;
-use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_rustls::TlsConnector;
 use tracing::{debug, warn};
@@ -26,7 +24,7 @@ use kvroute_core::vllm::{
 
 use super::connection::PodClient;
 use super::{ApiKey, ScrapeConfig};
-use crate::store::PodStore;
+use crate::store::{PodStore, PodTasks};
 use crate::telemetry;
 
 #[derive(Debug, thiserror::Error)]
@@ -86,7 +84,7 @@ pub struct ScrapeManager {
     config: ScrapeConfig,
     /// `None`: no bound beyond one scrape per pod.
     permits: Option<Arc<Semaphore>>,
-    tasks: Mutex<HashMap<SocketAddr, JoinHandle<()>>>,
+    tasks: PodTasks,
 }
 
 impl std::fmt::Debug for ScrapeManager {
@@ -113,23 +111,16 @@ impl ScrapeManager {
             store,
             tls,
             config,
-            tasks: Mutex::new(HashMap::new()),
+            tasks: PodTasks::new(),
         })
     }
 
     /// Makes the pollers match the store's endpoints.
     pub fn reconcile(&self) {
         let endpoints = self.store.endpoints();
-        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
-        tasks.retain(|endpoint, task| {
-            let keep = endpoints.contains(endpoint);
-            if !keep {
-                task.abort();
-            }
-            keep
-        });
-        for endpoint in endpoints {
-            tasks.entry(endpoint).or_insert_with(|| {
+        self.tasks.reconcile(
+            &endpoints,
+            |endpoint| {
                 let poller = PodPoller {
                     endpoint,
                     store: Arc::clone(&self.store),
@@ -138,18 +129,10 @@ impl ScrapeManager {
                     permits: self.permits.clone(),
                     series: telemetry::PodSeries::new(endpoint, &ScrapeError::KINDS),
                 };
-                tokio::spawn(poller.run())
-            });
-        }
-    }
-}
-
-impl Drop for ScrapeManager {
-    fn drop(&mut self) {
-        let tasks = self.tasks.get_mut().unwrap_or_else(|p| p.into_inner());
-        for task in tasks.values() {
-            task.abort();
-        }
+                Some(tokio::spawn(poller.run()))
+            },
+            |_| {},
+        );
     }
 }
 

@@ -20,14 +20,8 @@ use rmp::encode as enc;
 use kvroute_core::fleet::{PodView, PrefixIndex, Snapshot};
 use kvroute_core::kvevents::{PodEvents, decode_batch};
 
-// jemalloc, for its count of live bytes: the index's weight.
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
-fn live_bytes() -> usize {
-    tikv_jemalloc_ctl::epoch::advance().unwrap();
-    tikv_jemalloc_ctl::stats::allocated::read().unwrap()
-}
+mod support;
+use support::live_bytes;
 
 const BLOCK: u32 = 16;
 const REQUESTS: u64 = 8;

@@ -18,14 +18,8 @@ use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 
 use kvroute_core::fleet::{PodView, PrefixIndex, Snapshot, block_hashes};
 
-// jemalloc, for its count of live bytes: the index's weight.
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
-fn live_bytes() -> usize {
-    tikv_jemalloc_ctl::epoch::advance().unwrap();
-    tikv_jemalloc_ctl::stats::allocated::read().unwrap()
-}
+mod support;
+use support::live_bytes;
 
 const CAPACITY_TOKENS: u64 = 400_000;
 

@@ -28,6 +28,7 @@ pub use adapters::{AdapterIndex, LoraSlots, PositionSet};
 pub use health::{HealthPolicy, HealthTracker};
 pub use load::{PodLoad, PrefillEnd, RECENT_ADAPTERS, Reservation, ScrapeTicket, adapter_key};
 pub use models::{ModelClass, ModelIndex};
+pub(crate) use prefix::IdentityHasher;
 pub use prefix::{
     BLOCK_BYTES, BLOCK_TOKENS, DEFAULT_BUDGET_BYTES as DEFAULT_PREFIX_BUDGET_BYTES, PrefixIndex,
     PrefixMatches, block_hashes,

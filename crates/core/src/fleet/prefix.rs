@@ -282,9 +282,10 @@ impl Packed {
     }
 }
 
-/// Block hashes are already uniform: the map uses them as they are.
+/// Block hashes are already uniform (xxh3 or an engine's hash): maps keyed by them use them
+/// as they are.
 #[derive(Default)]
-struct IdentityHasher(u64);
+pub(crate) struct IdentityHasher(u64);
 
 impl Hasher for IdentityHasher {
     fn finish(&self) -> u64 {

@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::event::{BlockRemoved, BlockStored, EventBatch, KvEvent};
-use crate::fleet::PrefixIndex;
+use crate::fleet::{IdentityHasher, PrefixIndex};
 
 /// Seeds the root of every chain, so token chains never collide with the approximate
 /// index's text chains.
@@ -111,24 +111,6 @@ struct Held {
     /// two physical blocks under one hash (two requests computing the same prefix at
     /// once) and reports each store and each eviction.
     copies: u32,
-}
-
-#[derive(Default)]
-struct IdentityHasher(u64);
-
-impl std::hash::Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
-        }
-    }
-    // Engine hashes are already uniform (sha256 or xxh3 output).
-    fn write_u64(&mut self, value: u64) {
-        self.0 = value;
-    }
 }
 
 /// The event state of one engine of one pod: what it holds, by engine hash, and the
