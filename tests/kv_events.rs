@@ -367,3 +367,189 @@ async fn two_replicas_agree_from_the_events_and_one_left_alone_routes_everything
     drop(envoy);
     fleet.shutdown().await;
 }
+
+/// One batch storing a chain of `blocks` new 16-token blocks, hashes from `first`,
+/// encoded as vLLM 0.26 publishes it.
+fn stored(first: u64, blocks: u64) -> bytes::Bytes {
+    use kvroute_sim::engine::{BlockStored, KvCacheEvent, KvEventBatch};
+    let batch = KvEventBatch {
+        at: Duration::ZERO,
+        events: vec![KvCacheEvent::BlockStored(BlockStored {
+            block_hashes: (first..first + blocks).collect(),
+            parent_block_hash: None,
+            token_ids: (0..blocks * 16)
+                .map(|t| (first * 1_000 + t) as u32)
+                .collect(),
+            block_size: 16,
+            lora: None,
+        })],
+    };
+    kvroute_sim::kv_events::wire::encode_batch(&batch, 1.0, 0)
+        .expect("encodes")
+        .into()
+}
+
+/// A pod's publisher driven by hand: what it published, for its replay socket.
+#[derive(Clone, Default)]
+struct Published(std::sync::Arc<std::sync::Mutex<Vec<(u64, bytes::Bytes)>>>);
+
+impl Published {
+    fn keep(&self, seq: u64, payload: &bytes::Bytes) {
+        self.0.lock().expect("lock").push((seq, payload.clone()));
+    }
+
+    /// Answers replay requests as vLLM 0.26 does: every kept batch from the asked
+    /// sequence number on, `[identity, "", topic, seq, payload]`, then the end marker.
+    async fn serve_replays(self, mut router: zeromq::RouterSocket) {
+        use zeromq::{SocketRecv, SocketSend};
+        while let Ok(request) = router.recv().await {
+            let frames = request.into_vec();
+            let (Some(identity), Some(start)) = (frames.first(), frames.last()) else {
+                continue;
+            };
+            let start = u64::from_be_bytes(start.as_ref().try_into().unwrap_or([0; 8]));
+            let kept: Vec<(u64, bytes::Bytes)> = self.0.lock().expect("lock").clone();
+            for (seq, payload) in kept.into_iter().filter(|(seq, _)| *seq >= start) {
+                let reply = vec![
+                    identity.clone(),
+                    bytes::Bytes::new(),
+                    bytes::Bytes::from_static(b"kv"),
+                    bytes::Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    payload,
+                ];
+                let _ = router
+                    .send(zeromq::ZmqMessage::try_from(reply).expect("frames"))
+                    .await;
+            }
+            let end = vec![
+                identity.clone(),
+                bytes::Bytes::new(),
+                bytes::Bytes::new(),
+                bytes::Bytes::copy_from_slice(&(-1i64).to_be_bytes()),
+                bytes::Bytes::new(),
+            ];
+            let _ = router
+                .send(zeromq::ZmqMessage::try_from(end).expect("frames"))
+                .await;
+        }
+    }
+}
+
+/// Sends batch `seq` on the PUB socket (and keeps it for replays).
+async fn publish(
+    publisher: &mut zeromq::PubSocket,
+    kept: &Published,
+    seq: u64,
+    payload: &bytes::Bytes,
+) {
+    use zeromq::SocketSend;
+    kept.keep(seq, payload);
+    let message = vec![
+        bytes::Bytes::from_static(b"kv"),
+        bytes::Bytes::copy_from_slice(&seq.to_be_bytes()),
+        payload.clone(),
+    ];
+    publisher
+        .send(zeromq::ZmqMessage::try_from(message).expect("frames"))
+        .await
+        .expect("published");
+}
+
+/// A counter's or gauge's value in the exposition (`name` with its labels, if any).
+fn value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_replayed_and_a_restarted_publisher_starts_the_pod_over() {
+    use zeromq::Socket;
+    // One simulated pod for HTTP (without events); its publisher is this test's.
+    let (http, _http) = kvroute_lab::envoy::reserve_port_range(1).expect("a port");
+    let (events, _events) = kvroute_lab::envoy::reserve_port_range(1).expect("a port");
+    let (replay, _replay) = kvroute_lab::envoy::reserve_port_range(1).expect("a port");
+    drop((_http, _events, _replay));
+    let fleet = SimFleet::start(FleetConfig {
+        model: MODEL.into(),
+        port: http,
+        speedup: 20.0,
+        ..FleetConfig::uniform(1, PodConfig::default())
+    })
+    .await
+    .expect("the pod starts");
+    let mut publisher = zeromq::PubSocket::new();
+    publisher
+        .bind(&format!("tcp://127.0.0.1:{events}"))
+        .await
+        .expect("PUB binds");
+    let mut router = zeromq::RouterSocket::new();
+    router
+        .bind(&format!("tcp://127.0.0.1:{replay}"))
+        .await
+        .expect("ROUTER binds");
+    let kept = Published::default();
+    let replays = tokio::spawn(kept.clone().serve_replays(router));
+    // Batch 0 exists before kvroute subscribes: it comes through the first replay.
+    kept.keep(0, &stored(100, 4));
+
+    let shift = |to: u16| {
+        let delta = i32::from(to) - i32::from(http);
+        if delta >= 0 {
+            format!("tcp://{{host}}:{{port+{delta}}}")
+        } else {
+            format!("tcp://{{host}}:{{port-{}}}", -delta)
+        }
+    };
+    let pods = fleet.endpoints();
+    let mut config = test_config(pods.clone());
+    config.prefix_source = PrefixSource::Auto;
+    config.kv_events.endpoint = EndpointTemplate::parse(&shift(events)).expect("template");
+    config.kv_events.replay_endpoint =
+        Some(EndpointTemplate::parse(&shift(replay)).expect("template"));
+    let kvroute = Kvroute::start(config).await;
+    wait_for_gauge(&kvroute, "kvroute_kv_event_streams", 1.0).await;
+    wait_for_gauge(&kvroute, "kvroute_kv_event_index_entries", 4.0).await;
+
+    // Batch 1, live. A subscription reaches a PUB socket a moment after the connection,
+    // and what is published before is dropped: published again until it is in (a copy
+    // that arrives twice is passed over as seen).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        publish(&mut publisher, &kept, 1, &stored(200, 4)).await;
+        let text = kvroute.metrics_text().await;
+        if value(&text, "kvroute_kv_event_index_entries") >= 8.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "batch 1 never arrived:\n{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Batch 2 is lost on the way; batch 3 shows the gap and the replay fills it.
+    kept.keep(2, &stored(300, 4));
+    publish(&mut publisher, &kept, 3, &stored(400, 4)).await;
+    wait_for_gauge(&kvroute, "kvroute_kv_event_index_entries", 16.0).await;
+    let text = kvroute.metrics_text().await;
+    assert_eq!(value(&text, "kvroute_kv_event_gaps_total"), 1.0, "{text}");
+    assert_eq!(value(&text, "kvroute_kv_event_resets_total"), 0.0, "{text}");
+
+    // The pod restarts: its publisher counts from 0 again and its cache is empty. The
+    // pod's 16 blocks are dropped; only what the new publisher stores is indexed.
+    publish(&mut publisher, &kept, 0, &stored(500, 2)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = kvroute.metrics_text().await;
+        if value(&text, "kvroute_kv_event_resets_total") >= 1.0 {
+            assert_eq!(
+                value(&text, "kvroute_kv_event_index_entries"),
+                2.0,
+                "only the new publisher's blocks:\n{text}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "no restart seen:\n{text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    replays.abort();
+    fleet.shutdown().await;
+}
