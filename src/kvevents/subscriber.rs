@@ -8,6 +8,9 @@
 //! expected one is a gap (the subscriber's queue overflowed, the connection blinked):
 //! the replay socket is asked for the missing batches; if it no longer has them, the
 //! pod's entries are dropped too, since the missed batches may have evicted any of them.
+//! After a lost connection the pod may have restarted meanwhile and published past the
+//! last number applied, which nothing in the stream would then tell: its entries are
+//! dropped and rebuilt from the replay buffer.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -62,6 +65,8 @@ pub(super) struct PodSubscriber {
     state: PodEvents,
     /// The sequence number of the last live batch (see the module docs).
     last_live: Option<u64>,
+    /// The connection was lost since the entries were built (see the module docs).
+    lost: bool,
 }
 
 /// What one batch's frames carry.
@@ -105,6 +110,7 @@ impl PodSubscriber {
             precise,
             state: PodEvents::new(),
             last_live: None,
+            lost: false,
         })
     }
 
@@ -117,6 +123,7 @@ impl PodSubscriber {
             match outcome {
                 Err(StreamError::Disconnected) => {
                     info!(pod = %self.endpoint, "KV event stream lost; reconnecting");
+                    self.lost = true;
                     backoff = Duration::from_millis(250);
                 }
                 Err(error) => debug!(pod = %self.endpoint, %error, "no KV event stream"),
@@ -146,6 +153,10 @@ impl PodSubscriber {
         sub.subscribe(&self.topic)
             .await
             .map_err(StreamError::Receive)?;
+        if std::mem::take(&mut self.lost) {
+            self.reset();
+            self.last_live = None;
+        }
         // What was published before this connection: everything the replay buffer still
         // has after the last batch applied (from the start for a new subscriber).
         self.catch_up(self.state.next_seq().unwrap_or(0)).await;
