@@ -342,6 +342,7 @@ impl LivePicker {
             .collect();
         Routed {
             endpoints,
+            queued: waited,
             ticket: InFlightRequest {
                 endpoint: decision.endpoint,
                 reservation,

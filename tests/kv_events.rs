@@ -115,6 +115,8 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
             .await
             .expect("Envoy answers");
         assert_eq!(response.status(), 200, "{}", envoy.log());
+        // Waiting for a pod's /tokenize is not waiting for room: no queue time reported.
+        assert_eq!(response.headers().get("server-timing"), None);
         let served = response
             .headers()
             .get("x-sim-pod")

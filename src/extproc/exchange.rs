@@ -218,7 +218,10 @@ impl<R: Router> Exchange<R> {
             // which releases what it reserved.
             return Vec::new();
         }
-        self.queued = self.held_since.map(|since| since.elapsed());
+        self.queued = match &outcome {
+            Ok(routed) => routed.queued,
+            Err(_) => self.held_since.map(|since| since.elapsed()),
+        };
         match outcome {
             Ok(routed) => self.forward(routed),
             Err(unrouted) => {

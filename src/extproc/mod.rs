@@ -39,6 +39,10 @@ pub struct Routed<T> {
     pub endpoints: Vec<SocketAddr>,
     /// Released through [`InFlight::finish`] when the response (or the stream) ends.
     pub ticket: T,
+    /// How long flow control held the request for room before routing it (reported to the
+    /// client as `server-timing: kvroute-queue`); `None`: it was not held. A wait of
+    /// another kind (a prompt being tokenized) is not counted.
+    pub queued: Option<Duration>,
 }
 
 impl<T> Routed<T> {

@@ -58,6 +58,7 @@ impl StubRouter {
         Routed {
             endpoints: vec![POD_A.parse().expect("addr"), POD_B.parse().expect("addr")],
             ticket: StubTicket(Arc::clone(&self.tickets)),
+            queued: None,
         }
     }
 }
