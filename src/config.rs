@@ -223,6 +223,10 @@ pub struct ServeArgs {
     /// The topic prefix subscribed to (vLLM's `topic`; empty: all).
     #[arg(long, env = "KVROUTE_KV_EVENTS_TOPIC", default_value = "")]
     pub kv_events_topic: String,
+    /// Data-parallel engines per pod (vLLM `--data-parallel-size`): rank r publishes on
+    /// each endpoint's port + r, and a pod holds a block while any of its engines does.
+    #[arg(long, env = "KVROUTE_KV_EVENTS_DP_RANKS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub kv_events_dp_ranks: u32,
     /// Memory for the index built from KV events, in MiB (the same layout and bounds as
     /// --prefix-index-mib's).
     #[arg(long, env = "KVROUTE_KV_EVENTS_INDEX_MIB", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
@@ -635,6 +639,7 @@ impl ServeConfig {
                 endpoint: args.kv_events_endpoint.clone(),
                 replay_endpoint: args.kv_events_replay_endpoint.0.clone(),
                 topic: args.kv_events_topic.clone(),
+                dp_ranks: args.kv_events_dp_ranks,
                 ..KvEventsConfig::default()
             },
             kv_events_index_bytes: (args.kv_events_index_mib as usize) << 20,

@@ -495,14 +495,7 @@ async fn a_gap_is_replayed_and_a_restarted_publisher_starts_the_pod_over() {
     // Batch 0 exists before kvroute subscribes: it comes through the first replay.
     kept.keep(0, &stored(100, 4));
 
-    let shift = |to: u16| {
-        let delta = i32::from(to) - i32::from(http);
-        if delta >= 0 {
-            format!("tcp://{{host}}:{{port+{delta}}}")
-        } else {
-            format!("tcp://{{host}}:{{port-{}}}", -delta)
-        }
-    };
+    let shift = |to: u16| kvroute_lab::compare::port_shift_template(http, to);
     let pods = fleet.endpoints();
     let mut config = test_config(pods.clone());
     config.prefix_source = PrefixSource::Auto;
@@ -553,5 +546,140 @@ async fn a_gap_is_replayed_and_a_restarted_publisher_starts_the_pod_over() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     replays.abort();
+    fleet.shutdown().await;
+}
+
+/// One batch evicting the blocks `first..first + blocks`.
+fn removed(first: u64, blocks: u64) -> bytes::Bytes {
+    use kvroute_sim::engine::{KvCacheEvent, KvEventBatch};
+    let batch = KvEventBatch {
+        at: Duration::ZERO,
+        events: vec![KvCacheEvent::BlockRemoved {
+            block_hashes: (first..first + blocks).collect(),
+        }],
+    };
+    kvroute_sim::kv_events::wire::encode_batch(&batch, 1.0, 0)
+        .expect("encodes")
+        .into()
+}
+
+/// Publishes batch `seq` until kvroute's index holds `entries` blocks (a subscription
+/// reaches a PUB socket a moment after the connection, and what comes before is dropped;
+/// a copy that arrives twice is passed over as seen).
+async fn publish_until(
+    kvroute: &Kvroute,
+    publisher: &mut zeromq::PubSocket,
+    kept: &Published,
+    seq: u64,
+    payload: &bytes::Bytes,
+    entries: f64,
+) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        publish(publisher, kept, seq, payload).await;
+        let text = kvroute.metrics_text().await;
+        if value(&text, "kvroute_kv_event_index_entries") == entries {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "batch {seq} never showed {entries} entries:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_parallel_pod_holds_a_block_while_any_of_its_ranks_does() {
+    use zeromq::Socket;
+    let (http, _http) = kvroute_lab::envoy::reserve_port_range(1).expect("a port");
+    let (events, _events) = kvroute_lab::envoy::reserve_port_range(2).expect("ports");
+    let (replay, _replay) = kvroute_lab::envoy::reserve_port_range(2).expect("ports");
+    drop((_http, _events, _replay));
+    let fleet = SimFleet::start(FleetConfig {
+        model: MODEL.into(),
+        port: http,
+        speedup: 20.0,
+        ..FleetConfig::uniform(1, PodConfig::default())
+    })
+    .await
+    .expect("the pod starts");
+    // Rank r publishes on each endpoint's port + r, as vLLM offsets them.
+    let mut ranks = Vec::new();
+    for rank in 0..2 {
+        let mut publisher = zeromq::PubSocket::new();
+        publisher
+            .bind(&format!("tcp://127.0.0.1:{}", events + rank))
+            .await
+            .expect("PUB binds");
+        let mut router = zeromq::RouterSocket::new();
+        router
+            .bind(&format!("tcp://127.0.0.1:{}", replay + rank))
+            .await
+            .expect("ROUTER binds");
+        let kept = Published::default();
+        let replays = tokio::spawn(kept.clone().serve_replays(router));
+        ranks.push((publisher, kept, replays));
+    }
+    let offset = |to: u16| kvroute_lab::compare::port_shift_template(http, to);
+    let mut config = test_config(fleet.endpoints());
+    config.prefix_source = PrefixSource::Auto;
+    config.kv_events.endpoint = EndpointTemplate::parse(&offset(events)).expect("template");
+    config.kv_events.replay_endpoint =
+        Some(EndpointTemplate::parse(&offset(replay)).expect("template"));
+    config.kv_events.dp_ranks = 2;
+    let kvroute = Kvroute::start(config).await;
+    // The pod streams once both ranks do.
+    wait_for_gauge(&kvroute, "kvroute_kv_event_streams", 1.0).await;
+
+    // Both ranks compute the same prompt, each under its own hashes: one pod, 4 blocks.
+    let [(publisher0, kept0, replays0), (publisher1, kept1, replays1)] =
+        <[_; 2]>::try_from(ranks).ok().expect("two ranks");
+    let (mut publisher0, mut publisher1) = (publisher0, publisher1);
+    publish_until(&kvroute, &mut publisher1, &kept1, 0, &stored(100, 4), 4.0).await;
+    let same_prompt = {
+        use kvroute_sim::engine::{BlockStored, KvCacheEvent, KvEventBatch};
+        let batch = KvEventBatch {
+            at: Duration::ZERO,
+            events: vec![KvCacheEvent::BlockStored(BlockStored {
+                block_hashes: (900..904).collect(),
+                parent_block_hash: None,
+                token_ids: (0..64).map(|t| (100 * 1_000 + t) as u32).collect(),
+                block_size: 16,
+                lora: None,
+            })],
+        };
+        bytes::Bytes::from(
+            kvroute_sim::kv_events::wire::encode_batch(&batch, 1.0, 1).expect("encodes"),
+        )
+    };
+    // Rank 0's first batch may be dropped before its subscription takes; its second
+    // shows the gap, and the replay brings the first: 4 shared blocks and 2 of its own.
+    publish(&mut publisher0, &kept0, 0, &same_prompt).await;
+    publish_until(&kvroute, &mut publisher0, &kept0, 1, &stored(700, 2), 6.0).await;
+    // Rank 1 evicts the prompt: rank 0 still holds it, so the pod does.
+    publish(&mut publisher1, &kept1, 1, &removed(100, 4)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = kvroute.metrics_text().await;
+        if value(&text, "kvroute_kv_event_blocks_total{action=\"removed\"}") >= 4.0 {
+            assert_eq!(
+                value(&text, "kvroute_kv_event_index_entries"),
+                6.0,
+                "{text}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank 1's eviction never came:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Rank 0 evicts it too: gone from the pod.
+    publish_until(&kvroute, &mut publisher0, &kept0, 2, &removed(900, 4), 2.0).await;
+    for handle in [replays0, replays1] {
+        handle.abort();
+    }
     fleet.shutdown().await;
 }

@@ -11,12 +11,13 @@
 
 mod subscriber;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use kvroute_core::fleet::PrefixIndex;
+use kvroute_core::kvevents::EngineCounts;
 
 use crate::store::{PodStore, PodTasks};
 
@@ -64,6 +65,29 @@ impl EndpointTemplate {
             return Err(TemplateError::NoHost(template.to_owned()));
         }
         Ok(parsed)
+    }
+
+    /// The endpoint of data-parallel rank `rank` of `pod`: its port shifted by the rank,
+    /// as vLLM's `offset_endpoint_port` does.
+    pub fn resolve_rank(&self, pod: SocketAddr, rank: u32) -> Result<String, TemplateError> {
+        let base = self.resolve(pod)?;
+        if rank == 0 {
+            return Ok(base);
+        }
+        let port = base
+            .rfind(':')
+            .and_then(|colon| base[colon + 1..].parse::<i64>().ok().map(|p| (colon, p)));
+        match port {
+            Some((colon, port)) if (1..=65_535).contains(&(port + i64::from(rank))) => {
+                Ok(format!("{}:{}", &base[..colon], port + i64::from(rank)))
+            }
+            Some((_, port)) => Err(TemplateError::Port {
+                template: self.0.clone(),
+                pod,
+                port: port + i64::from(rank),
+            }),
+            None => Err(self.placeholder("port")),
+        }
     }
 
     /// The endpoint for `pod`.
@@ -154,6 +178,9 @@ pub struct KvEventsConfig {
     pub topic: String,
     /// How long connecting to a publisher, or one replay, may take.
     pub timeout: Duration,
+    /// Data-parallel engines per pod: vLLM's rank `r` publishes on each endpoint's port
+    /// + `r`, and a pod holds a block while any of its engines does.
+    pub dp_ranks: u32,
 }
 
 impl Default for KvEventsConfig {
@@ -163,6 +190,7 @@ impl Default for KvEventsConfig {
             replay_endpoint: Some(EndpointTemplate("tcp://{host}:5558".into())),
             topic: String::new(),
             timeout: Duration::from_secs(2),
+            dp_ranks: 1,
         }
     }
 }
@@ -171,9 +199,12 @@ impl Default for KvEventsConfig {
 #[derive(Debug)]
 pub struct PreciseIndex {
     index: PrefixIndex,
-    /// Pods whose publisher is connected and whose batches are applied in sequence: for
-    /// them the index holds what the engine holds (as far as its events said).
+    /// Pods whose publishers (every rank's) are connected and whose batches are applied in
+    /// sequence: for them the index holds what the engines hold (as far as their events
+    /// said).
     streaming: RwLock<Arc<HashSet<SocketAddr>>>,
+    /// Per pod, the ranks whose streams are up (bit `r` for rank `r`).
+    ranks_up: std::sync::Mutex<HashMap<SocketAddr, u64>>,
 }
 
 impl PreciseIndex {
@@ -182,6 +213,7 @@ impl PreciseIndex {
         PreciseIndex {
             index: PrefixIndex::with_budget(budget_bytes),
             streaming: RwLock::new(Arc::new(HashSet::new())),
+            ranks_up: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -192,6 +224,36 @@ impl PreciseIndex {
     /// The pods whose events flow now (one read lock and a reference count per call).
     pub fn streaming(&self) -> Arc<HashSet<SocketAddr>> {
         Arc::clone(&self.streaming.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Rank `rank` (of `ranks`) of `endpoint`'s stream came up or went down.
+    fn set_rank_streaming(&self, endpoint: SocketAddr, rank: u32, ranks: u32, up: bool) {
+        let all = {
+            let mut ranks_up = self.ranks_up.lock().unwrap_or_else(|p| p.into_inner());
+            let mask = ranks_up.entry(endpoint).or_insert(0);
+            let bit = 1u64 << rank.min(63);
+            if up {
+                *mask |= bit;
+            } else {
+                *mask &= !bit;
+            }
+            let full = if ranks >= 64 {
+                u64::MAX
+            } else {
+                (1u64 << ranks) - 1
+            };
+            *mask & full == full
+        };
+        self.set_streaming(endpoint, all);
+    }
+
+    /// `endpoint` left the fleet.
+    fn forget_pod(&self, endpoint: SocketAddr) {
+        self.ranks_up
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&endpoint);
+        self.set_streaming(endpoint, false);
     }
 
     fn set_streaming(&self, endpoint: SocketAddr, up: bool) {
@@ -243,13 +305,25 @@ impl KvEventsManager {
         self.tasks.reconcile(
             &endpoints,
             |endpoint| {
-                match subscriber::PodSubscriber::new(
-                    endpoint,
-                    &self.config,
-                    Arc::clone(&self.store),
-                    Arc::clone(&self.precise),
-                ) {
-                    Ok(subscriber) => Some(tokio::spawn(subscriber.run())),
+                // One stream per data-parallel rank, their blocks counted together.
+                let counts = (self.config.dp_ranks > 1)
+                    .then(|| Arc::new(std::sync::Mutex::new(EngineCounts::default())));
+                let ranks: Result<Vec<_>, _> = (0..self.config.dp_ranks.max(1))
+                    .map(|rank| {
+                        subscriber::PodSubscriber::new(
+                            endpoint,
+                            rank,
+                            &self.config,
+                            Arc::clone(&self.store),
+                            Arc::clone(&self.precise),
+                            counts.clone(),
+                        )
+                    })
+                    .collect();
+                match ranks {
+                    Ok(ranks) => Some(tokio::spawn(async move {
+                        futures::future::join_all(ranks.into_iter().map(|r| r.run())).await;
+                    })),
                     // The templates were checked at start; only a port shifted out of
                     // range for this pod gets here.
                     Err(error) => {
@@ -258,7 +332,7 @@ impl KvEventsManager {
                     }
                 }
             },
-            |endpoint| self.precise.set_streaming(endpoint, false),
+            |endpoint| self.precise.forget_pod(endpoint),
         );
     }
 }
@@ -291,6 +365,38 @@ mod tests {
         let v6 = SocketAddr::from(([0xfd00, 0, 0, 0, 0, 0, 0, 1], 8000));
         let t = EndpointTemplate::parse("tcp://{host}:{port}").expect("valid");
         assert_eq!(t.resolve(v6).expect("resolves"), "tcp://[fd00::1]:8000");
+    }
+
+    #[test]
+    fn a_data_parallel_rank_publishes_on_the_port_shifted_by_its_rank() {
+        let t = EndpointTemplate::parse("tcp://{host}:5557").expect("valid");
+        assert_eq!(
+            t.resolve_rank(pod(8000), 0).expect("rank 0"),
+            "tcp://10.1.2.3:5557"
+        );
+        assert_eq!(
+            t.resolve_rank(pod(8000), 3).expect("rank 3"),
+            "tcp://10.1.2.3:5560"
+        );
+        let t = EndpointTemplate::parse("tcp://{host}:65535").expect("valid");
+        assert!(matches!(
+            t.resolve_rank(pod(8000), 1),
+            Err(TemplateError::Port { port: 65_536, .. })
+        ));
+    }
+
+    #[test]
+    fn a_data_parallel_pod_streams_once_every_rank_does() {
+        let precise = PreciseIndex::with_budget(1 << 20);
+        precise.set_rank_streaming(pod(8000), 0, 2, true);
+        assert!(precise.streaming().is_empty(), "rank 1 is not up yet");
+        precise.set_rank_streaming(pod(8000), 1, 2, true);
+        assert!(precise.streaming().contains(&pod(8000)));
+        precise.set_rank_streaming(pod(8000), 0, 2, false);
+        assert!(precise.streaming().is_empty());
+        precise.set_rank_streaming(pod(8000), 0, 2, true);
+        precise.forget_pod(pod(8000));
+        assert!(precise.streaming().is_empty());
     }
 
     #[test]

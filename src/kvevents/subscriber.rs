@@ -13,7 +13,7 @@
 //! dropped and rebuilt from the replay buffer.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,7 +24,9 @@ use zeromq::{
     DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
 };
 
-use kvroute_core::kvevents::{Applied, EventBatch, PodEvents, Sequence, decode_batch};
+use kvroute_core::kvevents::{
+    Applied, EngineCounts, EventBatch, IndexSink, PodEvents, Sequence, decode_batch,
+};
 
 use super::{KvEventsConfig, PreciseIndex, TemplateError};
 use crate::store::PodStore;
@@ -56,6 +58,11 @@ enum StreamError {
 
 pub(super) struct PodSubscriber {
     endpoint: SocketAddr,
+    /// The data-parallel rank followed, of `ranks`.
+    rank: u32,
+    ranks: u32,
+    /// The pod's blocks counted over its ranks' streams, when it has several.
+    counts: Option<Arc<Mutex<EngineCounts>>>,
     events: String,
     replay: Option<String>,
     topic: String,
@@ -92,17 +99,22 @@ fn frames(message: ZmqMessage) -> Option<Frames> {
 impl PodSubscriber {
     pub(super) fn new(
         endpoint: SocketAddr,
+        rank: u32,
         config: &KvEventsConfig,
         store: Arc<PodStore>,
         precise: Arc<PreciseIndex>,
+        counts: Option<Arc<Mutex<EngineCounts>>>,
     ) -> Result<Self, TemplateError> {
         Ok(PodSubscriber {
             endpoint,
-            events: config.endpoint.resolve(endpoint)?,
+            rank,
+            ranks: config.dp_ranks.max(1),
+            counts,
+            events: config.endpoint.resolve_rank(endpoint, rank)?,
             replay: config
                 .replay_endpoint
                 .as_ref()
-                .map(|t| t.resolve(endpoint))
+                .map(|t| t.resolve_rank(endpoint, rank))
                 .transpose()?,
             topic: config.topic.clone(),
             timeout: config.timeout,
@@ -119,7 +131,8 @@ impl PodSubscriber {
         let mut backoff = Duration::from_millis(250);
         loop {
             let outcome = self.follow().await;
-            self.precise.set_streaming(self.endpoint, false);
+            self.precise
+                .set_rank_streaming(self.endpoint, self.rank, self.ranks, false);
             match outcome {
                 Err(StreamError::Disconnected) => {
                     info!(pod = %self.endpoint, "KV event stream lost; reconnecting");
@@ -160,7 +173,8 @@ impl PodSubscriber {
         // What was published before this connection: everything the replay buffer still
         // has after the last batch applied (from the start for a new subscriber).
         self.catch_up(self.state.next_seq().unwrap_or(0)).await;
-        self.precise.set_streaming(self.endpoint, true);
+        self.precise
+            .set_rank_streaming(self.endpoint, self.rank, self.ranks, true);
         info!(pod = %self.endpoint, events = %self.events, "following KV events");
         loop {
             tokio::select! {
@@ -195,7 +209,7 @@ impl PodSubscriber {
                 // The replay could not fill the gap: the missed batches may have evicted
                 // anything, so start over from this batch.
                 warn!(pod = %self.endpoint, missing_from, seq = frames.seq, "KV event gap not repaired; the pod's entries are rebuilt");
-                self.reset();
+                self.start_over(frames.seq);
             }
         }
         self.offer(frames);
@@ -231,11 +245,42 @@ impl PodSubscriber {
             .pod(self.endpoint)
             .and_then(|(pod, _)| pod.signals())
             .map_or(0, |s| s.kv_capacity_tokens);
-        self.state.apply(seq, batch, index, self.endpoint, capacity)
+        let sink = IndexSink {
+            index,
+            endpoint: self.endpoint,
+            capacity_tokens: capacity,
+        };
+        match &self.counts {
+            Some(counts) => {
+                let mut counts = counts.lock().unwrap_or_else(|p| p.into_inner());
+                self.state.apply(seq, batch, &mut counts.sink(sink))
+            }
+            None => self.state.apply(seq, batch, &mut { sink }),
+        }
+    }
+
+    /// Takes batch `seq` as the next one, the batches before it being lost: what the pod
+    /// held by the earlier ones is dropped (nothing, for a subscriber that applied none).
+    fn start_over(&mut self, seq: u64) {
+        if self.state.next_seq().is_some() || self.state.held() > 0 {
+            self.reset();
+        }
+        self.state.rebase(seq);
     }
 
     fn reset(&mut self) {
-        let dropped = self.state.reset(self.precise.index(), self.endpoint);
+        let sink = IndexSink {
+            index: self.precise.index(),
+            endpoint: self.endpoint,
+            capacity_tokens: 0,
+        };
+        let dropped = match &self.counts {
+            Some(counts) => {
+                let mut counts = counts.lock().unwrap_or_else(|p| p.into_inner());
+                self.state.reset(&mut counts.sink(sink))
+            }
+            None => self.state.reset(&mut { sink }),
+        };
         telemetry::record_kv_reset(dropped);
     }
 
@@ -255,6 +300,13 @@ impl PodSubscriber {
         let outcome = match result {
             Ok(Ok(batches)) => {
                 let count = batches.len();
+                // The buffer may begin after `from` (it keeps the last batches only):
+                // what came before is lost, so start over from its first batch.
+                if let Some(first) = batches.first()
+                    && matches!(self.state.sequence(first.seq), Sequence::Gap { .. })
+                {
+                    self.start_over(first.seq);
+                }
                 for frames in batches {
                     self.offer(frames);
                 }

@@ -18,7 +18,7 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use rmp::encode as enc;
 
 use kvroute_core::fleet::{PodView, PrefixIndex, Snapshot};
-use kvroute_core::kvevents::{PodEvents, decode_batch};
+use kvroute_core::kvevents::{IndexSink, PodEvents, decode_batch};
 
 mod support;
 use support::live_bytes;
@@ -101,6 +101,14 @@ fn step(s: u64) -> Vec<u8> {
     out
 }
 
+fn sink(index: &PrefixIndex, capacity_tokens: u64) -> IndexSink<'_> {
+    IndexSink {
+        index,
+        endpoint: pod(),
+        capacity_tokens,
+    }
+}
+
 fn index() -> PrefixIndex {
     let index = PrefixIndex::new();
     index.follow(&Snapshot::new(
@@ -128,13 +136,13 @@ fn events(c: &mut Criterion) {
     // Warm: the index holds LIFETIME steps' blocks from here on.
     let mut seq = 0u64;
     for payload in &batches {
-        state.apply(seq, &decode_batch(payload).unwrap(), &index, pod(), 0);
+        state.apply(seq, &decode_batch(payload).unwrap(), &mut sink(&index, 0));
         seq += 1;
     }
     group.bench_function("decode_and_apply", |b| {
         b.iter(|| {
             let payload = &batches[(seq % STEPS) as usize];
-            let applied = state.apply(seq, &decode_batch(payload).unwrap(), &index, pod(), 0);
+            let applied = state.apply(seq, &decode_batch(payload).unwrap(), &mut sink(&index, 0));
             seq += 1;
             black_box(applied)
         })
@@ -175,7 +183,11 @@ fn memory(_: &mut Criterion) {
         key(&mut out, "block_size");
         enc::write_uint(&mut out, u64::from(BLOCK)).unwrap();
         // The pod's KV capacity in tokens: the index keeps what the pool can hold.
-        state.apply(seq, &decode_batch(&out).unwrap(), &index, pod(), 4_000_000);
+        state.apply(
+            seq,
+            &decode_batch(&out).unwrap(),
+            &mut sink(&index, 4_000_000),
+        );
         seq += 1;
         held += 64;
     }

@@ -296,14 +296,7 @@ fn kv_events_flags(args: &UpArgs) -> Vec<String> {
     if !args.kv_events {
         return Vec::new();
     }
-    let shifted = |to: u16| {
-        let delta = i32::from(to) - i32::from(args.pods_port);
-        if delta >= 0 {
-            format!("tcp://{{host}}:{{port+{delta}}}")
-        } else {
-            format!("tcp://{{host}}:{{port-{}}}", -delta)
-        }
-    };
+    let shifted = |to: u16| crate::compare::port_shift_template(args.pods_port, to);
     vec![
         "--prefix-source=auto".into(),
         format!("--kv-events-endpoint={}", shifted(args.kv_events_port)),

@@ -15,7 +15,10 @@ mod pod;
 use crate::fleet::{PodView, PrefixIndex, PrefixMatches, Snapshot};
 
 pub use event::{BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent, decode_batch};
-pub use pod::{Applied, PodEvents, Sequence, chain, chain_root, token_block_hashes};
+pub use pod::{
+    Applied, BlockSink, CountedSink, EngineCounts, IndexSink, PodEvents, Sequence, chain,
+    chain_root, token_block_hashes,
+};
 
 /// Where prefix matches come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

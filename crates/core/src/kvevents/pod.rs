@@ -55,6 +55,90 @@ pub fn token_block_hashes(adapter: Option<&str>, tokens: &[u32], block_size: u32
         .collect()
 }
 
+/// Where a stream's blocks go as they are stored and evicted.
+pub trait BlockSink {
+    /// Blocks (kvroute's chain hashes) the engine now holds.
+    fn store(&mut self, chains: &[u64]);
+    /// Blocks it no longer holds.
+    fn evict(&mut self, chains: &[u64]);
+}
+
+/// A pod's blocks in the event index, straight from its one engine's stream.
+#[derive(Debug)]
+pub struct IndexSink<'a> {
+    pub index: &'a PrefixIndex,
+    pub endpoint: SocketAddr,
+    /// The pod's KV pool in tokens (0: unknown), which bounds what the index keeps of it.
+    pub capacity_tokens: u64,
+}
+
+impl BlockSink for IndexSink<'_> {
+    fn store(&mut self, chains: &[u64]) {
+        self.index
+            .record(self.endpoint, chains, self.capacity_tokens);
+    }
+
+    fn evict(&mut self, chains: &[u64]) {
+        self.index.forget(self.endpoint, chains);
+    }
+}
+
+/// The blocks of a data-parallel pod, whose engines publish one stream each: a block is
+/// the pod's while any of its engines holds it, so each is counted over the engines and
+/// enters or leaves the index only with its first holder or its last.
+#[derive(Debug, Default)]
+pub struct EngineCounts {
+    counts: HashMap<u64, u32, BuildHasherDefault<IdentityHasher>>,
+}
+
+impl EngineCounts {
+    /// A sink that counts blocks here and passes the pod's changes on to `index`.
+    pub fn sink<'a>(&'a mut self, index: IndexSink<'a>) -> CountedSink<'a> {
+        CountedSink {
+            counts: &mut self.counts,
+            index,
+        }
+    }
+}
+
+/// [`EngineCounts::sink`].
+#[derive(Debug)]
+pub struct CountedSink<'a> {
+    counts: &'a mut HashMap<u64, u32, BuildHasherDefault<IdentityHasher>>,
+    index: IndexSink<'a>,
+}
+
+impl BlockSink for CountedSink<'_> {
+    fn store(&mut self, chains: &[u64]) {
+        let first: Vec<u64> = chains
+            .iter()
+            .copied()
+            .filter(|chain| {
+                let count = self.counts.entry(*chain).or_insert(0);
+                *count += 1;
+                *count == 1
+            })
+            .collect();
+        self.index.store(&first);
+    }
+
+    fn evict(&mut self, chains: &[u64]) {
+        let mut last = Vec::new();
+        for chain in chains {
+            if let std::collections::hash_map::Entry::Occupied(mut count) =
+                self.counts.entry(*chain)
+            {
+                *count.get_mut() -= 1;
+                if *count.get() == 0 {
+                    count.remove();
+                    last.push(*chain);
+                }
+            }
+        }
+        self.index.evict(&last);
+    }
+}
+
 /// Where an arriving sequence number stands against those applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sequence {
@@ -146,38 +230,35 @@ impl PodEvents {
         self.next_seq
     }
 
-    /// Where `seq` stands; does not change the state ([`PodEvents::apply`] does).
+    /// Where `seq` stands; does not change the state ([`PodEvents::apply`] does). Before
+    /// any batch, a publisher's first (0) is next, and a later one follows a gap: what
+    /// came before it may still be in the publisher's replay buffer.
     pub fn sequence(&self, seq: u64) -> Sequence {
         match self.next_seq {
-            None => Sequence::Next,
+            None if seq == 0 => Sequence::Next,
+            None => Sequence::Gap { missing_from: 0 },
             Some(next) if seq == next => Sequence::Next,
             Some(next) if seq < next => Sequence::Seen,
             Some(next) => Sequence::Gap { missing_from: next },
         }
     }
 
-    /// Applies batch `seq` to `index` for `endpoint` (whose KV pool holds
-    /// `capacity_tokens`, 0: unknown), and expects `seq + 1` next.
-    pub fn apply(
-        &mut self,
-        seq: u64,
-        batch: &EventBatch,
-        index: &PrefixIndex,
-        endpoint: SocketAddr,
-        capacity_tokens: u64,
-    ) -> Applied {
+    /// Takes batch `seq` as the next one whatever came before: the missing batches cannot
+    /// be had (the caller dropped what they may have changed, [`PodEvents::reset`]).
+    pub fn rebase(&mut self, seq: u64) {
+        self.next_seq = Some(seq);
+    }
+
+    /// Applies batch `seq` to `sink` (the index, for one pod), and expects `seq + 1` next.
+    pub fn apply(&mut self, seq: u64, batch: &EventBatch, sink: &mut impl BlockSink) -> Applied {
         let mut applied = Applied::default();
         for event in &batch.events {
             match event {
-                KvEvent::BlockStored(stored) => {
-                    self.store(stored, index, endpoint, capacity_tokens, &mut applied);
-                }
-                KvEvent::BlockRemoved(removed) => {
-                    self.remove(removed, index, endpoint, &mut applied);
-                }
+                KvEvent::BlockStored(stored) => self.store(stored, sink, &mut applied),
+                KvEvent::BlockRemoved(removed) => self.remove(removed, sink, &mut applied),
                 KvEvent::AllBlocksCleared => {
                     applied.cleared += 1;
-                    applied.removed += self.clear(index, endpoint);
+                    applied.removed += self.clear(sink);
                 }
                 KvEvent::Other => applied.unknown += 1,
             }
@@ -186,27 +267,20 @@ impl PodEvents {
         applied
     }
 
-    /// Forgets everything the pod held (its stream broke beyond repair, or it left), so
+    /// Forgets everything the engine held (its stream broke beyond repair, or it left), so
     /// the index never claims blocks that may be gone; the next batch starts afresh.
-    pub fn reset(&mut self, index: &PrefixIndex, endpoint: SocketAddr) -> u64 {
+    pub fn reset(&mut self, sink: &mut impl BlockSink) -> u64 {
         self.next_seq = None;
-        self.clear(index, endpoint)
+        self.clear(sink)
     }
 
-    fn clear(&mut self, index: &PrefixIndex, endpoint: SocketAddr) -> u64 {
+    fn clear(&mut self, sink: &mut impl BlockSink) -> u64 {
         let chains: Vec<u64> = self.held.drain().map(|(_, held)| held.chain).collect();
-        index.forget(endpoint, &chains);
+        sink.evict(&chains);
         chains.len() as u64
     }
 
-    fn store(
-        &mut self,
-        stored: &BlockStored,
-        index: &PrefixIndex,
-        endpoint: SocketAddr,
-        capacity_tokens: u64,
-        applied: &mut Applied,
-    ) {
+    fn store(&mut self, stored: &BlockStored, sink: &mut impl BlockSink, applied: &mut Applied) {
         let blocks = stored.block_hashes.len() as u64;
         let gpu = stored.medium.as_deref().is_none_or(|m| m == "GPU");
         let adapter_unnamed = stored.lora_id.is_some() && stored.lora_name.is_none();
@@ -249,16 +323,10 @@ impl PodEvents {
             }
         }
         applied.stored += new.len() as u64;
-        index.record(endpoint, &new, capacity_tokens);
+        sink.store(&new);
     }
 
-    fn remove(
-        &mut self,
-        removed: &BlockRemoved,
-        index: &PrefixIndex,
-        endpoint: SocketAddr,
-        applied: &mut Applied,
-    ) {
+    fn remove(&mut self, removed: &BlockRemoved, sink: &mut impl BlockSink, applied: &mut Applied) {
         let gpu = removed.medium.as_deref().is_none_or(|m| m == "GPU");
         if !gpu || removed.group_idx.is_some_and(|g| g != 0) {
             return;
@@ -276,6 +344,6 @@ impl PodEvents {
             }
         }
         applied.removed += gone.len() as u64;
-        index.forget(endpoint, &gone);
+        sink.evict(&gone);
     }
 }

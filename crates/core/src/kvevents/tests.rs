@@ -275,7 +275,15 @@ fn apply(
     n: u32,
     events: &[u8],
 ) -> Applied {
-    state.apply(seq, &decoded(&batch_map(n, events)), index, pod(port), 0)
+    state.apply(seq, &decoded(&batch_map(n, events)), &mut sink(index, port))
+}
+
+fn sink(index: &PrefixIndex, port: u16) -> IndexSink<'_> {
+    IndexSink {
+        index,
+        endpoint: pod(port),
+        capacity_tokens: 0,
+    }
 }
 
 fn matched(index: &PrefixIndex, snapshot: &Snapshot, chains: &[u64], port: u16) -> u32 {
@@ -406,7 +414,18 @@ fn blocks_kvroute_cannot_match_from_text_are_left_out_and_counted() {
 fn sequence_numbers_tell_next_gap_and_seen() {
     let (index, _) = index_for(&[1]);
     let mut state = PodEvents::new();
-    assert_eq!(state.sequence(41), Sequence::Next, "any first batch");
+    assert_eq!(
+        state.sequence(0),
+        Sequence::Next,
+        "a publisher's first batch"
+    );
+    assert_eq!(
+        state.sequence(41),
+        Sequence::Gap { missing_from: 0 },
+        "the earlier ones may be in the replay buffer"
+    );
+    state.rebase(41);
+    assert_eq!(state.sequence(41), Sequence::Next);
     apply(&mut state, &index, 1, 41, 0, &[]);
     assert_eq!(state.sequence(42), Sequence::Next);
     assert_eq!(state.sequence(45), Sequence::Gap { missing_from: 42 });
@@ -437,7 +456,7 @@ fn clearing_forgets_everything_the_pod_held() {
         2,
         "other pods keep theirs"
     );
-    assert_eq!(two.reset(&index, pod(2)), 2);
+    assert_eq!(two.reset(&mut sink(&index, 2)), 2);
     assert_eq!(two.next_seq(), None);
     assert!(!index.matches(&chains, &snapshot).any());
 }
@@ -468,4 +487,36 @@ fn a_merged_view_takes_each_pods_figure_from_the_source_that_covers_it() {
     );
     let none = PrefixMatches::merge(PrefixMatches::default(), &guessed, 3, |_| true);
     assert!(!none.any());
+}
+
+#[test]
+fn a_data_parallel_pod_holds_a_block_while_any_of_its_engines_does() {
+    let (index, snapshot) = index_for(&[1]);
+    let mut counts = EngineCounts::default();
+    let (mut rank0, mut rank1) = (PodEvents::new(), PodEvents::new());
+    let prompt = tokens(0, 2);
+    let chains = token_block_hashes(None, &prompt, BS);
+    let mut events = Vec::new();
+    stored_map(&mut events, &[1, 2], None, &prompt);
+    let batch = decoded(&batch_map(1, &events));
+    // Both engines compute the prompt (under their own hashes, here the same).
+    rank0.apply(0, &batch, &mut counts.sink(sink(&index, 1)));
+    rank1.apply(0, &batch, &mut counts.sink(sink(&index, 1)));
+    assert_eq!(index.held(pod(1)), 2);
+    let mut events = Vec::new();
+    removed_map(&mut events, &[1, 2]);
+    let removed = decoded(&batch_map(1, &events));
+    rank0.apply(1, &removed, &mut counts.sink(sink(&index, 1)));
+    assert_eq!(
+        matched(&index, &snapshot, &chains, 1),
+        2,
+        "rank 1 still holds it"
+    );
+    rank1.apply(1, &removed, &mut counts.sink(sink(&index, 1)));
+    assert_eq!(matched(&index, &snapshot, &chains, 1), 0);
+    // One engine's reset drops only what no other engine holds.
+    rank0.apply(2, &batch, &mut counts.sink(sink(&index, 1)));
+    rank1.apply(2, &batch, &mut counts.sink(sink(&index, 1)));
+    rank0.reset(&mut counts.sink(sink(&index, 1)));
+    assert_eq!(index.held(pod(1)), 2);
 }

@@ -16,7 +16,7 @@ pub mod routers;
 pub mod summary;
 pub mod targets;
 
-pub use routers::{KvEventTemplates, RouterKind, with_kv_events};
+pub use routers::{KvEventTemplates, RouterKind, port_shift_template, with_kv_events};
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

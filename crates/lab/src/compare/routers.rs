@@ -237,21 +237,24 @@ pub fn with_kv_events(
     for pod in &mut config.pods {
         pod.kv_events = Some(events.clone());
     }
-    let shift = |to: u16| {
-        let delta = i32::from(to) - i32::from(http);
-        if delta >= 0 {
-            format!("tcp://{{host}}:{{port+{delta}}}")
-        } else {
-            format!("tcp://{{host}}:{{port-{}}}", -delta)
-        }
-    };
     Ok((
         config,
         KvEventTemplates {
-            endpoint: shift(publish),
-            replay: shift(replay),
+            endpoint: port_shift_template(http, publish),
+            replay: port_shift_template(http, replay),
         },
     ))
+}
+
+/// The `kvroute serve` endpoint template naming, for a pod whose HTTP port is `http`,
+/// port `to` on its host: `tcp://{host}:{port+N}` (or `-N`).
+pub fn port_shift_template(http: u16, to: u16) -> String {
+    let delta = i32::from(to) - i32::from(http);
+    if delta >= 0 {
+        format!("tcp://{{host}}:{{port+{delta}}}")
+    } else {
+        format!("tcp://{{host}}:{{port-{}}}", -delta)
+    }
 }
 
 /// kvroute scrapes every 50 ms of simulated time (at least every 2 ms of wall time) and

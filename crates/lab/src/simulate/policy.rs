@@ -40,7 +40,7 @@ use kvroute_core::fleet::{
 };
 use kvroute_core::flow::{EntryId, FlowRules, Hold, Holds, TenantShares, is_sheddable};
 use kvroute_core::kvevents::{
-    EventBatch, PodEvents, PrefixSource, PromptBlocks, TokenBlocks, matches_with_events,
+    EventBatch, IndexSink, PodEvents, PrefixSource, PromptBlocks, TokenBlocks, matches_with_events,
     token_block_hashes,
 };
 use kvroute_core::request::{InferenceRequest, RouteRequest};
@@ -204,7 +204,12 @@ impl Replica {
             .and_then(|(m, _)| m.kv_capacity_tokens)
             .unwrap_or(0);
         if let (Some(state), Some(seq)) = (events.pods.get_mut(pod), events.seq.get_mut(pod)) {
-            state.apply(*seq, batch, &events.index, endpoint(pod), capacity);
+            let mut sink = IndexSink {
+                index: &events.index,
+                endpoint: endpoint(pod),
+                capacity_tokens: capacity,
+            };
+            state.apply(*seq, batch, &mut sink);
             *seq += 1;
         }
     }
