@@ -464,61 +464,82 @@ fn value(text: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// One simulated pod for HTTP (publishing nothing itself) and, for each of its
+/// data-parallel ranks, a publisher this test drives: rank `r` on each endpoint's port +
+/// `r`, as vLLM offsets them.
+struct HandDriven {
+    fleet: SimFleet,
+    config: kvroute::config::ServeConfig,
+    ranks: Vec<(zeromq::PubSocket, Published, tokio::task::JoinHandle<()>)>,
+}
+
+impl HandDriven {
+    async fn start(ranks: u16) -> HandDriven {
+        use zeromq::Socket;
+        let (http, _http) = kvroute_lab::envoy::reserve_port_range(1).expect("a port");
+        let (events, _events) = kvroute_lab::envoy::reserve_port_range(ranks).expect("ports");
+        let (replay, _replay) = kvroute_lab::envoy::reserve_port_range(ranks).expect("ports");
+        drop((_http, _events, _replay));
+        let fleet = SimFleet::start(FleetConfig {
+            model: MODEL.into(),
+            port: http,
+            speedup: 20.0,
+            ..FleetConfig::uniform(1, PodConfig::default())
+        })
+        .await
+        .expect("the pod starts");
+        let mut publishers = Vec::new();
+        for rank in 0..ranks {
+            let mut publisher = zeromq::PubSocket::new();
+            publisher
+                .bind(&format!("tcp://127.0.0.1:{}", events + rank))
+                .await
+                .expect("PUB binds");
+            let mut router = zeromq::RouterSocket::new();
+            router
+                .bind(&format!("tcp://127.0.0.1:{}", replay + rank))
+                .await
+                .expect("ROUTER binds");
+            let kept = Published::default();
+            let replays = tokio::spawn(kept.clone().serve_replays(router));
+            publishers.push((publisher, kept, replays));
+        }
+        let template = |to: u16| {
+            EndpointTemplate::parse(&kvroute_lab::compare::port_shift_template(http, to))
+                .expect("template")
+        };
+        let mut config = test_config(fleet.endpoints());
+        config.prefix_source = PrefixSource::Auto;
+        config.kv_events.endpoint = template(events);
+        config.kv_events.replay_endpoint = Some(template(replay));
+        config.kv_events.dp_ranks = u32::from(ranks);
+        HandDriven {
+            fleet,
+            config,
+            ranks: publishers,
+        }
+    }
+
+    async fn stop(self) {
+        for (_, _, replays) in &self.ranks {
+            replays.abort();
+        }
+        self.fleet.shutdown().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_is_replayed_and_a_restarted_publisher_starts_the_pod_over() {
-    use zeromq::Socket;
-    // One simulated pod for HTTP (without events); its publisher is this test's.
-    let (http, _http) = kvroute_lab::envoy::reserve_port_range(1).expect("a port");
-    let (events, _events) = kvroute_lab::envoy::reserve_port_range(1).expect("a port");
-    let (replay, _replay) = kvroute_lab::envoy::reserve_port_range(1).expect("a port");
-    drop((_http, _events, _replay));
-    let fleet = SimFleet::start(FleetConfig {
-        model: MODEL.into(),
-        port: http,
-        speedup: 20.0,
-        ..FleetConfig::uniform(1, PodConfig::default())
-    })
-    .await
-    .expect("the pod starts");
-    let mut publisher = zeromq::PubSocket::new();
-    publisher
-        .bind(&format!("tcp://127.0.0.1:{events}"))
-        .await
-        .expect("PUB binds");
-    let mut router = zeromq::RouterSocket::new();
-    router
-        .bind(&format!("tcp://127.0.0.1:{replay}"))
-        .await
-        .expect("ROUTER binds");
-    let kept = Published::default();
-    let replays = tokio::spawn(kept.clone().serve_replays(router));
+    let mut pod = HandDriven::start(1).await;
+    let (mut publisher, kept, replays) = pod.ranks.pop().expect("rank 0");
     // Batch 0 exists before kvroute subscribes: it comes through the first replay.
     kept.keep(0, &stored(100, 4));
-
-    let shift = |to: u16| kvroute_lab::compare::port_shift_template(http, to);
-    let pods = fleet.endpoints();
-    let mut config = test_config(pods.clone());
-    config.prefix_source = PrefixSource::Auto;
-    config.kv_events.endpoint = EndpointTemplate::parse(&shift(events)).expect("template");
-    config.kv_events.replay_endpoint =
-        Some(EndpointTemplate::parse(&shift(replay)).expect("template"));
-    let kvroute = Kvroute::start(config).await;
+    let kvroute = Kvroute::start(pod.config.clone()).await;
     wait_for_gauge(&kvroute, "kvroute_kv_event_streams", 1.0).await;
     wait_for_gauge(&kvroute, "kvroute_kv_event_index_entries", 4.0).await;
 
-    // Batch 1, live. A subscription reaches a PUB socket a moment after the connection,
-    // and what is published before is dropped: published again until it is in (a copy
-    // that arrives twice is passed over as seen).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        publish(&mut publisher, &kept, 1, &stored(200, 4)).await;
-        let text = kvroute.metrics_text().await;
-        if value(&text, "kvroute_kv_event_index_entries") >= 8.0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "batch 1 never arrived:\n{text}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // Batch 1, live.
+    publish_until(&kvroute, &mut publisher, &kept, 1, &stored(200, 4), 8.0).await;
 
     // Batch 2 is lost on the way; batch 3 shows the gap and the replay fills it.
     kept.keep(2, &stored(300, 4));
@@ -546,7 +567,7 @@ async fn a_gap_is_replayed_and_a_restarted_publisher_starts_the_pod_over() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     replays.abort();
-    fleet.shutdown().await;
+    pod.stop().await;
 }
 
 /// One batch evicting the blocks `first..first + blocks`.
@@ -591,51 +612,14 @@ async fn publish_until(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_data_parallel_pod_holds_a_block_while_any_of_its_ranks_does() {
-    use zeromq::Socket;
-    let (http, _http) = kvroute_lab::envoy::reserve_port_range(1).expect("a port");
-    let (events, _events) = kvroute_lab::envoy::reserve_port_range(2).expect("ports");
-    let (replay, _replay) = kvroute_lab::envoy::reserve_port_range(2).expect("ports");
-    drop((_http, _events, _replay));
-    let fleet = SimFleet::start(FleetConfig {
-        model: MODEL.into(),
-        port: http,
-        speedup: 20.0,
-        ..FleetConfig::uniform(1, PodConfig::default())
-    })
-    .await
-    .expect("the pod starts");
-    // Rank r publishes on each endpoint's port + r, as vLLM offsets them.
-    let mut ranks = Vec::new();
-    for rank in 0..2 {
-        let mut publisher = zeromq::PubSocket::new();
-        publisher
-            .bind(&format!("tcp://127.0.0.1:{}", events + rank))
-            .await
-            .expect("PUB binds");
-        let mut router = zeromq::RouterSocket::new();
-        router
-            .bind(&format!("tcp://127.0.0.1:{}", replay + rank))
-            .await
-            .expect("ROUTER binds");
-        let kept = Published::default();
-        let replays = tokio::spawn(kept.clone().serve_replays(router));
-        ranks.push((publisher, kept, replays));
-    }
-    let offset = |to: u16| kvroute_lab::compare::port_shift_template(http, to);
-    let mut config = test_config(fleet.endpoints());
-    config.prefix_source = PrefixSource::Auto;
-    config.kv_events.endpoint = EndpointTemplate::parse(&offset(events)).expect("template");
-    config.kv_events.replay_endpoint =
-        Some(EndpointTemplate::parse(&offset(replay)).expect("template"));
-    config.kv_events.dp_ranks = 2;
-    let kvroute = Kvroute::start(config).await;
+    let mut pod = HandDriven::start(2).await;
+    let kvroute = Kvroute::start(pod.config.clone()).await;
     // The pod streams once both ranks do.
     wait_for_gauge(&kvroute, "kvroute_kv_event_streams", 1.0).await;
 
     // Both ranks compute the same prompt, each under its own hashes: one pod, 4 blocks.
-    let [(publisher0, kept0, replays0), (publisher1, kept1, replays1)] =
-        <[_; 2]>::try_from(ranks).ok().expect("two ranks");
-    let (mut publisher0, mut publisher1) = (publisher0, publisher1);
+    let (mut publisher1, kept1, replays1) = pod.ranks.pop().expect("rank 1");
+    let (mut publisher0, kept0, replays0) = pod.ranks.pop().expect("rank 0");
     publish_until(&kvroute, &mut publisher1, &kept1, 0, &stored(100, 4), 4.0).await;
     let same_prompt = {
         use kvroute_sim::engine::{BlockStored, KvCacheEvent, KvEventBatch};
@@ -681,5 +665,5 @@ async fn a_data_parallel_pod_holds_a_block_while_any_of_its_ranks_does() {
     for handle in [replays0, replays1] {
         handle.abort();
     }
-    fleet.shutdown().await;
+    pod.stop().await;
 }
