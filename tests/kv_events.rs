@@ -32,19 +32,21 @@ async fn fleet() -> (SimFleet, kvroute_lab::compare::KvEventTemplates) {
     (fleet, templates)
 }
 
-/// The value of an unlabelled gauge in kvroute's exposition.
-fn gauge(text: &str, name: &str) -> Option<f64> {
+/// A series' value in kvroute's exposition (`name` with its labels, if any); 0 when absent.
+fn value(text: &str, name: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
 }
 
-/// Waits until `name` reaches `at_least` in kvroute's exposition.
-async fn wait_for_gauge(kvroute: &Kvroute, name: &str, at_least: f64) {
+/// Waits until `name` reaches `at_least` in kvroute's exposition; returns the exposition
+/// as it was then.
+async fn wait_for_gauge(kvroute: &Kvroute, name: &str, at_least: f64) -> String {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let text = kvroute.metrics_text().await;
-        if gauge(&text, name).is_some_and(|v| v >= at_least) {
-            return;
+        if value(&text, name) >= at_least {
+            return text;
         }
         assert!(
             Instant::now() < deadline,
@@ -238,8 +240,8 @@ impl Replica {
                 Ok(response) => response.text().await.unwrap_or_default(),
                 Err(_) => String::new(),
             };
-            if gauge(&text, "kvroute_kv_event_streams") == Some(2.0)
-                && gauge(&text, "kvroute_kv_event_index_entries").is_some_and(|e| e >= entries)
+            if value(&text, "kvroute_kv_event_streams") == 2.0
+                && value(&text, "kvroute_kv_event_index_entries") >= entries
             {
                 return;
             }
@@ -457,13 +459,6 @@ async fn publish(
         .expect("published");
 }
 
-/// A counter's or gauge's value in the exposition (`name` with its labels, if any).
-fn value(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// One simulated pod for HTTP (publishing nothing itself) and, for each of its
 /// data-parallel ranks, a publisher this test drives: rank `r` on each endpoint's port +
 /// `r`, as vLLM offsets them.
@@ -552,20 +547,12 @@ async fn a_gap_is_replayed_and_a_restarted_publisher_starts_the_pod_over() {
     // The pod restarts: its publisher counts from 0 again and its cache is empty. The
     // pod's 16 blocks are dropped; only what the new publisher stores is indexed.
     publish(&mut publisher, &kept, 0, &stored(500, 2)).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = kvroute.metrics_text().await;
-        if value(&text, "kvroute_kv_event_resets_total") >= 1.0 {
-            assert_eq!(
-                value(&text, "kvroute_kv_event_index_entries"),
-                2.0,
-                "only the new publisher's blocks:\n{text}"
-            );
-            break;
-        }
-        assert!(Instant::now() < deadline, "no restart seen:\n{text}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let text = wait_for_gauge(&kvroute, "kvroute_kv_event_resets_total", 1.0).await;
+    assert_eq!(
+        value(&text, "kvroute_kv_event_index_entries"),
+        2.0,
+        "only the new publisher's blocks:\n{text}"
+    );
     replays.abort();
     pod.stop().await;
 }
@@ -643,23 +630,13 @@ async fn a_data_parallel_pod_holds_a_block_while_any_of_its_ranks_does() {
     publish_until(&kvroute, &mut publisher0, &kept0, 1, &stored(700, 2), 6.0).await;
     // Rank 1 evicts the prompt: rank 0 still holds it, so the pod does.
     publish(&mut publisher1, &kept1, 1, &removed(100, 4)).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = kvroute.metrics_text().await;
-        if value(&text, "kvroute_kv_event_blocks_total{action=\"removed\"}") >= 4.0 {
-            assert_eq!(
-                value(&text, "kvroute_kv_event_index_entries"),
-                6.0,
-                "{text}"
-            );
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "rank 1's eviction never came:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let removed_total = "kvroute_kv_event_blocks_total{action=\"removed\"}";
+    let text = wait_for_gauge(&kvroute, removed_total, 4.0).await;
+    assert_eq!(
+        value(&text, "kvroute_kv_event_index_entries"),
+        6.0,
+        "{text}"
+    );
     // Rank 0 evicts it too: gone from the pod.
     publish_until(&kvroute, &mut publisher0, &kept0, 2, &removed(900, 4), 2.0).await;
     for handle in [replays0, replays1] {
