@@ -259,3 +259,70 @@ fn the_demo_compares_kvroute_with_round_robin_and_says_where_the_plots_are() {
         "{stdout}"
     );
 }
+
+#[test]
+fn two_kvroute_replicas_on_kv_events_share_one_envoy_and_route_every_request() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let workload = dir.path().join("tiny.yaml");
+    std::fs::write(&workload, WORKLOAD).expect("write workload");
+    let out = dir.path().join("results");
+    let marker = format!("{}-{}", std::process::id(), line!());
+    let output = lab("compare")
+        .arg("--workloads")
+        .arg(&workload)
+        .args(["--routers", "kvroute-events-x2"])
+        .arg("--output-dir")
+        .arg(&out)
+        .arg("--python")
+        .arg(in_workspace(".venv/bin/python"))
+        .env("KVROUTE_COMPARE_TEST_MARK", &marker)
+        .env_remove("KVROUTE_COMPARE_WORKLOADS")
+        .env_remove("KVROUTE_COMPARE_ROUTERS")
+        .env_remove("KVROUTE_COMPARE_RATES")
+        .env_remove("KVROUTE_COMPARE_STEP_DURATION")
+        .env_remove("KVROUTE_COMPARE_QUICK")
+        .output()
+        .expect("run kvroute-lab compare");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "kvroute-lab compare failed:\n{stderr}"
+    );
+    let leftover = processes_marked("KVROUTE_COMPARE_TEST_MARK", &marker);
+    assert!(leftover.is_empty(), "still running: {leftover:?}");
+    // Each replica has its own log; both were started.
+    for log in ["kvroute.log", "kvroute-2.log"] {
+        assert!(out.join(log).is_file(), "{log} missing:\n{stderr}");
+    }
+
+    let report = std::fs::read_to_string(out.join("report.md")).expect("report.md");
+    let rows = rows_of(&report, "kvroute-events-x2");
+    assert_eq!(rows.len(), 2, "one row per rate:\n{report}");
+    let mut planned_total = 0;
+    for cells in &rows {
+        let (errors, planned) = cells["errors"].split_once('/').expect("errors/planned");
+        assert_eq!(errors, "0", "{cells:?}");
+        planned_total += planned.parse::<u64>().expect("planned");
+    }
+    // Envoy spread the ext_proc streams over both replicas, and between them they routed
+    // every request of the ladder (and the warm-up's).
+    let run: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(out.join("tiny-kvroute-events-x2.json")).expect("json"),
+    )
+    .expect("parses");
+    let routed: Vec<u64> = run["replicas_routed"]
+        .as_array()
+        .expect("replicas_routed")
+        .iter()
+        .map(|v| v.as_u64().expect("a count"))
+        .collect();
+    assert_eq!(routed.len(), 2, "{run}");
+    assert!(
+        routed.iter().all(|&n| n > 0),
+        "each replica routed: {routed:?}"
+    );
+    assert!(
+        routed.iter().sum::<u64>() >= planned_total,
+        "{routed:?} against {planned_total} planned"
+    );
+}

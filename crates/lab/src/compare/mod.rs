@@ -36,7 +36,8 @@ pub struct CompareArgs {
     /// Workload files, comma-separated [default: every crates/lab/workloads/*.yaml].
     #[arg(long, env = "KVROUTE_COMPARE_WORKLOADS", value_delimiter = ',')]
     pub workloads: Vec<PathBuf>,
-    /// Routers to compare, comma-separated [default: all].
+    /// Routers to compare, comma-separated [default: kvroute, round-robin, least-request,
+    /// sglang, vllm-router; kvroute-events, kvroute-x2 and kvroute-events-x2 when named].
     #[arg(
         long,
         env = "KVROUTE_COMPARE_ROUTERS",
@@ -196,7 +197,7 @@ async fn run_router(
         .fleet_config()
         .with_context(|| format!("workload {}: fleet", workload.name))?;
     let speedup = fleet_config.speedup;
-    let (fleet_config, kv_events) = if kind == RouterKind::KvrouteEvents {
+    let (fleet_config, kv_events) = if kind.follows_kv_events() {
         let (config, templates) = routers::with_kv_events(fleet_config)?;
         (config, Some(templates))
     } else {
@@ -208,18 +209,20 @@ async fn run_router(
         let router =
             routers::start(kind, &pods, speedup, workload, tools, kv_events.as_ref()).await?;
         let measured = measure(&router.base_url, workload, file, rates, step, quick, &pods).await;
+        let routed = router.replicas_routed().await;
         router.stop().await;
-        measured
+        Ok::<_, anyhow::Error>((measured?, routed?))
     }
     .await;
     fleet.shutdown().await;
-    let (bench, fleet_steps, fleet_total) = outcome?;
+    let ((bench, fleet_steps, fleet_total), replicas_routed) = outcome?;
     Ok(RouterRun {
         router: kind,
         bench,
         fleet_steps,
         fleet_total,
         wall_s: wall.elapsed().as_secs_f64(),
+        replicas_routed,
     })
 }
 
@@ -368,6 +371,12 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
                     std::fs::write(&path, serde_json::to_string_pretty(&run)? + "\n")
                         .with_context(|| format!("cannot write {}", path.display()))?;
                     eprintln!("    done in {:.1} s wall", run.wall_s);
+                    if run.replicas_routed.len() > 1 {
+                        eprintln!(
+                            "    requests routed by each replica: {:?}",
+                            run.replicas_routed
+                        );
+                    }
                     result.runs.push(run);
                 }
                 Err(e) => {

@@ -32,6 +32,10 @@ pub struct RouterRun {
     pub fleet_total: WindowStats,
     /// Wall seconds from starting the fleet to stopping everything.
     pub wall_s: f64,
+    /// Requests each kvroute replica routed over the run, warm-up included (empty for the
+    /// other routers and offline).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replicas_routed: Vec<u64>,
 }
 
 /// Everything measured on one workload.
@@ -466,16 +470,22 @@ always stay.
 // ---------------------------------------------------------------------------------------
 // Plots.
 
-const COLOURS: [RGBColor; 5] = [
+const COLOURS: [RGBColor; 8] = [
     RGBColor(214, 39, 40),
     RGBColor(31, 119, 180),
     RGBColor(44, 160, 44),
     RGBColor(255, 127, 14),
     RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
 ];
 
 fn colour(kind: RouterKind) -> RGBColor {
-    let i = RouterKind::ALL.iter().position(|k| *k == kind).unwrap_or(0);
+    let i = RouterKind::EVERY
+        .iter()
+        .position(|k| *k == kind)
+        .unwrap_or(0);
     COLOURS[i % COLOURS.len()]
 }
 

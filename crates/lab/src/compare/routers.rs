@@ -29,6 +29,13 @@ pub enum RouterKind {
     Kvroute,
     /// kvroute matching prompts on the pods' KV events (`--prefix-source auto`).
     KvrouteEvents,
+    /// Two kvroute replicas behind one Envoy (its ext_proc cluster balancing streams over
+    /// both), each with its own ledgers and approximate prefix memory.
+    #[value(name = "kvroute-x2")]
+    KvrouteReplicas,
+    /// Two kvroute replicas behind one Envoy, both following the pods' KV events.
+    #[value(name = "kvroute-events-x2")]
+    KvrouteEventsReplicas,
     /// Envoy ROUND_ROBIN.
     RoundRobin,
     /// Envoy LEAST_REQUEST.
@@ -49,11 +56,25 @@ impl RouterKind {
         RouterKind::VllmRouter,
     ];
 
+    /// Every router including the opt-in ones, in report order (their plot colours).
+    pub const EVERY: [RouterKind; 8] = [
+        RouterKind::Kvroute,
+        RouterKind::RoundRobin,
+        RouterKind::LeastRequest,
+        RouterKind::Sglang,
+        RouterKind::VllmRouter,
+        RouterKind::KvrouteEvents,
+        RouterKind::KvrouteReplicas,
+        RouterKind::KvrouteEventsReplicas,
+    ];
+
     /// The name used in flags, tables and file names.
     pub fn name(self) -> &'static str {
         match self {
             RouterKind::Kvroute => "kvroute",
             RouterKind::KvrouteEvents => "kvroute-events",
+            RouterKind::KvrouteReplicas => "kvroute-x2",
+            RouterKind::KvrouteEventsReplicas => "kvroute-events-x2",
             RouterKind::RoundRobin => "round-robin",
             RouterKind::LeastRequest => "least-request",
             RouterKind::Sglang => "sglang",
@@ -70,11 +91,34 @@ impl RouterKind {
             RouterKind::KvrouteEvents => {
                 "kvroute as above with `--prefix-source auto`: each pod publishes its KV cache events as vLLM does (`--kv-events-config`), kvroute follows them and matches each prompt, tokenized on a pod's `/tokenize`, against what the pods really cache"
             }
+            RouterKind::KvrouteReplicas => {
+                "two kvroute replicas as `kvroute`, behind one Envoy whose ext_proc cluster balances streams over both (round robin); no replica-to-replica protocol: each guesses prefixes from what it alone sent"
+            }
+            RouterKind::KvrouteEventsReplicas => {
+                "two kvroute replicas as `kvroute-events`, behind one Envoy whose ext_proc cluster balances streams over both; each follows every pod's KV events, so both see what the pods cache"
+            }
             RouterKind::RoundRobin => "Envoy `ROUND_ROBIN`",
             RouterKind::LeastRequest => "Envoy `LEAST_REQUEST`",
             RouterKind::Sglang => "sglang-router `--policy cache_aware` (PyPI)",
             RouterKind::VllmRouter => "vllm-router `--policy cache_aware` (PyPI)",
         }
+    }
+
+    /// How many kvroute processes serve as this router (0: not kvroute).
+    pub fn kvroute_replicas(self) -> usize {
+        match self {
+            RouterKind::Kvroute | RouterKind::KvrouteEvents => 1,
+            RouterKind::KvrouteReplicas | RouterKind::KvrouteEventsReplicas => 2,
+            _ => 0,
+        }
+    }
+
+    /// Whether the fleet publishes KV events and kvroute follows them.
+    pub fn follows_kv_events(self) -> bool {
+        matches!(
+            self,
+            RouterKind::KvrouteEvents | RouterKind::KvrouteEventsReplicas
+        )
     }
 
     /// The Python module and its `--log-level` for warnings (the two spell it differently).
@@ -115,7 +159,9 @@ enum Guard {
     Kvroute {
         // Declared first: dropped (killed) before kvroute stops.
         envoy: EnvoyProcess,
-        kvroute: ChildGuard,
+        kvroutes: Vec<ChildGuard>,
+        /// Each replica's `/metrics` address.
+        metrics: Vec<SocketAddr>,
     },
     Envoy(EnvoyProcess),
     Process(ChildGuard),
@@ -132,12 +178,40 @@ impl Drop for ChildGuard {
 }
 
 impl RunningRouter {
+    /// How many requests each kvroute replica routed so far (its `kvroute_decisions_total`
+    /// over every reason), in replica order; empty for the other routers. With two
+    /// replicas it shows that Envoy spread the streams over both.
+    pub async fn replicas_routed(&self) -> anyhow::Result<Vec<u64>> {
+        let Guard::Kvroute { metrics, .. } = &self.guard else {
+            return Ok(Vec::new());
+        };
+        let client = reqwest::Client::new();
+        let mut routed = Vec::with_capacity(metrics.len());
+        for addr in metrics {
+            let text = client
+                .get(format!("http://{addr}/metrics"))
+                .send()
+                .await?
+                .error_for_status()?
+                .text()
+                .await?;
+            let decisions = kvroute_core::exposition::parse_where(&text, |name| {
+                name == "kvroute_decisions_total"
+            })
+            .map_err(|e| anyhow::anyhow!("kvroute's /metrics at {addr}: {e}"))?;
+            routed.push(decisions.iter().map(|s| s.value).sum::<f64>() as u64);
+        }
+        Ok(routed)
+    }
+
     /// Stops the router and waits until it is gone.
     pub async fn stop(self) {
         match self.guard {
-            Guard::Kvroute { envoy, kvroute } => {
+            Guard::Kvroute {
+                envoy, kvroutes, ..
+            } => {
                 drop(envoy);
-                drop(kvroute);
+                drop(kvroutes);
             }
             Guard::Envoy(envoy) => drop(envoy),
             Guard::Process(child) => drop(child),
@@ -158,19 +232,23 @@ pub async fn start(
 ) -> anyhow::Result<RunningRouter> {
     let model = workload.model.as_str();
     let (guard, base_url) = match kind {
-        RouterKind::Kvroute | RouterKind::KvrouteEvents => {
+        RouterKind::Kvroute
+        | RouterKind::KvrouteEvents
+        | RouterKind::KvrouteReplicas
+        | RouterKind::KvrouteEventsReplicas => {
             let mut timing = KvrouteTiming::for_speedup(speedup);
             if let Some(interval) = tools.kvroute_scrape_interval {
                 timing.scrape_interval = interval;
                 timing.max_metrics_age = timing.max_metrics_age.max(interval * 10);
             }
             let objectives = workload.objectives.clone().unwrap_or_default();
-            let events = if kind == RouterKind::KvrouteEvents {
+            let events = if kind.follows_kv_events() {
                 Some(kv_events.context("kvroute-events needs a fleet publishing KV events")?)
             } else {
                 None
             };
-            start_kvroute(timing, pods, &objectives, tools, events).await?
+            let replicas = kind.kvroute_replicas();
+            start_kvroute(timing, pods, &objectives, tools, events, replicas).await?
         }
         RouterKind::RoundRobin | RouterKind::LeastRequest => {
             let gateway = if kind == RouterKind::RoundRobin {
@@ -302,23 +380,90 @@ pub fn objective_priority_arg(objectives: &BTreeMap<String, i32>) -> Option<Stri
     })
 }
 
-/// Runs `kvroute serve` with `timing` (and the workload's `objectives` as
-/// `--objective-priority`) in its own process, as every other router runs: in the
-/// comparison's process it would share a runtime with the simulated fleet and the load
-/// generator and queue behind their tasks.
+/// Runs `replicas` (1 or 2) `kvroute serve` processes with `timing` (and the workload's
+/// `objectives` as `--objective-priority`), each in its own process as every other router
+/// runs (in the comparison's process it would share a runtime with the simulated fleet and
+/// the load generator and queue behind their tasks), then the shipped fail-closed gateway in
+/// front of them: with two, Envoy's ext_proc cluster balances streams over both.
 async fn start_kvroute(
     timing: KvrouteTiming,
     pods: &[SocketAddr],
     objectives: &BTreeMap<String, i32>,
     tools: &Tools,
     kv_events: Option<&KvEventTemplates>,
+    replicas: usize,
 ) -> anyhow::Result<(Guard, String)> {
+    // Every replica's three ports are found at once (held, so they differ) and the
+    // replicas started together: a replica already running could take a later one's port
+    // for an outgoing connection.
+    let held: Vec<std::net::TcpListener> = (0..replicas * 3)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()?;
+    let addrs: Vec<SocketAddr> = held
+        .iter()
+        .map(std::net::TcpListener::local_addr)
+        .collect::<Result<_, _>>()?;
+    drop(held);
+    let mut started = Vec::with_capacity(replicas);
+    for (replica, ports) in addrs.chunks_exact(3).enumerate() {
+        let log_name = if replica == 0 {
+            "kvroute.log".to_string()
+        } else {
+            format!("kvroute-{}.log", replica + 1)
+        };
+        let child = spawn_kvroute(timing, pods, objectives, tools, kv_events, ports, &log_name)?;
+        started.push((child, ports, log_name));
+    }
+    let mut kvroutes = Vec::with_capacity(replicas);
+    let mut grpcs = Vec::with_capacity(replicas);
+    let mut metrics = Vec::with_capacity(replicas);
+    for (child, ports, log_name) in started {
+        wait_scraped(ports[2], pods.len(), Duration::from_secs(20))
+            .await
+            .with_context(|| {
+                let log = tools.log_dir.join(&log_name);
+                format!("kvroute did not scrape every pod; see {}", log.display())
+            })?;
+        kvroutes.push(child);
+        grpcs.push(ports[0]);
+        metrics.push(ports[1]);
+    }
+    let gateway = match grpcs[..] {
+        [kvroute] => Gateway::OriginalDst { kvroute },
+        [first, second] => Gateway::OriginalDstReplicas {
+            kvroutes: [first, second],
+        },
+        _ => anyhow::bail!("the gateway takes one or two kvroute replicas, not {replicas}"),
+    };
+    let envoy = EnvoyProcess::start(gateway, pods, &tools.envoy, "error").await?;
+    let url = envoy.url("");
+    Ok((
+        Guard::Kvroute {
+            envoy,
+            kvroutes,
+            metrics,
+        },
+        url,
+    ))
+}
+
+/// Starts one `kvroute serve` process listening on `ports` (ext_proc, metrics, debug),
+/// logging to `log_name` in the log directory.
+fn spawn_kvroute(
+    timing: KvrouteTiming,
+    pods: &[SocketAddr],
+    objectives: &BTreeMap<String, i32>,
+    tools: &Tools,
+    kv_events: Option<&KvEventTemplates>,
+    ports: &[SocketAddr],
+    log_name: &str,
+) -> anyhow::Result<ChildGuard> {
     let exe = &tools.kvroute;
-    let grpc = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-    let debug = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let [grpc, metrics, debug] = ports else {
+        anyhow::bail!("kvroute takes three ports, not {}", ports.len());
+    };
     let endpoints: Vec<String> = pods.iter().map(ToString::to_string).collect();
-    let log = tools.log_dir.join("kvroute.log");
+    let log = tools.log_dir.join(log_name);
     let log_file =
         std::fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
     let millis = |d: Duration| format!("{}ms", d.as_millis().max(1));
@@ -355,28 +500,9 @@ async fn start_kvroute(
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log_file);
-    let child = ChildGuard(
-        cmd.spawn()
-            .with_context(|| format!("cannot run {} serve", exe.display()))?,
-    );
-    wait_scraped(debug, pods.len(), Duration::from_secs(20))
-        .await
-        .with_context(|| format!("kvroute did not scrape every pod; see {}", log.display()))?;
-    let envoy = EnvoyProcess::start(
-        Gateway::OriginalDst { kvroute: grpc },
-        pods,
-        &tools.envoy,
-        "error",
-    )
-    .await?;
-    let url = envoy.url("");
-    Ok((
-        Guard::Kvroute {
-            envoy,
-            kvroute: child,
-        },
-        url,
-    ))
+    Ok(ChildGuard(cmd.spawn().with_context(|| {
+        format!("cannot run {} serve", exe.display())
+    })?))
 }
 
 /// Waits until kvroute's `/debug/endpoints` shows `pods` healthy pods that listed their

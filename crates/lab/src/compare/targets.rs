@@ -342,6 +342,7 @@ pub(crate) mod tests {
             fleet_steps: vec![Default::default(); steps.len()],
             fleet_total: Default::default(),
             wall_s: 0.0,
+            replicas_routed: Vec::new(),
             bench: Report {
                 version: REPORT_VERSION,
                 workload: "w".into(),

@@ -889,6 +889,7 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
         fleet_steps: measured.iter().map(StepAcc::window).collect(),
         fleet_total,
         wall_s,
+        replicas_routed: Vec::new(),
     };
     // Every request ended, and kvroute holds nothing any more.
     stats.open_at_end = world.open_total;
