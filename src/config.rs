@@ -590,6 +590,7 @@ impl ServeConfig {
             trace_candidates: defaults.trace_candidates,
             adapters: file.adapters,
             keep_free: defaults.keep_free,
+            keep_free_tokens: defaults.keep_free_tokens,
         };
         let mut objectives = HashMap::new();
         for (name, priority) in &args.objective_priority {

@@ -274,7 +274,7 @@ impl LivePicker {
             fleet,
             waiter.first_token_visible,
             Hold::WithoutKv,
-            config,
+            &config,
         ) {
             Ok(Placed::Routed(decision, reservation, prefix)) => Some(self.routed(
                 &request,
@@ -317,7 +317,7 @@ impl LivePicker {
             prefix,
             waited,
         } = origin;
-        lock(&self.shares).started(&tenant);
+        lock(&self.shares).started(&tenant, decision.tokens_needed);
         telemetry::record_pick(elapsed, decision.reason.as_str());
         if let Some(winner) = decision.ranked.first() {
             telemetry::record_predicted_cached(prefix.as_str(), winner.cached_tokens);
@@ -358,7 +358,7 @@ impl LivePicker {
 
     /// The scheduler configuration a request of `priority` and `tenant` is placed by
     /// ([`FlowRules::for_request`]).
-    fn rules_for(&self, priority: i32, tenant: &str) -> &SchedulerConfig {
+    fn rules_for(&self, priority: i32, tenant: &str) -> std::borrow::Cow<'_, SchedulerConfig> {
         self.rules
             .for_request(priority, tenant, &lock(&self.shares))
     }
@@ -775,7 +775,7 @@ impl LivePicker {
         let hold = Hold::on_arrival(request.model().is_some(), class.priority, queues);
         let started = Instant::now();
         let config = self.rules_for(class.priority, &class.tenant);
-        let placed = self.place(request, &blocks, &fleet, first_token_visible, hold, config);
+        let placed = self.place(request, &blocks, &fleet, first_token_visible, hold, &config);
         let elapsed = started.elapsed();
         match placed {
             Ok(Placed::Routed(decision, reservation, prefix)) => {

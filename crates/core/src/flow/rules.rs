@@ -8,6 +8,7 @@
 //! free (thresholds that much lower); a tenant under its share may go that much past the
 //! thresholds; the rest use the configured ones.
 
+use std::borrow::Cow;
 use std::hash::{Hash, Hasher};
 
 use crate::fleet::{ModelClass, Snapshot};
@@ -84,20 +85,29 @@ impl FlowRules {
     }
 
     /// The configuration a request of `priority` and `tenant` is placed by, given what each
-    /// tenant has in flight.
+    /// tenant has in flight. A tenant over its share leaves, besides [`HEADROOM`], room for
+    /// the quieter tenants' larger requests ([`TenantShares::quiet_reserve`]).
     pub fn for_request(
         &self,
         priority: Priority,
         tenant: &str,
         shares: &TenantShares,
-    ) -> &SchedulerConfig {
-        if is_sheddable(priority) || shares.over_share(tenant) {
+    ) -> Cow<'_, SchedulerConfig> {
+        if shares.over_share(tenant) && !is_sheddable(priority) {
+            let reserve = shares.quiet_reserve();
+            if reserve > 0 {
+                let mut config = self.leaving_room.clone();
+                config.keep_free_tokens = reserve;
+                return Cow::Owned(config);
+            }
+        }
+        Cow::Borrowed(if is_sheddable(priority) || shares.over_share(tenant) {
             &self.leaving_room
         } else if shares.under_share(tenant) {
             &self.using_headroom
         } else {
             &self.normal
-        }
+        })
     }
 
     /// The configured thresholds.
@@ -133,16 +143,20 @@ mod tests {
         let rules = FlowRules::new(&SchedulerConfig::default());
         let mut shares = TenantShares::default();
         let (busy, quiet): (Arc<str>, Arc<str>) = (Arc::from("busy"), Arc::from("quiet"));
-        assert_eq!(rules.for_request(0, "busy", &shares), rules.normal());
+        assert_eq!(&*rules.for_request(0, "busy", &shares), rules.normal());
         let stricter = rules.for_request(-1, "busy", &shares);
         assert!((stricter.keep_free - HEADROOM).abs() < 1e-12);
         assert!((stricter.saturation.kv_usage - 0.7).abs() < 1e-9);
         assert_eq!(stricter.saturation.queue_depth, 2);
         for _ in 0..9 {
-            shares.started(&busy);
+            shares.started(&busy, 100);
         }
-        shares.started(&quiet);
-        assert_eq!(rules.for_request(0, "busy", &shares).keep_free, HEADROOM);
+        shares.started(&quiet, 100);
+        let busy_now = rules.for_request(0, "busy", &shares);
+        assert_eq!(busy_now.keep_free, HEADROOM);
+        // Besides, room for the quiet tenant's requests (the one it sent needed 100).
+        assert_eq!(busy_now.keep_free_tokens, 100);
+        assert_eq!(rules.for_request(-1, "busy", &shares).keep_free_tokens, 0);
         let looser = rules.for_request(0, "quiet", &shares);
         assert!((looser.saturation.kv_usage - 0.9).abs() < 1e-9);
         assert_eq!(looser.saturation.queue_depth, 10);

@@ -128,6 +128,10 @@ pub struct SchedulerConfig {
     /// headroom filter. 0 by default; flow control sets it for requests that must leave
     /// room for others (sheddable ones, a tenant over its fair share).
     pub keep_free: f64,
+    /// KV tokens a request must leave free on its pod besides, when more than `keep_free`
+    /// of the pool: flow control sets it for a tenant over its share, from the size of the
+    /// quieter tenants' requests. 0 by default.
+    pub keep_free_tokens: u64,
 }
 
 impl Default for SchedulerConfig {
@@ -142,6 +146,7 @@ impl Default for SchedulerConfig {
             trace_candidates: 4,
             adapters: HashMap::new(),
             keep_free: 0.0,
+            keep_free_tokens: 0,
         }
     }
 }

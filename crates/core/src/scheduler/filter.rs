@@ -89,9 +89,11 @@ impl Candidate {
         // of its prompt, and the blocks it shares do not make the pod full for it.
         let cached = demand.cached_at(index);
         let needed = demand.needed(cached);
-        // What must stay free besides (`keep_free` of the pool), rounded up.
+        // What must stay free besides (`keep_free` of the pool rounded up, or
+        // `keep_free_tokens` when more).
         let keep = signals.map_or(0, |s| {
-            (s.kv_capacity_tokens as f64 * config.keep_free).ceil() as u64
+            ((s.kv_capacity_tokens as f64 * config.keep_free).ceil() as u64)
+                .max(config.keep_free_tokens)
         });
         let mut flags = 0;
         if !is_saturated(pod, load, u64::from(cached), demand.prompt, config) {

@@ -1117,3 +1117,29 @@ fn a_prefix_holder_loaded_past_the_slack_gives_the_prefix_up() {
         endpoint(1)
     );
 }
+
+/// A request told to leave `keep_free_tokens` free (a busy tenant beside a quiet one) lacks
+/// room on a pod whose free KV covers only its own need, and fits one that has both.
+#[test]
+fn a_request_leaving_room_in_tokens_needs_that_much_more_free_kv() {
+    // Pod 1: 2,000 tokens free; pod 2: 10,000 free (of CAPACITY).
+    let free = |n, tokens: u64| {
+        with_metrics(pod(n), |m| {
+            m.kv_usage = 1.0 - tokens as f64 / CAPACITY as f64;
+        })
+    };
+    let ask = request("base", 1_000);
+    let mut config = SchedulerConfig::default();
+    let only_small = fleet(vec![free(1, 2_000)]);
+    let decision = pick(&ask, &only_small, &config, &mut SmallRng::seed_from_u64(1)).expect("ok");
+    assert!(!decision.lacks_room(), "{decision:?}");
+    config.keep_free_tokens = 5_000;
+    let decision = pick(&ask, &only_small, &config, &mut SmallRng::seed_from_u64(1)).expect("ok");
+    assert!(decision.lacks_room(), "{decision:?}");
+    let both = fleet(vec![free(1, 2_000), free(2, 10_000)]);
+    for seed in 0..10 {
+        let decision = pick(&ask, &both, &config, &mut SmallRng::seed_from_u64(seed)).expect("ok");
+        assert_eq!(decision.endpoint, endpoint(2), "{decision:?}");
+        assert!(!decision.lacks_room(), "{decision:?}");
+    }
+}

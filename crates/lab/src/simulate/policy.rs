@@ -324,12 +324,13 @@ impl Replica {
             &request,
             &blocks,
             hold,
-            config,
+            &config,
         );
         drop(shares);
         match placed {
             Ok(Placed::Routed(mut routed)) => {
-                self.shares.borrow_mut().started(&class.tenant);
+                let needed = routed.decision.as_ref().map_or(0, |d| d.tokens_needed);
+                self.shares.borrow_mut().started(&class.tenant, needed);
                 routed.tenant = Some(Arc::clone(&class.tenant));
                 Placement::Routed(routed)
             }
@@ -437,10 +438,11 @@ impl Replica {
                     &waiter.request,
                     &waiter.blocks,
                     Hold::WithoutKv,
-                    config,
+                    &config,
                 ) {
                     Ok(Placed::Routed(mut routed)) => {
-                        shares.borrow_mut().started(&waiter.tenant);
+                        let needed = routed.decision.as_ref().map_or(0, |d| d.tokens_needed);
+                        shares.borrow_mut().started(&waiter.tenant, needed);
                         routed.tenant = Some(Arc::clone(&waiter.tenant));
                         Some(routed)
                     }
