@@ -178,6 +178,11 @@ pub struct ServeArgs {
     /// (override_host); ORIGINAL_DST needs a single endpoint [default: 0].
     #[arg(long, env = "KVROUTE_FALLBACKS")]
     pub fallbacks: Option<usize>,
+    /// kvroute replicas behind the same gateways, this one included (each sees only the
+    /// requests it routed, and counts the KV it sent a pod since the last scrape this many
+    /// times) [default: 1].
+    #[arg(long, env = "KVROUTE_REPLICAS")]
+    pub replicas: Option<u32>,
     /// Longest a request waits at the gateway for a pod with room (flow control); then it
     /// is answered 429 (503 when no pod is ready). 0 turns the queue off: a request that
     /// fits no pod goes to the least loaded one. The gateway's ext_proc filter must allow
@@ -389,6 +394,7 @@ pub struct FileScheduler {
     pub default_output_tokens: Option<u32>,
     pub prefill_queue_tokens: Option<u32>,
     pub fallbacks: Option<usize>,
+    pub replicas: Option<u32>,
 }
 
 /// `"1s"`-style durations in YAML.
@@ -591,6 +597,10 @@ impl ServeConfig {
             adapters: file.adapters,
             keep_free: defaults.keep_free,
             keep_free_tokens: defaults.keep_free_tokens,
+            replicas: args
+                .replicas
+                .or(file.scheduler.replicas)
+                .unwrap_or(defaults.replicas),
         };
         let mut objectives = HashMap::new();
         for (name, priority) in &args.objective_priority {

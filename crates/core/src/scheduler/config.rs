@@ -60,6 +60,8 @@ pub enum InvalidConfig {
     MaxMetricsAge,
     #[error("keep_free must be in [0, 1), got {0}")]
     KeepFree(f64),
+    #[error("replicas must be at least 1")]
+    Replicas,
 }
 
 impl Weights {
@@ -132,6 +134,11 @@ pub struct SchedulerConfig {
     /// of the pool: flow control sets it for a tenant over its share, from the size of the
     /// quieter tenants' requests. 0 by default.
     pub keep_free_tokens: u64,
+    /// kvroute replicas behind the same gateways, this one included. Each sees only the
+    /// requests it routed itself, so between two scrapes it counts the KV it sent a pod that
+    /// many times: the gateways spread requests evenly over the replicas, and replicas
+    /// following the same KV events send a prompt to the same pods. 1 by default.
+    pub replicas: u32,
 }
 
 impl Default for SchedulerConfig {
@@ -147,6 +154,7 @@ impl Default for SchedulerConfig {
             adapters: HashMap::new(),
             keep_free: 0.0,
             keep_free_tokens: 0,
+            replicas: 1,
         }
     }
 }
@@ -169,6 +177,9 @@ impl SchedulerConfig {
         }
         if !(0.0..1.0).contains(&self.keep_free) {
             return Err(InvalidConfig::KeepFree(self.keep_free));
+        }
+        if self.replicas == 0 {
+            return Err(InvalidConfig::Replicas);
         }
         Ok(())
     }

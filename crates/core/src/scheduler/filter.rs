@@ -84,7 +84,7 @@ impl Candidate {
         config: &SchedulerConfig,
     ) -> Self {
         let signals = pod.signals();
-        let free_kv = free_kv_tokens(pod, load);
+        let free_kv = free_kv_tokens(pod, load, config.replicas);
         // Cached blocks are shared, not allocated again: the request needs only the rest
         // of its prompt, and the blocks it shares do not make the pod full for it.
         let cached = demand.cached_at(index);
@@ -342,16 +342,19 @@ fn is_saturated(
     pod.signals().is_some_and(|s| {
         let shares_its_context = cached > 0 && cached * 2 >= prompt;
         s.waiting >= config.saturation.queue_depth
-            || (!shares_its_context && kv_usage_now(s, load) >= config.saturation.kv_usage)
+            || (!shares_its_context
+                && kv_usage_now(s, load, config.replicas) >= config.saturation.kv_usage)
     })
 }
 
 /// The pod's reported KV use plus the share of its capacity that the requests kvroute sent
-/// it since that report will need.
-fn kv_usage_now(signals: &LoadSignals, load: &PodLoad) -> f64 {
+/// it since that report will need (`replicas` times: each replica sees its own).
+fn kv_usage_now(signals: &LoadSignals, load: &PodLoad, replicas: u32) -> f64 {
     let reported = f64::from(signals.kv_usage);
     match signals.kv_capacity_tokens {
         0 => reported,
-        capacity => reported + load.unscraped_tokens() as f64 / capacity as f64,
+        capacity => {
+            reported + load.unscraped_tokens() as f64 * f64::from(replicas) / capacity as f64
+        }
     }
 }

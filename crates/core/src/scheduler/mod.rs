@@ -278,16 +278,19 @@ pub fn tokens_needed(request: &RouteRequest<'_>, config: &SchedulerConfig) -> u6
 /// generate.
 /// The report alone misses queued requests and output still to come, the commitments miss
 /// other gateways' traffic and the prompt blocks shared with other requests; adding them
-/// would count running requests twice. `None` when the pod did not report its capacity.
-pub fn free_kv_tokens(pod: &PodView, load: &PodLoad) -> Option<u64> {
+/// would count running requests twice. With `replicas` kvroute replicas behind the same
+/// gateways, each of kvroute's own terms counts that many times
+/// ([`SchedulerConfig::replicas`]). `None` when the pod did not report its capacity.
+pub fn free_kv_tokens(pod: &PodView, load: &PodLoad, replicas: u32) -> Option<u64> {
     let signals = pod.signals()?;
     let capacity = Some(signals.kv_capacity_tokens).filter(|c| *c > 0)?;
     // Rounded to the nearest token (`+ 0.5`, not `round()`, a library call on x86-64).
     let reported = (capacity as f64 * f64::from(signals.kv_usage) + 0.5) as u64;
+    let all = |own: u64| own.saturating_mul(u64::from(replicas));
     let used = reported
-        .saturating_add(load.unscraped_tokens())
-        .max(load.committed_tokens())
-        .max(reported.saturating_add(load.growth_tokens()));
+        .saturating_add(all(load.unscraped_tokens()))
+        .max(all(load.committed_tokens()))
+        .max(reported.saturating_add(all(load.growth_tokens())));
     Some(capacity.saturating_sub(used))
 }
 

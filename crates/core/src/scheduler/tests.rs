@@ -878,7 +878,7 @@ fn a_request_counts_against_free_kv_after_the_next_scrape_until_it_ends() {
     scrape_all(&fleet);
     let (pod, load) = fleet.pod(busy).expect("known");
     let pod = with_metrics(pod.clone(), |m| m.kv_usage = 0.4);
-    assert_eq!(free_kv_tokens(&pod, load), Some(20_000), "not 60,000");
+    assert_eq!(free_kv_tokens(&pod, load, 1), Some(20_000), "not 60,000");
 
     let reported = Fleet::new(
         fleet
@@ -899,7 +899,7 @@ fn a_request_counts_against_free_kv_after_the_next_scrape_until_it_ends() {
     assert_ne!(second.endpoint, busy, "the burst does not herd: {second:?}");
     drop(held);
     assert_eq!(
-        free_kv_tokens(&pod, load),
+        free_kv_tokens(&pod, load, 1),
         Some(60_000),
         "released at the end"
     );
@@ -912,20 +912,45 @@ fn what_the_pod_reports_is_not_counted_twice() {
     let fleet = fleet(vec![with_metrics(pod(1), |m| m.kv_usage = 0.7)]);
     let (pod, load) = fleet.pod(endpoint(1)).expect("known");
     let mut running = load.reserve(10_000, 5_000, PrefillEnd::FirstToken);
-    assert_eq!(free_kv_tokens(pod, load), Some(20_000), "not yet scraped");
+    assert_eq!(
+        free_kv_tokens(pod, load, 1),
+        Some(20_000),
+        "not yet scraped"
+    );
     scrape_all(&fleet);
     running.first_token();
     assert_eq!(
-        free_kv_tokens(pod, load),
+        free_kv_tokens(pod, load, 1),
         Some(25_000),
         "the report covers its prompt; its output is still to come"
     );
     running.streamed(2_000);
     let reported = with_metrics(pod.clone(), |m| m.kv_usage = 0.72);
     assert_eq!(
-        free_kv_tokens(&reported, load),
+        free_kv_tokens(&reported, load, 1),
         Some(25_000),
         "what it streamed moved from the ledger into the report"
+    );
+}
+
+/// Two replicas behind one gateway: each counts what it sent since the last scrape twice,
+/// the other replica's share it cannot see.
+#[test]
+fn each_replica_counts_its_own_unscraped_and_committed_kv_once_per_replica() {
+    // 30 % reported in use (30,000 of CAPACITY); this replica sent 10,000 tokens since.
+    let fleet = fleet(vec![with_metrics(pod(1), |m| m.kv_usage = 0.3)]);
+    let (pod, load) = fleet.pod(endpoint(1)).expect("known");
+    let _sent = load.reserve(10_000, 5_000, PrefillEnd::NextScrape);
+    assert_eq!(free_kv_tokens(pod, load, 1), Some(60_000));
+    assert_eq!(free_kv_tokens(pod, load, 2), Some(50_000));
+    // After the scrape, the report includes it; committed KV (10,000 a replica) stays below
+    // the report either way.
+    scrape_all(&fleet);
+    assert_eq!(free_kv_tokens(pod, load, 2), Some(70_000));
+    assert_eq!(
+        free_kv_tokens(pod, load, 4),
+        Some(60_000),
+        "four replicas' commitments (40,000) exceed the report (30,000)"
     );
 }
 
@@ -941,7 +966,7 @@ fn output_still_to_come_counts_where_shared_contexts_fill_the_report() {
     scrape_all(&fleet);
     streams.iter_mut().for_each(|s| s.first_token());
     assert_eq!(load.committed_tokens(), 8_000, "far below the report");
-    assert_eq!(free_kv_tokens(pod, load), Some(6_000), "not 10,000");
+    assert_eq!(free_kv_tokens(pod, load, 1), Some(6_000), "not 10,000");
 }
 
 #[test]

@@ -411,7 +411,9 @@ async fn start_kvroute(
         } else {
             format!("kvroute-{}.log", replica + 1)
         };
-        let child = spawn_kvroute(timing, pods, objectives, tools, kv_events, ports, &log_name)?;
+        let child = spawn_kvroute(
+            timing, pods, objectives, tools, kv_events, replicas, ports, &log_name,
+        )?;
         started.push((child, ports, log_name));
     }
     let mut kvroutes = Vec::with_capacity(replicas);
@@ -447,14 +449,16 @@ async fn start_kvroute(
     ))
 }
 
-/// Starts one `kvroute serve` process listening on `ports` (ext_proc, metrics, debug),
-/// logging to `log_name` in the log directory.
+/// Starts one of `replicas` `kvroute serve` processes (told how many there are), listening
+/// on `ports` (ext_proc, metrics, debug), logging to `log_name` in the log directory.
+#[allow(clippy::too_many_arguments)]
 fn spawn_kvroute(
     timing: KvrouteTiming,
     pods: &[SocketAddr],
     objectives: &BTreeMap<String, i32>,
     tools: &Tools,
     kv_events: Option<&KvEventTemplates>,
+    replicas: usize,
     ports: &[SocketAddr],
     log_name: &str,
 ) -> anyhow::Result<ChildGuard> {
@@ -487,6 +491,7 @@ fn spawn_kvroute(
         .args(["--max-metrics-age", &millis(timing.max_metrics_age)])
         .args(["--max-queue-wait", &millis(timing.max_queue_wait)])
         .args(["--drain-timeout", "1s"])
+        .args(["--replicas", &replicas.to_string()])
         // One `--flag=value` argument: a value cannot be taken for a flag.
         .args(objective_priority_arg(objectives).map(|map| format!("--objective-priority={map}")))
         .args(kv_events.into_iter().flat_map(|t| {

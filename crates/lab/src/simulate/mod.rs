@@ -168,7 +168,8 @@ pub struct SimulateArgs {
     #[arg(long, env = "KVROUTE_SIMULATE_DIAGNOSE", value_name = "N")]
     pub diagnose: Option<u64>,
     /// kvroute replicas behind the one gateway (requests go to them in turn; each scrapes
-    /// and follows every pod but sees only its own requests in flight and sent).
+    /// and follows every pod but sees only its own requests in flight and sent, and is told
+    /// the replica count as `kvroute serve --replicas`).
     #[arg(long, env = "KVROUTE_SIMULATE_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub replicas: u16,
     /// Where report.md, the plots and the JSON go.

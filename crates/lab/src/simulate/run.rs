@@ -224,6 +224,8 @@ impl<'s> World<'s> {
                 let config = SchedulerConfig {
                     // As `compare` runs kvroute: stale after ten scrape periods, at least 1 s.
                     max_metrics_age: (setup.scrape_interval * 10).max(Duration::from_secs(1)),
+                    // Each replica told how many there are, as `kvroute serve --replicas`.
+                    replicas: u32::try_from(setup.replicas.max(1)).unwrap_or(u32::MAX),
                     ..SchedulerConfig::default()
                 };
                 let models = served_models(&setup.workload.model, &adapter_names);
