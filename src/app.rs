@@ -356,6 +356,10 @@ impl GrpcConnections {
     }
 }
 
+/// Longest a TLS handshake on the ext_proc port may take: Envoy completes one in
+/// milliseconds on a cluster network.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The ext_proc port's TLS settings, read from the files `tls` names.
 fn server_tls(tls: &GrpcTls) -> anyhow::Result<ServerTlsConfig> {
     let read = |path: &std::path::Path, flag: &str| {
@@ -365,7 +369,11 @@ fn server_tls(tls: &GrpcTls) -> anyhow::Result<ServerTlsConfig> {
         read(&tls.cert, "--grpc-tls-cert")?,
         read(&tls.key, "--grpc-tls-key")?,
     );
-    let mut config = ServerTlsConfig::new().identity(identity);
+    // A connection that never finishes its handshake (a client speaking plain text, or
+    // nothing) would otherwise hold its accept task and socket for ever.
+    let mut config = ServerTlsConfig::new()
+        .identity(identity)
+        .timeout(TLS_HANDSHAKE_TIMEOUT);
     if let Some(ca) = &tls.client_ca {
         config = config.client_ca_root(Certificate::from_pem(read(ca, "--grpc-tls-client-ca")?));
     }

@@ -103,6 +103,13 @@ async fn extproc_status(addr: SocketAddr, tls: ClientTlsConfig) -> Result<Servin
     Ok(answer.into_inner().status())
 }
 
+/// `exchange`'s answer, or a failure naming `step` after 20 s.
+async fn within<T>(step: &str, exchange: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(20), exchange)
+        .await
+        .unwrap_or_else(|_| panic!("{step}: no answer within 20 s"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ext_proc_port_speaks_tls_and_admits_only_gateways_with_a_client_certificate() {
     let pki = Pki::new("kvroute test CA");
@@ -124,28 +131,40 @@ async fn the_ext_proc_port_speaks_tls_and_admits_only_gateways_with_a_client_cer
     let with_certificate = trusting
         .clone()
         .identity(Identity::from_pem(&gateway.cert_pem, &gateway.key_pem));
-    assert_eq!(
-        extproc_status(kvroute.addrs.grpc, with_certificate).await,
-        Ok(ServingStatus::Serving)
-    );
-    let without = extproc_status(kvroute.addrs.grpc, trusting).await;
+    // Each exchange is bounded, so that a hang names its step (one such hang was seen once,
+    // under a loaded machine, before the server bounded its handshakes).
+    let with = within(
+        "with a client certificate",
+        extproc_status(kvroute.addrs.grpc, with_certificate),
+    )
+    .await;
+    assert_eq!(with, Ok(ServingStatus::Serving));
+    let without = within(
+        "without a client certificate",
+        extproc_status(kvroute.addrs.grpc, trusting),
+    )
+    .await;
     assert!(
         without.is_err(),
         "no client certificate, no service: {without:?}"
     );
     // Plain HTTP/2 on a TLS port gets nowhere either.
-    let plain = Endpoint::from_shared(format!("http://{}", kvroute.addrs.grpc))
-        .expect("endpoint")
-        .connect()
-        .await;
-    if let Ok(channel) = plain {
-        let answer = HealthClient::new(channel)
+    let plain = within("plain text", async {
+        let channel = Endpoint::from_shared(format!("http://{}", kvroute.addrs.grpc))
+            .expect("endpoint")
+            .connect_timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .map_err(|e| format!("connect: {e:?}"))?;
+        HealthClient::new(channel)
             .check(HealthCheckRequest {
                 service: EXTPROC_SERVICE.into(),
             })
-            .await;
-        assert!(answer.is_err(), "plain text answered: {answer:?}");
-    }
+            .await
+            .map_err(|e| format!("check: {e:?}"))
+    })
+    .await;
+    assert!(plain.is_err(), "plain text answered: {plain:?}");
 }
 
 /// A TLS front for a plain pod: vLLM started with `--ssl-certfile` looks like this.
