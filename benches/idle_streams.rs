@@ -168,7 +168,7 @@ async fn main() {
     let streams_after = open_streams(metrics).await;
     println!("kvroute_extproc_streams: {streams_during} while open, {streams_after} after");
     println!(
-        "{streams} idle streams on {connections} connections: {open} accepted, {refused} not accepted (over the per-connection limit)"
+        "{streams} idle streams on {connections} connections: {open} accepted, {refused} not accepted (over the per-connection limit or --max-silent-streams)"
     );
     println!(
         "kvroute RSS: before {:.1} MiB, open {:.1} MiB (+{:.1} MiB, {:.1} KiB/stream), after {:.1} MiB (+{:.1} MiB kept)",

@@ -219,6 +219,7 @@ impl App {
         let policy = RequestPolicy::new(config.max_body_bytes, &config.allowed_paths)
             .with_held_body_budget(config.max_held_body_bytes)
             .with_read_timeout(config.request_read_timeout)
+            .with_max_silent_streams(config.max_silent_streams)
             .with_flow(Arc::new(config.flow.clone()));
         let extproc = ExtProcService::new(Arc::clone(&picker), policy, aborting.clone());
         let shutdown_driver = tokio::spawn(drive_shutdown(

@@ -149,6 +149,11 @@ pub struct ServeArgs {
     /// the headers at once): then a request is answered 408, a silent stream closed.
     #[arg(long, env = "KVROUTE_REQUEST_READ_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub request_read_timeout: Duration,
+    /// ext_proc streams that have sent nothing yet, across all connections; a stream
+    /// opened beyond it is refused (RESOURCE_EXHAUSTED), so silent streams spread over many
+    /// connections cannot hold more memory than this many (≈ 5.6 KiB each).
+    #[arg(long, env = "KVROUTE_MAX_SILENT_STREAMS", default_value_t = crate::extproc::policy::DEFAULT_MAX_SILENT_STREAMS)]
+    pub max_silent_streams: usize,
     /// Most ext_proc streams open at once on one gateway connection (HTTP/2
     /// SETTINGS_MAX_CONCURRENT_STREAMS); Envoy opens another connection beyond it, a
     /// client that floods one connection gets the rest refused.
@@ -447,6 +452,8 @@ pub struct ServeConfig {
     pub max_held_body_bytes: usize,
     /// See [`ServeArgs::request_read_timeout`].
     pub request_read_timeout: Duration,
+    /// See [`ServeArgs::max_silent_streams`].
+    pub max_silent_streams: usize,
     /// See [`ServeArgs::grpc_max_streams_per_connection`].
     pub grpc_max_streams_per_connection: u32,
     pub debug_decisions: usize,
@@ -534,6 +541,7 @@ impl ServeConfig {
             max_body_bytes: 16 << 20,
             max_held_body_bytes: crate::extproc::policy::DEFAULT_HELD_BODY_BUDGET,
             request_read_timeout: crate::extproc::policy::DEFAULT_READ_TIMEOUT,
+            max_silent_streams: crate::extproc::policy::DEFAULT_MAX_SILENT_STREAMS,
             grpc_max_streams_per_connection: 1024,
             debug_decisions: 0,
             flow: FlowSettings::default(),
@@ -636,6 +644,7 @@ impl ServeConfig {
             max_body_bytes: args.max_body_bytes,
             max_held_body_bytes: args.max_held_body_bytes,
             request_read_timeout: args.request_read_timeout,
+            max_silent_streams: args.max_silent_streams,
             grpc_max_streams_per_connection: args.grpc_max_streams_per_connection,
             debug_decisions: args.debug_decisions,
             flow: FlowSettings {

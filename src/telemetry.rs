@@ -46,6 +46,7 @@ pub const ENDPOINTS: &str = "kvroute_endpoints";
 pub const UPSTREAM_UNREACHABLE: &str = "kvroute_pod_unreachable_total";
 pub const EXTPROC_STREAMS: &str = "kvroute_extproc_streams";
 pub const CONNECTIONS_REFUSED: &str = "kvroute_connections_refused_total";
+pub const SILENT_STREAMS_REFUSED: &str = "kvroute_extproc_silent_streams_refused_total";
 pub const MEMORY_ALLOCATED: &str = "kvroute_memory_allocated_bytes";
 pub const MEMORY_RESIDENT: &str = "kvroute_memory_resident_bytes";
 pub const PREFIX_INDEX_ENTRIES: &str = "kvroute_prefix_index_entries";
@@ -301,6 +302,10 @@ fn describe() {
     describe_counter!(
         CONNECTIONS_REFUSED,
         "Connections closed on arrival because their listener held --max-connections already."
+    );
+    describe_counter!(
+        SILENT_STREAMS_REFUSED,
+        "ext_proc streams refused (RESOURCE_EXHAUSTED) on arrival because --max-silent-streams streams had sent nothing yet."
     );
     describe_gauge!(
         MEMORY_ALLOCATED,
@@ -726,6 +731,16 @@ impl Drop for OpenStream {
 /// before the first refusal.
 pub fn register_connection_refusals(listener: &'static str) {
     counter!(CONNECTIONS_REFUSED, "listener" => listener).increment(0);
+}
+
+/// Exports the silent-stream refusal counter at 0 before the first refusal.
+pub fn register_silent_stream_refusals() {
+    counter!(SILENT_STREAMS_REFUSED).increment(0);
+}
+
+/// An ext_proc stream was refused on arrival: too many streams had sent nothing yet.
+pub fn record_silent_stream_refused() {
+    counter!(SILENT_STREAMS_REFUSED).increment(1);
 }
 
 /// A connection to `listener` was closed on arrival: the listener was full.

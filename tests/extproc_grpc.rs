@@ -935,3 +935,55 @@ async fn streams_that_do_not_deliver_their_request_in_time_are_ended() {
 
     assert!(destination(&route_one_buffered(&kvroute).await).is_some());
 }
+
+/// Silent streams spread over many connections cannot pile up: beyond
+/// `--max-silent-streams` streams that have sent nothing, a new stream is refused
+/// (RESOURCE_EXHAUSTED) and counted; a stream that speaks stops counting, and one that is
+/// admitted routes as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_that_sent_nothing_are_capped_across_connections() {
+    let pod = FakePod::start("pod-0", "llama", &[]).await;
+    let mut config = test_config(vec![pod.addr]);
+    config.max_silent_streams = 3;
+    let kvroute = Kvroute::start(config).await;
+    kvroute.wait_until_scraped(1).await;
+
+    // Three silent streams, each on its own connection.
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        silent.push(Stream::open(&kvroute).await);
+    }
+    let open_fourth = || async {
+        let mut client = ExternalProcessorClient::connect(format!("http://{}", kvroute.addrs.grpc))
+            .await
+            .expect("connect");
+        let (send, receive) = mpsc::channel(16);
+        let answer = client.process(ReceiverStream::new(receive)).await;
+        (send, answer)
+    };
+    let (_send, refused) = open_fourth().await;
+    let status = refused.expect_err("a fourth silent stream is refused");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    let text = kvroute.metrics_text().await;
+    assert!(
+        text.lines()
+            .any(|l| l == "kvroute_extproc_silent_streams_refused_total 1"),
+        "{text}"
+    );
+
+    // One of them speaks: it no longer counts, and a new stream is admitted.
+    silent[0]
+        .send(headers_message(
+            "/v1/completions",
+            false,
+            BodySendMode::FullDuplexStreamed,
+        ))
+        .await;
+    silent[0]
+        .send(body_message(br#"{"model":"llama","prompt":"hi"}"#, true))
+        .await;
+    let answer = silent[0].next().await;
+    assert!(destination(&answer).is_some(), "{answer:?}");
+    let (_send, admitted) = open_fourth().await;
+    assert!(admitted.is_ok(), "{admitted:?}");
+}

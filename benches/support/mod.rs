@@ -34,6 +34,10 @@ pub fn extra_kvroute_args() -> Vec<String> {
     args.iter()
         .position(|a| a == "--kvroute-args")
         .map_or_else(Vec::new, |i| args[i + 1..].to_vec())
+        .into_iter()
+        // `cargo bench` appends its own `--bench` to the benchmark's arguments.
+        .filter(|a| a != "--bench")
+        .collect()
 }
 
 /// A child process killed (and reaped) when dropped.

@@ -10,6 +10,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -256,10 +257,34 @@ impl Drop for StreamGuard {
     }
 }
 
+/// A stream that has sent no message yet, counted in the service's silent streams until
+/// dropped (at its first message, or its end).
+struct SilentStream(Arc<AtomicUsize>);
+
+impl SilentStream {
+    /// Counts a new stream as silent, unless `limit` streams are already.
+    fn enter(silent: &Arc<AtomicUsize>, limit: usize) -> Option<SilentStream> {
+        silent
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| SilentStream(Arc::clone(silent)))
+    }
+}
+
+impl Drop for SilentStream {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// The gRPC service: one [`Exchange`] per stream.
 pub struct ExtProcService<R: Router> {
     router: Arc<R>,
     policy: Arc<RequestPolicy>,
+    /// Streams that have sent nothing yet ([`RequestPolicy::max_silent_streams`]).
+    silent: Arc<AtomicUsize>,
     /// Fires when open streams must end (the drain deadline passed); held requests are
     /// answered 503 first.
     abort_streams: Phase,
@@ -268,9 +293,11 @@ pub struct ExtProcService<R: Router> {
 
 impl<R: Router> ExtProcService<R> {
     pub fn new(router: Arc<R>, policy: RequestPolicy, abort_streams: Phase) -> Self {
+        telemetry::register_silent_stream_refusals();
         ExtProcService {
             router,
             policy: Arc::new(policy),
+            silent: Arc::new(AtomicUsize::new(0)),
             abort_streams,
             open_streams: OpenStreams::new(),
         }
@@ -299,6 +326,15 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        // Refused before anything is allocated for it: streams that never speak, spread
+        // over many connections, would otherwise each hold a task and a channel until the
+        // read timeout.
+        let Some(silent) = SilentStream::enter(&self.silent, self.policy.max_silent_streams) else {
+            telemetry::record_silent_stream_refused();
+            return Err(Status::resource_exhausted(
+                "too many ext_proc streams have sent nothing yet",
+            ));
+        };
         let mut inbound = request.into_inner();
         let (answers, stream) = mpsc::channel::<Answer>(32);
         let mut exchange = Exchange::new(Arc::clone(&self.router), Arc::clone(&self.policy));
@@ -307,6 +343,7 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
         let read_by = tokio::time::Instant::now() + self.policy.read_timeout;
         tokio::spawn(async move {
             let _open = open;
+            let mut silent = Some(silent);
             // One timer for the stream's life, not one per message.
             let read_deadline = tokio::time::sleep_until(read_by);
             tokio::pin!(read_deadline);
@@ -349,6 +386,8 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
                 };
                 match message {
                     Ok(Some(message)) => {
+                        // It spoke: no longer counted as silent.
+                        drop(silent.take());
                         for answer in exchange.handle(message) {
                             if answers.send(Box::new(Ok(answer))).await.is_err() {
                                 break 'stream;

@@ -29,6 +29,11 @@ pub const DEFAULT_ALLOWED_PATHS: [&str; 4] = [
 /// takes this long.
 pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Default of [`RequestPolicy::max_silent_streams`]: about 22 MiB of streams that sent
+/// nothing (≈ 5.6 KiB each), against thousands a second of Envoy's streams, each silent
+/// only until its headers arrive a moment after it opens.
+pub const DEFAULT_MAX_SILENT_STREAMS: usize = 4096;
+
 /// Default of [`RequestPolicy::held_body_budget`]: 64 bodies of the default 16 MiB limit.
 pub const DEFAULT_HELD_BODY_BUDGET: usize = 1 << 30;
 
@@ -46,6 +51,10 @@ pub struct RequestPolicy {
     /// How long a stream may take, from its start, to deliver its whole request; then a
     /// request is answered 408 and a stream that sent nothing is closed.
     pub read_timeout: Duration,
+    /// Streams that have sent no message yet, across all connections; a stream opened
+    /// beyond it is refused (RESOURCE_EXHAUSTED), so silent streams spread over many
+    /// connections cannot hold more than this many streams' memory.
+    pub max_silent_streams: usize,
     /// How a request's class headers are read (objective → priority, fairness id).
     pub flow: Arc<FlowSettings>,
 }
@@ -57,6 +66,7 @@ impl RequestPolicy {
             allowed_paths: allowed_paths.into(),
             held_body_budget: BodyBudget::new(DEFAULT_HELD_BODY_BUDGET),
             read_timeout: DEFAULT_READ_TIMEOUT,
+            max_silent_streams: DEFAULT_MAX_SILENT_STREAMS,
             flow: Arc::new(FlowSettings::default()),
         }
     }
@@ -70,6 +80,12 @@ impl RequestPolicy {
     /// The same policy with another read timeout.
     pub fn with_read_timeout(mut self, timeout: Duration) -> Self {
         self.read_timeout = timeout;
+        self
+    }
+
+    /// The same policy admitting at most `streams` silent streams at once.
+    pub fn with_max_silent_streams(mut self, streams: usize) -> Self {
+        self.max_silent_streams = streams;
         self
     }
 
