@@ -53,6 +53,27 @@ fn lab(command: &str) -> Command {
     lab
 }
 
+/// `kvroute-lab compare` of `routers` on `workload` into `out`, its processes marked with
+/// `marker`, no setting taken from the environment.
+fn compare(workload: &Path, routers: &str, out: &Path, marker: &str) -> std::process::Output {
+    lab("compare")
+        .arg("--workloads")
+        .arg(workload)
+        .args(["--routers", routers])
+        .arg("--output-dir")
+        .arg(out)
+        .arg("--python")
+        .arg(in_workspace(".venv/bin/python"))
+        .env("KVROUTE_COMPARE_TEST_MARK", marker)
+        .env_remove("KVROUTE_COMPARE_WORKLOADS")
+        .env_remove("KVROUTE_COMPARE_ROUTERS")
+        .env_remove("KVROUTE_COMPARE_RATES")
+        .env_remove("KVROUTE_COMPARE_STEP_DURATION")
+        .env_remove("KVROUTE_COMPARE_QUICK")
+        .output()
+        .expect("run kvroute-lab compare")
+}
+
 /// The rows of a router in report.md's per-rate tables, each cell by its column's header.
 fn rows_of(report: &str, router: &str) -> Vec<BTreeMap<String, String>> {
     let cells = |line: &str| -> Vec<String> {
@@ -81,22 +102,7 @@ fn a_tiny_comparison_writes_tables_plots_and_json_and_leaves_nothing_running() {
     let out = dir.path().join("results");
     let marker = format!("{}-{}", std::process::id(), line!());
     let started = Instant::now();
-    let output = lab("compare")
-        .arg("--workloads")
-        .arg(&workload)
-        .args(["--routers", "kvroute,round-robin"])
-        .arg("--output-dir")
-        .arg(&out)
-        .arg("--python")
-        .arg(in_workspace(".venv/bin/python"))
-        .env("KVROUTE_COMPARE_TEST_MARK", &marker)
-        .env_remove("KVROUTE_COMPARE_WORKLOADS")
-        .env_remove("KVROUTE_COMPARE_ROUTERS")
-        .env_remove("KVROUTE_COMPARE_RATES")
-        .env_remove("KVROUTE_COMPARE_STEP_DURATION")
-        .env_remove("KVROUTE_COMPARE_QUICK")
-        .output()
-        .expect("run kvroute-lab compare");
+    let output = compare(&workload, "kvroute,round-robin", &out, &marker);
     let took = started.elapsed();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -267,22 +273,7 @@ fn two_kvroute_replicas_on_kv_events_share_one_envoy_and_route_every_request() {
     std::fs::write(&workload, WORKLOAD).expect("write workload");
     let out = dir.path().join("results");
     let marker = format!("{}-{}", std::process::id(), line!());
-    let output = lab("compare")
-        .arg("--workloads")
-        .arg(&workload)
-        .args(["--routers", "kvroute-events-x2"])
-        .arg("--output-dir")
-        .arg(&out)
-        .arg("--python")
-        .arg(in_workspace(".venv/bin/python"))
-        .env("KVROUTE_COMPARE_TEST_MARK", &marker)
-        .env_remove("KVROUTE_COMPARE_WORKLOADS")
-        .env_remove("KVROUTE_COMPARE_ROUTERS")
-        .env_remove("KVROUTE_COMPARE_RATES")
-        .env_remove("KVROUTE_COMPARE_STEP_DURATION")
-        .env_remove("KVROUTE_COMPARE_QUICK")
-        .output()
-        .expect("run kvroute-lab compare");
+    let output = compare(&workload, "kvroute-events-x2", &out, &marker);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         output.status.success(),

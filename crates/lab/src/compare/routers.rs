@@ -248,7 +248,15 @@ pub async fn start(
                 None
             };
             let replicas = kind.kvroute_replicas();
-            start_kvroute(timing, pods, &objectives, tools, events, replicas).await?
+            let launch = KvrouteLaunch {
+                timing,
+                pods,
+                objectives: &objectives,
+                tools,
+                kv_events: events,
+                replicas,
+            };
+            start_kvroute(&launch).await?
         }
         RouterKind::RoundRobin | RouterKind::LeastRequest => {
             let gateway = if kind == RouterKind::RoundRobin {
@@ -380,19 +388,29 @@ pub fn objective_priority_arg(objectives: &BTreeMap<String, i32>) -> Option<Stri
     })
 }
 
-/// Runs `replicas` (1 or 2) `kvroute serve` processes with `timing` (and the workload's
-/// `objectives` as `--objective-priority`), each in its own process as every other router
-/// runs (in the comparison's process it would share a runtime with the simulated fleet and
-/// the load generator and queue behind their tasks), then the shipped fail-closed gateway in
-/// front of them: with two, Envoy's ext_proc cluster balances streams over both.
-async fn start_kvroute(
+/// How the comparison runs kvroute: `replicas` (1 or 2) `kvroute serve` processes with
+/// `timing`, the workload's `objectives` as `--objective-priority`, and the pods' KV events
+/// when given.
+struct KvrouteLaunch<'a> {
     timing: KvrouteTiming,
-    pods: &[SocketAddr],
-    objectives: &BTreeMap<String, i32>,
-    tools: &Tools,
-    kv_events: Option<&KvEventTemplates>,
+    pods: &'a [SocketAddr],
+    objectives: &'a BTreeMap<String, i32>,
+    tools: &'a Tools,
+    kv_events: Option<&'a KvEventTemplates>,
     replicas: usize,
-) -> anyhow::Result<(Guard, String)> {
+}
+
+/// Runs `launch`'s kvroute processes, each in its own process as every other router runs
+/// (in the comparison's process it would share a runtime with the simulated fleet and the
+/// load generator and queue behind their tasks), then the shipped fail-closed gateway in
+/// front of them: with two, Envoy's ext_proc cluster balances streams over both.
+async fn start_kvroute(launch: &KvrouteLaunch<'_>) -> anyhow::Result<(Guard, String)> {
+    let KvrouteLaunch {
+        pods,
+        tools,
+        replicas,
+        ..
+    } = *launch;
     // Every replica's three ports are found at once (held, so they differ) and the
     // replicas started together: a replica already running could take a later one's port
     // for an outgoing connection.
@@ -411,9 +429,7 @@ async fn start_kvroute(
         } else {
             format!("kvroute-{}.log", replica + 1)
         };
-        let child = spawn_kvroute(
-            timing, pods, objectives, tools, kv_events, replicas, ports, &log_name,
-        )?;
+        let child = spawn_kvroute(launch, ports, &log_name)?;
         started.push((child, ports, log_name));
     }
     let mut kvroutes = Vec::with_capacity(replicas);
@@ -449,19 +465,21 @@ async fn start_kvroute(
     ))
 }
 
-/// Starts one of `replicas` `kvroute serve` processes (told how many there are), listening
+/// Starts one of `launch`'s `kvroute serve` processes (told how many there are), listening
 /// on `ports` (ext_proc, metrics, debug), logging to `log_name` in the log directory.
-#[allow(clippy::too_many_arguments)]
 fn spawn_kvroute(
-    timing: KvrouteTiming,
-    pods: &[SocketAddr],
-    objectives: &BTreeMap<String, i32>,
-    tools: &Tools,
-    kv_events: Option<&KvEventTemplates>,
-    replicas: usize,
+    launch: &KvrouteLaunch<'_>,
     ports: &[SocketAddr],
     log_name: &str,
 ) -> anyhow::Result<ChildGuard> {
+    let KvrouteLaunch {
+        timing,
+        pods,
+        objectives,
+        tools,
+        kv_events,
+        replicas,
+    } = *launch;
     let exe = &tools.kvroute;
     let [grpc, metrics, debug] = ports else {
         anyhow::bail!("kvroute takes three ports, not {}", ports.len());
