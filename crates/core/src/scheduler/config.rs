@@ -131,8 +131,8 @@ pub struct SchedulerConfig {
     /// room for others (sheddable ones, a tenant over its fair share).
     pub keep_free: f64,
     /// KV tokens a request must leave free on its pod besides, when more than `keep_free`
-    /// of the pool: flow control sets it for a tenant over its share, from the size of the
-    /// quieter tenants' requests. 0 by default.
+    /// of the pool (at most half the pool): flow control sets it for a tenant over its
+    /// share, from the size of the quieter tenants' requests. 0 by default.
     pub keep_free_tokens: u64,
     /// kvroute replicas behind the same gateways, this one included. Each sees only the
     /// requests it routed itself, so between two scrapes it counts the KV it sent a pod that

@@ -89,11 +89,13 @@ impl Candidate {
         // of its prompt, and the blocks it shares do not make the pod full for it.
         let cached = demand.cached_at(index);
         let needed = demand.needed(cached);
-        // What must stay free besides (`keep_free` of the pool rounded up, or
-        // `keep_free_tokens` when more).
+        // What must stay free besides: `keep_free` of the pool rounded up, or
+        // `keep_free_tokens` when more, though never more than half the pool (a quieter
+        // tenant's one huge request must not take half of every pod from a busier one).
         let keep = signals.map_or(0, |s| {
-            ((s.kv_capacity_tokens as f64 * config.keep_free).ceil() as u64)
-                .max(config.keep_free_tokens)
+            let capacity = s.kv_capacity_tokens;
+            ((capacity as f64 * config.keep_free).ceil() as u64)
+                .max(config.keep_free_tokens.min(capacity / 2))
         });
         let mut flags = 0;
         if !is_saturated(pod, load, u64::from(cached), demand.prompt, config) {

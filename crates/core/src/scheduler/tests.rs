@@ -1167,4 +1167,12 @@ fn a_request_leaving_room_in_tokens_needs_that_much_more_free_kv() {
         assert_eq!(decision.endpoint, endpoint(2), "{decision:?}");
         assert!(!decision.lacks_room(), "{decision:?}");
     }
+    // Never more than half the pool: a reserve of the whole pool leaves 50,000 to keep.
+    config.keep_free_tokens = CAPACITY;
+    let roomy = fleet(vec![free(3, 52_000)]);
+    let decision = pick(&ask, &roomy, &config, &mut SmallRng::seed_from_u64(1)).expect("ok");
+    assert!(!decision.lacks_room(), "{decision:?}");
+    let tight = fleet(vec![free(3, 50_500)]);
+    let decision = pick(&ask, &tight, &config, &mut SmallRng::seed_from_u64(1)).expect("ok");
+    assert!(decision.lacks_room(), "{decision:?}");
 }
