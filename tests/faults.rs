@@ -529,3 +529,42 @@ async fn a_pod_that_dies_under_traffic_costs_at_most_one_request() {
         );
     }
 }
+
+/// Silent streams holding `--max-silent-streams` (a client that opens ext_proc streams and
+/// never speaks) cost clients of the fail-closed gateway an explicit 503, not a hang: Envoy's
+/// stream is refused (RESOURCE_EXHAUSTED), its filter fails open into the cluster that fails
+/// closed. Once the silent streams are gone, requests are served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_streams_at_their_bound_cost_fail_closed_clients_a_503_not_a_hang() {
+    use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+
+    let pods = two_pods().await;
+    let mut config = test_config(pods.iter().map(|p| p.addr).collect());
+    config.max_silent_streams = 1;
+    let (kvroute, envoy) = behind_envoy(&pods, config, Gateway::OriginalDst).await;
+    let client = impatient_client();
+    assert_eq!(complete(&client, &envoy).await.status, 200);
+
+    // One stream that never sends holds the bound.
+    let mut picker = ExternalProcessorClient::connect(format!("http://{}", kvroute.addrs.grpc))
+        .await
+        .expect("connect");
+    let (silent, receive) = tokio::sync::mpsc::channel::<ProcessingRequest>(1);
+    let held = picker
+        .process(tokio_stream::wrappers::ReceiverStream::new(receive))
+        .await
+        .expect("the first silent stream is admitted");
+    let answer = complete(&client, &envoy).await;
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert_eq!(answer.error_code(), "picker_unavailable", "{}", answer.body);
+    assert_eq!(answer.retry_after.as_deref(), Some("1"));
+
+    drop((silent, held));
+    let back = until_served(&client, &envoy, Duration::from_secs(10)).await;
+    assert_eq!(
+        back.status, 200,
+        "served once the silent stream left: {}",
+        back.body
+    );
+}
