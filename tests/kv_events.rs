@@ -163,17 +163,7 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
         "the pods' own hits are mirrored:\n{text}"
     );
     // The decision trace says the prefix scores came from the events.
-    let decisions: serde_json::Value = client
-        .get(format!(
-            "http://{}/debug/decisions",
-            kvroute.addrs.debug.expect("debug pages")
-        ))
-        .send()
-        .await
-        .expect("debug pages answer")
-        .json()
-        .await
-        .expect("JSON");
+    let decisions = decision_log(kvroute.addrs.debug.expect("debug pages")).await;
     let sources: Vec<&str> = decisions
         .as_array()
         .expect("a list")
@@ -182,6 +172,18 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
         .collect();
     assert_eq!(sources, ["kv_events"; 6], "{decisions:#}");
     fleet.shutdown().await;
+}
+
+/// kvroute's decision log (`/debug/decisions`) at its debug address.
+async fn decision_log(debug: SocketAddr) -> serde_json::Value {
+    http_client()
+        .get(format!("http://{debug}/debug/decisions"))
+        .send()
+        .await
+        .expect("debug pages answer")
+        .json()
+        .await
+        .expect("JSON")
 }
 
 /// A `kvroute serve` process following the fleet's events: a replica.
@@ -256,14 +258,7 @@ impl Replica {
 
     /// How many requests it routed, by its decision log.
     async fn routed(&self) -> usize {
-        let decisions: serde_json::Value = http_client()
-            .get(format!("http://{}/debug/decisions", self.debug))
-            .send()
-            .await
-            .expect("debug pages answer")
-            .json()
-            .await
-            .expect("JSON");
+        let decisions = decision_log(self.debug).await;
         decisions.as_array().map_or(0, |d| {
             d.iter().filter(|d| d["decision"].is_object()).count()
         })

@@ -93,17 +93,19 @@ impl FlowRules {
         tenant: &str,
         shares: &TenantShares,
     ) -> Cow<'_, SchedulerConfig> {
-        if shares.over_share(tenant) && !is_sheddable(priority) {
-            let reserve = shares.quiet_reserve();
-            if reserve > 0 {
-                let mut config = self.leaving_room.clone();
-                config.keep_free_tokens = reserve;
-                return Cow::Owned(config);
-            }
+        if is_sheddable(priority) {
+            return Cow::Borrowed(&self.leaving_room);
         }
-        Cow::Borrowed(if is_sheddable(priority) || shares.over_share(tenant) {
-            &self.leaving_room
-        } else if shares.under_share(tenant) {
+        if shares.over_share(tenant) {
+            let reserve = shares.quiet_reserve();
+            if reserve == 0 {
+                return Cow::Borrowed(&self.leaving_room);
+            }
+            let mut config = self.leaving_room.clone();
+            config.keep_free_tokens = reserve;
+            return Cow::Owned(config);
+        }
+        Cow::Borrowed(if shares.under_share(tenant) {
             &self.using_headroom
         } else {
             &self.normal
