@@ -40,6 +40,10 @@ pub struct PodStore {
     departed: Mutex<HashMap<SocketAddr, Weak<PodLoad>>>,
     health_policy: HealthPolicy,
     published: watch::Sender<Arc<Fleet>>,
+    /// Held through a whole publish: two publishers at once (the publisher task and a
+    /// passive-health mark) must not send their fleets in the other order, which would
+    /// publish the older state last.
+    publishing: Mutex<()>,
     dirty: Notify,
     endpoints_version: AtomicU64,
 }
@@ -51,6 +55,7 @@ impl PodStore {
             departed: Mutex::new(HashMap::new()),
             health_policy,
             published: watch::Sender::new(Arc::new(Fleet::default())),
+            publishing: Mutex::new(()),
             dirty: Notify::new(),
             endpoints_version: AtomicU64::new(0),
         }
@@ -157,6 +162,11 @@ impl PodStore {
     /// The gateway failed to connect to `endpoint` (passive health): the pod leaves
     /// rotation now rather than after its scrapes fail, and returns once they succeed
     /// again. Returns whether it was up (false also for an unknown endpoint).
+    ///
+    /// A pod going down is published here, before the caller answers the gateway: the
+    /// client that got the failure may retry at once, and the publisher task (which may
+    /// be sleeping off its coalescing gap) must not leave that retry a fleet in which the
+    /// dead pod is still up. Rare (once per transition), so the O(pods) rebuild is fine.
     pub fn record_unreachable(&self, endpoint: SocketAddr) -> bool {
         let mut pods = self.lock();
         let Some(record) = pods.get_mut(&endpoint) else {
@@ -165,7 +175,11 @@ impl PodStore {
         let was_up = record.health.is_up();
         record.health.record_unreachable(&self.health_policy);
         drop(pods);
-        self.dirty.notify_one();
+        if was_up {
+            self.publish(Instant::now());
+        } else {
+            self.dirty.notify_one();
+        }
         was_up
     }
 
@@ -195,6 +209,10 @@ impl PodStore {
 
     /// Rebuilds and publishes the fleet, with metric ages measured at `now`.
     pub fn publish(&self, now: Instant) -> Arc<Fleet> {
+        let _publishing = self
+            .publishing
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut records = self.lock();
         let pods: Vec<(PodView, Arc<PodLoad>)> = records
             .iter_mut()

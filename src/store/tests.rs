@@ -45,6 +45,22 @@ fn new_endpoints_stay_down_until_their_first_scrape() {
 }
 
 #[test]
+fn a_pod_the_gateway_cannot_reach_is_down_in_the_fleet_before_the_report_returns() {
+    let store = PodStore::new(HealthPolicy::default());
+    store.set_endpoints(&[addr(1), addr(2)]);
+    scrape_ok(&store, addr(1), Instant::now());
+    scrape_ok(&store, addr(2), Instant::now());
+    store.publish(Instant::now());
+    assert!(store.fleet().snapshot().pods().iter().all(|p| p.healthy));
+    // No publisher task runs here: the fleet readers see must already lack the pod.
+    assert!(store.record_unreachable(addr(1)));
+    let fleet = store.fleet();
+    let health: Vec<bool> = fleet.snapshot().pods().iter().map(|p| p.healthy).collect();
+    assert_eq!(health, [false, true]);
+    assert!(!store.record_unreachable(addr(1)), "already down");
+}
+
+#[test]
 fn pods_with_equal_model_lists_share_one_copy() {
     let store = PodStore::new(HealthPolicy::default());
     store.set_endpoints(&[addr(1), addr(2)]);
