@@ -529,7 +529,8 @@ async fn a_gap_is_replayed_and_a_restarted_publisher_starts_the_pod_over() {
     wait_for_gauge(&kvroute, "kvroute_kv_event_index_entries", 4.0).await;
 
     // Batch 1, live.
-    publish_until(&kvroute, &mut publisher, &kept, 1, &stored(200, 4), 8.0).await;
+    wait_until_subscribed(&kvroute, &mut publisher).await;
+    publish_and_wait(&kvroute, &mut publisher, &kept, 1, &stored(200, 4), 8.0).await;
 
     // Batch 2 is lost on the way; batch 3 shows the gap and the replay fills it.
     kept.keep(2, &stored(300, 4));
@@ -566,10 +567,33 @@ fn removed(first: u64, blocks: u64) -> bytes::Bytes {
         .into()
 }
 
-/// Publishes batch `seq` until kvroute's index holds `entries` blocks (a subscription
-/// reaches a PUB socket a moment after the connection, and what comes before is dropped;
-/// a copy that arrives twice is passed over as seen).
-async fn publish_until(
+/// Waits until kvroute's subscription to `publisher` has reached it: a PUB socket drops
+/// what it sends before a subscription arrives, a moment after the connection. Probes are
+/// one-frame messages kvroute counts as malformed and otherwise ignores, so unlike a
+/// batch sent twice (which kvroute must read as a restarted publisher) they cannot change
+/// what it holds. One probe at a time, each given time to arrive.
+async fn wait_until_subscribed(kvroute: &Kvroute, publisher: &mut zeromq::PubSocket) {
+    use zeromq::SocketSend;
+    let malformed = "kvroute_kv_event_batches_total{result=\"malformed\"}";
+    let before = value(&kvroute.metrics_text().await, malformed);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let probe = zeromq::ZmqMessage::from(bytes::Bytes::from_static(b"kv"));
+        publisher.send(probe).await.expect("probe sent");
+        let settle = Instant::now() + Duration::from_millis(200);
+        while Instant::now() < settle {
+            if value(&kvroute.metrics_text().await, malformed) > before {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(Instant::now() < deadline, "the subscription never arrived");
+    }
+}
+
+/// Publishes batch `seq` once and waits until kvroute's index holds exactly `entries`
+/// blocks.
+async fn publish_and_wait(
     kvroute: &Kvroute,
     publisher: &mut zeromq::PubSocket,
     kept: &Published,
@@ -577,9 +601,9 @@ async fn publish_until(
     payload: &bytes::Bytes,
     entries: f64,
 ) {
+    publish(publisher, kept, seq, payload).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        publish(publisher, kept, seq, payload).await;
         let text = kvroute.metrics_text().await;
         if value(&text, "kvroute_kv_event_index_entries") == entries {
             return;
@@ -588,7 +612,7 @@ async fn publish_until(
             Instant::now() < deadline,
             "batch {seq} never showed {entries} entries:\n{text}"
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -602,7 +626,8 @@ async fn a_data_parallel_pod_holds_a_block_while_any_of_its_ranks_does() {
     // Both ranks compute the same prompt, each under its own hashes: one pod, 4 blocks.
     let (mut publisher1, kept1, replays1) = pod.ranks.pop().expect("rank 1");
     let (mut publisher0, kept0, replays0) = pod.ranks.pop().expect("rank 0");
-    publish_until(&kvroute, &mut publisher1, &kept1, 0, &stored(100, 4), 4.0).await;
+    wait_until_subscribed(&kvroute, &mut publisher1).await;
+    publish_and_wait(&kvroute, &mut publisher1, &kept1, 0, &stored(100, 4), 4.0).await;
     let same_prompt = {
         use kvroute_sim::engine::{BlockStored, KvCacheEvent, KvEventBatch};
         let batch = KvEventBatch {
@@ -619,10 +644,12 @@ async fn a_data_parallel_pod_holds_a_block_while_any_of_its_ranks_does() {
             kvroute_sim::kv_events::wire::encode_batch(&batch, 1.0, 1).expect("encodes"),
         )
     };
-    // Rank 0's first batch may be dropped before its subscription takes; its second
-    // shows the gap, and the replay brings the first: 4 shared blocks and 2 of its own.
+    // Rank 0: 4 shared blocks and 2 of its own. (Should a late probe of rank 1 have
+    // passed for rank 0's, and its first batch be dropped, its second shows the gap
+    // and the replay brings the first.)
+    wait_until_subscribed(&kvroute, &mut publisher0).await;
     publish(&mut publisher0, &kept0, 0, &same_prompt).await;
-    publish_until(&kvroute, &mut publisher0, &kept0, 1, &stored(700, 2), 6.0).await;
+    publish_and_wait(&kvroute, &mut publisher0, &kept0, 1, &stored(700, 2), 6.0).await;
     // Rank 1 evicts the prompt: rank 0 still holds it, so the pod does.
     publish(&mut publisher1, &kept1, 1, &removed(100, 4)).await;
     let removed_total = "kvroute_kv_event_blocks_total{action=\"removed\"}";
@@ -633,7 +660,7 @@ async fn a_data_parallel_pod_holds_a_block_while_any_of_its_ranks_does() {
         "{text}"
     );
     // Rank 0 evicts it too: gone from the pod.
-    publish_until(&kvroute, &mut publisher0, &kept0, 2, &removed(900, 4), 2.0).await;
+    publish_and_wait(&kvroute, &mut publisher0, &kept0, 2, &removed(900, 4), 2.0).await;
     for handle in [replays0, replays1] {
         handle.abort();
     }
