@@ -782,8 +782,14 @@ async fn a_gateway_that_vanishes_silently_releases_its_requests_within_the_keepa
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_streaming_requests_queued_prefill_ends_without_any_response_bytes() {
     let pod = FakePod::start("pod-0", "llama", &[]).await;
-    let kvroute = Kvroute::start(test_config(vec![pod.addr])).await;
+    let mut config = test_config(vec![pod.addr]);
+    // Scrapes held back below must not take the pod out.
+    config.health.failures_to_mark_down = 1_000_000;
+    let kvroute = Kvroute::start(config).await;
     kvroute.wait_until_scraped(1).await;
+    // No scrape that starts after the request is routed may finish until the first check
+    // is done (every 20 ms one would, and end the prefill before it).
+    pod.hang_metrics(true);
     let mut stream = Stream::open(&kvroute).await;
     stream
         .send(headers_message(
@@ -803,6 +809,7 @@ async fn a_non_streaming_requests_queued_prefill_ends_without_any_response_bytes
     assert!(prefill(&kvroute.store.fleet()) > 0, "queued at first");
     // No response phase follows; each scrape publishes a fleet.
     let mut fleets = kvroute.store.subscribe();
+    pod.hang_metrics(false);
     let ended = tokio::time::timeout(
         Duration::from_secs(5),
         fleets.wait_for(|fleet| prefill(fleet) == 0),
