@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, criterion_group};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -72,6 +72,51 @@ fn fleet(pods: usize, rng: &mut SmallRng) -> Fleet {
     Fleet::new(pods, 1, 1)
 }
 
+/// The requests each fleet size is picked for, by case name.
+const CASES: [&str; 3] = ["base_model", "lora_adapter", "lora_adapter_shared_prefix"];
+
+/// Runs `f` with the request (and prefix matches) of `case` against `snapshot`.
+fn with_case<T>(
+    case: &str,
+    snapshot: &Fleet,
+    f: impl FnOnce(&RouteRequest<'_>, Option<&PrefixMatches>) -> T,
+) -> T {
+    let base_body = InferenceRequest {
+        model: "llama".into(),
+        prompt_tokens: 1_500,
+        max_output_tokens: Some(256),
+        stream: false,
+        prompt_prefix: Vec::new(),
+        prefix_context: 0,
+    };
+    let body = match case {
+        "base_model" => base_body,
+        _ => InferenceRequest {
+            model: "adapter-3".into(),
+            ..base_body
+        },
+    };
+    let request = RouteRequest {
+        inference: Some(&body),
+        subset: None,
+    };
+    if case != "lora_adapter_shared_prefix" {
+        return f(&request, None);
+    }
+    // A 1,500-token prompt is 94 blocks: every pod holds the first 32 (the system
+    // prompt), one pod all of them.
+    let size = snapshot.snapshot().pods().len();
+    let held: Vec<(SocketAddr, u32)> = snapshot
+        .snapshot()
+        .pods()
+        .iter()
+        .enumerate()
+        .map(|(i, pod)| (pod.endpoint, if i == size / 2 { 94 } else { 32 }))
+        .collect();
+    let prefix = shared_prefix(94, snapshot, &held);
+    f(&request, Some(&prefix))
+}
+
 fn bench_pick(c: &mut Criterion) {
     let mut group = c.benchmark_group("pick");
     group.measurement_time(Duration::from_secs(3));
@@ -80,63 +125,35 @@ fn bench_pick(c: &mut Criterion) {
     for size in [8usize, 64, 512, 1000, 4096] {
         let mut rng = SmallRng::seed_from_u64(42);
         let snapshot = fleet(size, &mut rng);
-        let base_body = InferenceRequest {
-            model: "llama".into(),
-            prompt_tokens: 1_500,
-            max_output_tokens: Some(256),
-            stream: false,
-            prompt_prefix: Vec::new(),
-            prefix_context: 0,
-        };
-        let adapter_body = InferenceRequest {
-            model: "adapter-3".into(),
-            ..base_body.clone()
-        };
-        let base = RouteRequest {
-            inference: Some(&base_body),
-            subset: None,
-        };
-        let adapter = RouteRequest {
-            inference: Some(&adapter_body),
-            subset: None,
-        };
-        group.bench_with_input(
-            BenchmarkId::new("base_model", size),
-            &snapshot,
-            |b, snapshot| b.iter(|| pick(black_box(&base), None, snapshot, &config, &mut rng)),
-        );
-        group.bench_with_input(
-            BenchmarkId::new("lora_adapter", size),
-            &snapshot,
-            |b, snapshot| b.iter(|| pick(black_box(&adapter), None, snapshot, &config, &mut rng)),
-        );
-        // A 1,500-token prompt is 94 blocks: every pod holds the first 32 (the system
-        // prompt), one pod all of them.
-        let held: Vec<(SocketAddr, u32)> = snapshot
-            .snapshot()
-            .pods()
-            .iter()
-            .enumerate()
-            .map(|(i, pod)| (pod.endpoint, if i == size / 2 { 94 } else { 32 }))
-            .collect();
-        let prefix = shared_prefix(94, &snapshot, &held);
-        group.bench_with_input(
-            BenchmarkId::new("lora_adapter_shared_prefix", size),
-            &snapshot,
-            |b, snapshot| {
-                b.iter(|| {
-                    pick(
-                        black_box(&adapter),
-                        Some(&prefix),
-                        snapshot,
-                        &config,
-                        &mut rng,
-                    )
-                })
-            },
-        );
+        for case in CASES {
+            with_case(case, &snapshot, |request, prefix| {
+                group.bench_with_input(BenchmarkId::new(case, size), &snapshot, |b, snapshot| {
+                    b.iter(|| pick(black_box(request), prefix, snapshot, &config, &mut rng))
+                });
+            });
+        }
     }
     group.finish();
+}
+
+/// `PICK_COUNT=case/pods/picks`: builds the fleet and runs that many picks, nothing
+/// else, for an instruction count under `valgrind --tool=cachegrind` (`scripts/pick-
+/// instructions`). This VM's timings move 2× between runs; instruction counts do not.
+fn count_picks(spec: &str) {
+    let parts: Vec<&str> = spec.split('/').collect();
+    let [case, pods, picks] = parts[..] else {
+        panic!("PICK_COUNT={spec}: expected case/pods/picks");
+    };
+    assert!(CASES.contains(&case), "unknown case {case}");
+    let (pods, picks): (usize, usize) = (pods.parse().unwrap(), picks.parse().unwrap());
+    let mut rng = SmallRng::seed_from_u64(42);
+    let snapshot = fleet(pods, &mut rng);
+    let config = SchedulerConfig::default();
+    with_case(case, &snapshot, |request, prefix| {
+        for _ in 0..picks {
+            black_box(pick(black_box(request), prefix, &snapshot, &config, &mut rng).ok());
+        }
+    });
 }
 
 fn shared_prefix(request_blocks: u32, fleet: &Fleet, held: &[(SocketAddr, u32)]) -> PrefixMatches {
@@ -165,4 +182,12 @@ fn bench_model_index(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench_pick, bench_model_index);
-criterion_main!(benches);
+
+fn main() {
+    if let Ok(spec) = std::env::var("PICK_COUNT") {
+        count_picks(&spec);
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -108,14 +108,21 @@ pub struct LoadSignals {
     pub kv_usage: f32,
     /// KV capacity in tokens; 0 when the pod does not report it.
     pub kv_capacity_tokens: u64,
+    /// KV tokens in use by the report: `kv_usage` of the capacity, to the nearest token.
+    /// Computed once per scrape rather than for every pod in every pick.
+    pub kv_used_tokens: u64,
 }
 
 impl LoadSignals {
     pub fn of(metrics: &PodMetrics) -> Self {
+        let kv_usage = metrics.kv_usage.clamp(0.0, 1.0) as f32;
+        let kv_capacity_tokens = metrics.kv_capacity_tokens.unwrap_or(0);
         LoadSignals {
             waiting: metrics.waiting.div_ceil(metrics.engines.max(1)),
-            kv_usage: metrics.kv_usage.clamp(0.0, 1.0) as f32,
-            kv_capacity_tokens: metrics.kv_capacity_tokens.unwrap_or(0),
+            kv_usage,
+            kv_capacity_tokens,
+            // `+ 0.5`, not `round()`: a library call on x86-64.
+            kv_used_tokens: (kv_capacity_tokens as f64 * f64::from(kv_usage) + 0.5) as u64,
         }
     }
 }

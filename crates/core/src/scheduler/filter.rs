@@ -6,7 +6,7 @@
 //! are applied to the flag combinations present (at most 16) rather than to each pod.
 
 use super::lora::{Serves, ServesModel};
-use super::{PickError, Relaxed, SchedulerConfig, free_kv_tokens};
+use super::{PickError, Relaxed, SchedulerConfig, free_kv_tokens_of};
 use crate::fleet::{Fleet, LoadSignals, PodLoad, PodView, PrefixMatches};
 use crate::request::RouteRequest;
 
@@ -83,42 +83,50 @@ impl Candidate {
         demand: &Demand<'_>,
         config: &SchedulerConfig,
     ) -> Self {
-        let signals = pod.signals();
-        let free_kv = free_kv_tokens(pod, load, config.replicas);
         // Cached blocks are shared, not allocated again: the request needs only the rest
         // of its prompt, and the blocks it shares do not make the pod full for it.
         let cached = demand.cached_at(index);
-        let needed = demand.needed(cached);
-        // What must stay free besides: `keep_free` of the pool rounded up, or
-        // `keep_free_tokens` when more, though never more than half the pool (a quieter
-        // tenant's one huge request must not take half of every pod from a busier one).
-        let keep = signals.map_or(0, |s| {
-            let capacity = s.kv_capacity_tokens;
-            ((capacity as f64 * config.keep_free).ceil() as u64)
-                .max(config.keep_free_tokens.min(capacity / 2))
-        });
-        let mut flags = 0;
-        if !is_saturated(pod, load, u64::from(cached), demand.prompt, config) {
-            flags |= NOT_SATURATED;
-        }
-        if free_kv.is_none_or(|free| free >= needed.saturating_add(keep)) {
-            flags |= FITS;
-        }
-        if signals.is_some() {
-            flags |= HAS_METRICS;
-        }
-        Candidate {
+        let mut candidate = Candidate {
             index: index as u32,
-            flags,
+            flags: NOT_SATURATED | FITS,
             trust: trust(pod, config),
-            waiting: signals.map_or(0, |s| s.waiting),
+            waiting: 0,
             inflight: load.inflight(),
             prefill: load.prefill_tokens(),
-            kv_usage: signals.map_or(0.0, |s| s.kv_usage),
-            capacity: signals.map_or(0, |s| s.kv_capacity_tokens),
+            kv_usage: 0.0,
+            capacity: 0,
             cached,
-            free_kv: free_kv.unwrap_or(UNKNOWN),
+            free_kv: UNKNOWN,
+        };
+        // A pod never scraped is neither saturated nor full by what it reported.
+        let Some(signals) = pod.signals() else {
+            return candidate;
+        };
+        candidate.flags |= HAS_METRICS;
+        candidate.waiting = signals.waiting;
+        candidate.kv_usage = signals.kv_usage;
+        candidate.capacity = signals.kv_capacity_tokens;
+        if is_saturated(signals, load, u64::from(cached), demand.prompt, config) {
+            candidate.flags &= !NOT_SATURATED;
         }
+        if let Some(free) = free_kv_tokens_of(signals, load, config.replicas) {
+            candidate.free_kv = free;
+            // What must stay free besides: `keep_free` of the pool rounded up, or
+            // `keep_free_tokens` when more, though never more than half the pool (a
+            // quieter tenant's one huge request must not take half of every pod from a
+            // busier one).
+            let keep = if config.keep_free > 0.0 || config.keep_free_tokens > 0 {
+                let capacity = signals.kv_capacity_tokens;
+                ((capacity as f64 * config.keep_free).ceil() as u64)
+                    .max(config.keep_free_tokens.min(capacity / 2))
+            } else {
+                0
+            };
+            if free < demand.needed(cached).saturating_add(keep) {
+                candidate.flags &= !FITS;
+            }
+        }
+        candidate
     }
 
     /// Requests on the pod by what is known now: kvroute's own in flight, or the queue
@@ -335,28 +343,27 @@ fn trust(pod: &PodView, config: &SchedulerConfig) -> u8 {
 /// as the number grows with the fleet's rate), then kept those requests' contexts, so
 /// their tenants came back to them.
 fn is_saturated(
-    pod: &PodView,
+    signals: &LoadSignals,
     load: &PodLoad,
     cached: u64,
     prompt: u64,
     config: &SchedulerConfig,
 ) -> bool {
-    pod.signals().is_some_and(|s| {
-        let shares_its_context = cached > 0 && cached * 2 >= prompt;
-        s.waiting >= config.saturation.queue_depth
-            || (!shares_its_context
-                && kv_usage_now(s, load, config.replicas) >= config.saturation.kv_usage)
-    })
+    let shares_its_context = cached > 0 && cached * 2 >= prompt;
+    signals.waiting >= config.saturation.queue_depth
+        || (!shares_its_context
+            && kv_usage_now(signals, load, config.replicas) >= config.saturation.kv_usage)
 }
 
 /// The pod's reported KV use plus the share of its capacity that the requests kvroute sent
 /// it since that report will need (`replicas` times: each replica sees its own).
 fn kv_usage_now(signals: &LoadSignals, load: &PodLoad, replicas: u32) -> f64 {
     let reported = f64::from(signals.kv_usage);
-    match signals.kv_capacity_tokens {
-        0 => reported,
-        capacity => {
-            reported + load.unscraped_tokens() as f64 * f64::from(replicas) / capacity as f64
+    // Nothing unscraped (most pods between bursts): the report alone, without a division.
+    match (signals.kv_capacity_tokens, load.unscraped_tokens()) {
+        (0, _) | (_, 0) => reported,
+        (capacity, unscraped) => {
+            reported + unscraped as f64 * f64::from(replicas) / capacity as f64
         }
     }
 }

@@ -185,6 +185,7 @@ impl<'a> ServesModel<'a> {
         }
     }
 
+    #[inline]
     pub fn check(&mut self, pod: &PodView) -> Serves {
         let Some(models) = pod.models.as_ref() else {
             return Serves::Unlisted;

@@ -39,7 +39,7 @@ use rand::Rng;
 pub use config::{InvalidConfig, Saturation, SchedulerConfig, Weights};
 pub use lora::LoraTier;
 
-use crate::fleet::{Fleet, PodLoad, PodView, PrefixMatches};
+use crate::fleet::{Fleet, LoadSignals, PodLoad, PodView, PrefixMatches};
 use crate::request::RouteRequest;
 
 /// Why a request could not be placed.
@@ -282,10 +282,13 @@ pub fn tokens_needed(request: &RouteRequest<'_>, config: &SchedulerConfig) -> u6
 /// gateways, each of kvroute's own terms counts that many times
 /// ([`SchedulerConfig::replicas`]). `None` when the pod did not report its capacity.
 pub fn free_kv_tokens(pod: &PodView, load: &PodLoad, replicas: u32) -> Option<u64> {
-    let signals = pod.signals()?;
+    free_kv_tokens_of(pod.signals()?, load, replicas)
+}
+
+/// [`free_kv_tokens`] of a pod whose signals the caller has in hand.
+fn free_kv_tokens_of(signals: &LoadSignals, load: &PodLoad, replicas: u32) -> Option<u64> {
     let capacity = Some(signals.kv_capacity_tokens).filter(|c| *c > 0)?;
-    // Rounded to the nearest token (`+ 0.5`, not `round()`, a library call on x86-64).
-    let reported = (capacity as f64 * f64::from(signals.kv_usage) + 0.5) as u64;
+    let reported = signals.kv_used_tokens;
     let all = |own: u64| own.saturating_mul(u64::from(replicas));
     let used = reported
         .saturating_add(all(load.unscraped_tokens()))

@@ -89,6 +89,7 @@ impl TopK {
         }
     }
 
+    #[inline]
     fn offer(&mut self, total: f64, position: u32) {
         if self.entries.len() == self.k && self.entries.last().is_some_and(|last| total <= last.0) {
             return;
