@@ -143,3 +143,16 @@ fn an_endpoint_that_leaves_and_returns_keeps_the_requests_still_open_there() {
     assert!(!Arc::ptr_eq(&back, &store.load(addr(1)).expect("back")));
     assert!(store.departed.lock().expect("lock").is_empty());
 }
+
+#[test]
+fn rebuilds_pause_longer_when_they_cost_more_but_within_half_the_interval() {
+    let (min_gap, interval) = (Duration::from_millis(5), Duration::from_millis(50));
+    let gap = |micros| publish_gap(min_gap, Duration::from_micros(micros), interval);
+    assert_eq!(gap(40), min_gap, "a small fleet's rebuild");
+    assert_eq!(gap(400), Duration::from_millis(8), "20x the rebuild");
+    assert_eq!(
+        gap(5_000),
+        Duration::from_millis(25),
+        "at most half the interval"
+    );
+}
