@@ -80,16 +80,20 @@ impl Stream {
 
     /// A stream on a new connection to `addr` (kvroute's ext_proc port, or a relay to it).
     async fn open_at(addr: std::net::SocketAddr) -> Stream {
+        Stream::try_open_at(addr).await.expect("open stream")
+    }
+
+    /// [`Stream::open_at`], with kvroute's refusal of the stream as the error.
+    async fn try_open_at(addr: std::net::SocketAddr) -> Result<Stream, tonic::Status> {
         let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
             .await
             .expect("connect");
         let (send, receive) = mpsc::channel(16);
         let answers = client
             .process(ReceiverStream::new(receive))
-            .await
-            .expect("open stream")
+            .await?
             .into_inner();
-        Stream { send, answers }
+        Ok(Stream { send, answers })
     }
 
     async fn send(&self, message: ProcessingRequest) {
@@ -960,16 +964,9 @@ async fn streams_that_sent_nothing_are_capped_across_connections() {
     for _ in 0..3 {
         silent.push(Stream::open(&kvroute).await);
     }
-    let open_fourth = || async {
-        let mut client = ExternalProcessorClient::connect(format!("http://{}", kvroute.addrs.grpc))
-            .await
-            .expect("connect");
-        let (send, receive) = mpsc::channel(16);
-        let answer = client.process(ReceiverStream::new(receive)).await;
-        (send, answer)
+    let Err(status) = Stream::try_open_at(kvroute.addrs.grpc).await else {
+        panic!("a fourth silent stream is refused");
     };
-    let (_send, refused) = open_fourth().await;
-    let status = refused.expect_err("a fourth silent stream is refused");
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
     let text = kvroute.metrics_text().await;
     assert!(
@@ -991,6 +988,6 @@ async fn streams_that_sent_nothing_are_capped_across_connections() {
         .await;
     let answer = silent[0].next().await;
     assert!(destination(&answer).is_some(), "{answer:?}");
-    let (_send, admitted) = open_fourth().await;
-    assert!(admitted.is_ok(), "{admitted:?}");
+    let admitted = Stream::try_open_at(kvroute.addrs.grpc).await;
+    assert!(admitted.is_ok(), "a new stream is admitted");
 }

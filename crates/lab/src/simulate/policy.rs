@@ -70,6 +70,16 @@ pub struct Routed {
     pub replica: usize,
 }
 
+impl Routed {
+    /// Counts the request in `tenant`'s share from now until it ends, with the KV its
+    /// decision needed (what the live picker records when it routes).
+    fn start_for(&mut self, tenant: &Arc<str>, shares: &RefCell<TenantShares>) {
+        let needed = self.decision.as_ref().map_or(0, |d| d.tokens_needed);
+        shares.borrow_mut().started(tenant, needed);
+        self.tenant = Some(Arc::clone(tenant));
+    }
+}
+
 /// A request held in a replica's waiting room.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeldEntry {
@@ -329,9 +339,7 @@ impl Replica {
         drop(shares);
         match placed {
             Ok(Placed::Routed(mut routed)) => {
-                let needed = routed.decision.as_ref().map_or(0, |d| d.tokens_needed);
-                self.shares.borrow_mut().started(&class.tenant, needed);
-                routed.tenant = Some(Arc::clone(&class.tenant));
+                routed.start_for(&class.tenant, &self.shares);
                 Placement::Routed(routed)
             }
             Ok(Placed::NoRoom) => self.hold(now, request, blocks, class, slot, false),
@@ -441,9 +449,7 @@ impl Replica {
                     &config,
                 ) {
                     Ok(Placed::Routed(mut routed)) => {
-                        let needed = routed.decision.as_ref().map_or(0, |d| d.tokens_needed);
-                        shares.borrow_mut().started(&waiter.tenant, needed);
-                        routed.tenant = Some(Arc::clone(&waiter.tenant));
+                        routed.start_for(&waiter.tenant, shares);
                         Some(routed)
                     }
                     // Still no room: it waits on.
