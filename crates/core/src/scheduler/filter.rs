@@ -1,13 +1,17 @@
 //! Stage 1: which pods may take the request. Hard filters fail the request when they
 //! empty the set; soft filters apply only when someone passes them.
 //!
-//! Each surviving pod is read once into a compact [`Candidate`], so the later passes over
-//! thousands of pods stay in cache. Soft-filter outcomes are bits of `flags`; the filters
-//! are applied to the flag combinations present (at most 16) rather than to each pod.
+//! Each pod is read from its row of the snapshot's dense table ([`PodRow`]) and its live
+//! counters, once, into a compact [`Candidate`]; the soft filters and stickiness then
+//! leave only the candidates that compete, so the passes that score and rank read no
+//! others. Soft-filter outcomes are bits of `flags`; the filters are applied to the flag
+//! combinations present (at most 8) rather than to each pod.
+
+use std::time::Duration;
 
 use super::lora::{Serves, ServesModel};
 use super::{PickError, Relaxed, SchedulerConfig, free_kv_tokens_of};
-use crate::fleet::{Fleet, LoadSignals, PodLoad, PodView, PrefixMatches};
+use crate::fleet::{Fleet, PodLoad, PodRow, PrefixMatches};
 use crate::request::RouteRequest;
 
 /// Soft-filter outcomes of one pod, as bits: a pod passes a filter when its bit is set.
@@ -29,14 +33,13 @@ pub(super) struct Candidate {
     pub(super) index: u32,
     pub(super) flags: u8,
     /// How far the pod's own report can be trusted, by its age, in 1/255ths (a byte keeps
-    /// the record at 48 bytes): see [`trust`].
+    /// the record at 40 bytes; the scores read capacity and KV use from the pod's row, for
+    /// the few candidates that compete): see [`trust`].
     trust: u8,
     pub(super) waiting: u32,
     pub(super) inflight: u32,
     /// Prompt tokens sent to the pod and not yet past prefill.
     pub(super) prefill: u64,
-    pub(super) kv_usage: f32,
-    pub(super) capacity: u64,
     /// Prompt tokens the pod likely holds in its prefix cache for this request (a prompt
     /// estimate fits in 32 bits; kept small, as every pass over thousands of candidates
     /// streams this record).
@@ -75,48 +78,76 @@ impl Demand<'_> {
     }
 }
 
+/// What reading a pod into its [`Candidate`] needs of the request and the configuration,
+/// gathered once per pick rather than once per pod.
+struct Reading<'a> {
+    demand: &'a Demand<'a>,
+    config: &'a SchedulerConfig,
+    /// `max_metrics_age` in nanoseconds, so that fresh pods need no `Duration`.
+    max_age_nanos: u64,
+    /// Whether something must stay free besides the request's need (`keep_free`,
+    /// `keep_free_tokens`).
+    keeps: bool,
+}
+
+impl<'a> Reading<'a> {
+    fn new(demand: &'a Demand<'a>, config: &'a SchedulerConfig) -> Self {
+        Reading {
+            demand,
+            config,
+            max_age_nanos: u64::try_from(config.max_metrics_age.as_nanos()).unwrap_or(u64::MAX),
+            keeps: config.keep_free > 0.0 || config.keep_free_tokens > 0,
+        }
+    }
+
+    /// How far the report of the pod in `row` can be trusted: see [`trust`].
+    fn trust(&self, row: &PodRow) -> u8 {
+        if row.age_nanos == PodRow::NO_AGE {
+            0
+        } else if row.age_nanos <= self.max_age_nanos {
+            FULL_TRUST
+        } else {
+            trust(Duration::from_nanos(row.age_nanos), self.config)
+        }
+    }
+}
+
 impl Candidate {
-    fn read(
-        index: usize,
-        pod: &PodView,
-        load: &PodLoad,
-        demand: &Demand<'_>,
-        config: &SchedulerConfig,
-    ) -> Self {
+    fn read(index: usize, row: &PodRow, load: &PodLoad, reading: &Reading<'_>) -> Self {
+        let (demand, config) = (reading.demand, reading.config);
         // Cached blocks are shared, not allocated again: the request needs only the rest
         // of its prompt, and the blocks it shares do not make the pod full for it.
         let cached = demand.cached_at(index);
         let mut candidate = Candidate {
             index: index as u32,
             flags: NOT_SATURATED | FITS,
-            trust: trust(pod, config),
+            trust: reading.trust(row),
             waiting: 0,
             inflight: load.inflight(),
             prefill: load.prefill_tokens(),
-            kv_usage: 0.0,
-            capacity: 0,
             cached,
             free_kv: UNKNOWN,
         };
         // A pod never scraped is neither saturated nor full by what it reported.
-        let Some(signals) = pod.signals() else {
+        if !row.has_metrics {
             return candidate;
-        };
+        }
         candidate.flags |= HAS_METRICS;
-        candidate.waiting = signals.waiting;
-        candidate.kv_usage = signals.kv_usage;
-        candidate.capacity = signals.kv_capacity_tokens;
-        if is_saturated(signals, load, u64::from(cached), demand.prompt, config) {
+        candidate.waiting = row.waiting;
+        let unscraped = load.unscraped_tokens();
+        if is_saturated(row, unscraped, u64::from(cached), demand.prompt, config) {
             candidate.flags &= !NOT_SATURATED;
         }
-        if let Some(free) = free_kv_tokens_of(signals, load, config.replicas) {
+        if let Some(free) =
+            free_kv_tokens_of(row.capacity, row.used, unscraped, load, config.replicas)
+        {
             candidate.free_kv = free;
             // What must stay free besides: `keep_free` of the pool rounded up, or
             // `keep_free_tokens` when more, though never more than half the pool (a
             // quieter tenant's one huge request must not take half of every pod from a
             // busier one).
-            let keep = if config.keep_free > 0.0 || config.keep_free_tokens > 0 {
-                let capacity = signals.kv_capacity_tokens;
+            let keep = if reading.keeps {
+                let capacity = row.capacity;
                 ((capacity as f64 * config.keep_free).ceil() as u64)
                     .max(config.keep_free_tokens.min(capacity / 2))
             } else {
@@ -149,38 +180,29 @@ impl Candidate {
     }
 }
 
-/// The pods that passed the hard filters, and which of them the soft filters accept.
+/// The pods that passed the hard filters and compete for the request.
 #[derive(Debug)]
 pub(super) struct Filtered {
-    /// Healthy pods that may serve the request, in snapshot order.
+    /// Healthy pods that may serve the request, that the soft filters accept (see
+    /// [`accepts`]) and that hold enough of the prompt's prefix ([`sticky_floor`]), in
+    /// snapshot order.
     pub(super) candidates: Vec<Candidate>,
-    /// Accepted flag combinations, as a bitmap over flag values.
-    accepted: u16,
+    /// How many pods the soft filters accepted, before prefix stickiness.
+    pub(super) accepted: usize,
+    /// The most requests in flight on one accepted pod (the in-flight score's scale).
+    pub(super) max_inflight: u32,
     pub(super) relaxed: Relaxed,
     /// Some candidate's whole KV pool could hold the request, or does not report its size.
     pub(super) could_fit: bool,
-    /// Cached prompt tokens a candidate needs to compete ([`sticky_floor`]); 0: any.
-    pub(super) sticky_floor: u32,
 }
 
-impl Filtered {
-    /// Whether `candidate` competes: the soft filters accept it, or it holds the prompt's
-    /// prefix while stickiness applies ([`sticky_floor`]). A holder stays in whatever the
-    /// soft filters say of it: the request goes to one of them, queueing there if it must,
-    /// rather than copy the context; `relaxed` still says what the filters found.
-    pub(super) fn accepts(&self, candidate: &Candidate) -> bool {
-        self.accepted & (1 << candidate.flags) != 0
-            || (self.sticky_floor > 0 && candidate.cached >= self.sticky_floor)
-    }
-
-    /// The accepted candidates with their positions in `candidates`.
-    pub(super) fn accepted(&self) -> impl Iterator<Item = (u32, &Candidate)> {
-        self.candidates
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| self.accepts(c))
-            .map(|(position, c)| (position as u32, c))
-    }
+/// Whether `candidate` competes: the soft filters accept its flags (`accepted`, a bitmap
+/// over flag values), or it holds the prompt's prefix while stickiness applies
+/// ([`sticky_floor`]). A holder stays in whatever the soft filters say of it: the request
+/// goes to one of them, queueing there if it must, rather than copy the context;
+/// `relaxed` still says what the filters found.
+fn accepts(candidate: &Candidate, accepted: u16, sticky_floor: u32) -> bool {
+    accepted & (1 << candidate.flags) != 0 || (sticky_floor > 0 && candidate.cached >= sticky_floor)
 }
 
 /// Runs the hard filters (the error names the first one that emptied the set), then the
@@ -194,22 +216,26 @@ pub(super) fn filter(
     if fleet.snapshot().pods().is_empty() {
         return Err(PickError::NoEndpoints);
     }
-    let mut serves = request.model().map(|model| ServesModel::new(model, config));
+    let mut serves = request
+        .model()
+        .map(|model| ServesModel::new(model, fleet.snapshot(), config));
     let (mut in_subset, mut serving, mut unlisted) = (0usize, 0usize, 0usize);
     let mut present = [false; COMBINATIONS];
     let mut candidates = Vec::with_capacity(fleet.snapshot().pods().len());
     let mut could_fit = false;
-    for (index, (pod, load)) in fleet.pods().enumerate() {
+    let pods = fleet.snapshot().pods();
+    let reading = Reading::new(demand, config);
+    for (index, (row, load)) in fleet.rows().enumerate() {
         if request
             .subset
-            .is_some_and(|subset| !subset.contains(pod.endpoint))
+            .is_some_and(|subset| !subset.contains(pods[index].endpoint))
         {
             continue;
         }
         in_subset += 1;
         match serves
             .as_mut()
-            .map_or(Serves::Yes, |serves| serves.check(pod))
+            .map_or(Serves::Yes, |serves| serves.check(row, index))
         {
             Serves::Yes => {}
             Serves::No => continue,
@@ -219,11 +245,10 @@ pub(super) fn filter(
             }
         }
         serving += 1;
-        if pod.healthy {
-            let candidate = Candidate::read(index, pod, load, demand, config);
+        if row.healthy {
+            let candidate = Candidate::read(index, row, load, &reading);
             present[usize::from(candidate.flags)] = true;
-            could_fit |=
-                candidate.capacity == 0 || candidate.capacity >= demand.needed(candidate.cached);
+            could_fit |= row.capacity == 0 || row.capacity >= demand.needed(candidate.cached);
             candidates.push(candidate);
         }
     }
@@ -242,12 +267,22 @@ pub(super) fn filter(
     }
     let (accepted, relaxed) = soft_filters(&present);
     let sticky_floor = sticky_floor(&candidates, demand.prompt);
+    // Once, so that the passes that score and rank read only the pods that compete.
+    let (mut accepted_count, mut max_inflight) = (0, 0);
+    candidates.retain(|candidate| {
+        if !accepts(candidate, accepted, sticky_floor) {
+            return false;
+        }
+        accepted_count += 1;
+        max_inflight = max_inflight.max(candidate.inflight);
+        candidate.cached >= sticky_floor
+    });
     Ok(Filtered {
         candidates,
-        accepted,
+        accepted: accepted_count,
+        max_inflight,
         relaxed,
         could_fit,
-        sticky_floor,
     })
 }
 
@@ -318,10 +353,7 @@ fn soft_filters(present: &[bool; COMBINATIONS]) -> (u16, Relaxed) {
 /// when the scraper falls behind on a large fleet, excluding every pod past a threshold
 /// herded all traffic onto whichever pods were scraped last. What kvroute itself sent
 /// (in flight, queued prefill, committed KV) is always current and is not weakened.
-fn trust(pod: &PodView, config: &SchedulerConfig) -> u8 {
-    let Some(age) = pod.metrics_age else {
-        return 0;
-    };
+fn trust(age: Duration, config: &SchedulerConfig) -> u8 {
     if age <= config.max_metrics_age {
         return FULL_TRUST;
     }
@@ -343,24 +375,24 @@ fn trust(pod: &PodView, config: &SchedulerConfig) -> u8 {
 /// as the number grows with the fleet's rate), then kept those requests' contexts, so
 /// their tenants came back to them.
 fn is_saturated(
-    signals: &LoadSignals,
-    load: &PodLoad,
+    row: &PodRow,
+    unscraped: u64,
     cached: u64,
     prompt: u64,
     config: &SchedulerConfig,
 ) -> bool {
     let shares_its_context = cached > 0 && cached * 2 >= prompt;
-    signals.waiting >= config.saturation.queue_depth
+    row.waiting >= config.saturation.queue_depth
         || (!shares_its_context
-            && kv_usage_now(signals, load, config.replicas) >= config.saturation.kv_usage)
+            && kv_usage_now(row, unscraped, config.replicas) >= config.saturation.kv_usage)
 }
 
 /// The pod's reported KV use plus the share of its capacity that the requests kvroute sent
 /// it since that report will need (`replicas` times: each replica sees its own).
-fn kv_usage_now(signals: &LoadSignals, load: &PodLoad, replicas: u32) -> f64 {
-    let reported = f64::from(signals.kv_usage);
+fn kv_usage_now(row: &PodRow, unscraped: u64, replicas: u32) -> f64 {
+    let reported = f64::from(row.kv_usage);
     // Nothing unscraped (most pods between bursts): the report alone, without a division.
-    match (signals.kv_capacity_tokens, load.unscraped_tokens()) {
+    match (row.capacity, unscraped) {
         (0, _) | (_, 0) => reported,
         (capacity, unscraped) => {
             reported + unscraped as f64 * f64::from(replicas) / capacity as f64

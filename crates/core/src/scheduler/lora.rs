@@ -6,9 +6,7 @@
 //! pod where the adapter is queued will load it soon; a pod with all slots busy must
 //! first finish or evict another adapter's requests.
 
-use std::sync::Arc;
-
-use crate::fleet::{LoraSlots, PodLoad, PodView, ServedModels, Snapshot};
+use crate::fleet::{LoraSlots, PodLoad, PodRow, PodView, Snapshot};
 
 use super::SchedulerConfig;
 
@@ -169,42 +167,47 @@ pub enum Serves {
 }
 
 /// Whether pods serve one model. Pods usually share one model list (the store interns
-/// equal lists), so the answer is remembered per list.
+/// equal lists, and the snapshot numbers them), so the answer is remembered per list.
 pub struct ServesModel<'a> {
     model: &'a str,
     config: &'a SchedulerConfig,
-    last: Option<(*const ServedModels, bool)>,
+    snapshot: &'a Snapshot,
+    /// The last list asked about, and its answer.
+    last: Option<(u32, bool)>,
 }
 
 impl<'a> ServesModel<'a> {
-    pub fn new(model: &'a str, config: &'a SchedulerConfig) -> Self {
+    pub fn new(model: &'a str, snapshot: &'a Snapshot, config: &'a SchedulerConfig) -> Self {
         ServesModel {
             model,
             config,
+            snapshot,
             last: None,
         }
     }
 
+    /// Whether the pod at `index` in the snapshot, whose row is `row`, serves the model.
     #[inline]
-    pub fn check(&mut self, pod: &PodView) -> Serves {
-        let Some(models) = pod.models.as_ref() else {
+    pub(crate) fn check(&mut self, row: &PodRow, index: usize) -> Serves {
+        if row.models == PodRow::UNLISTED {
             return Serves::Unlisted;
-        };
-        let key = Arc::as_ptr(models);
+        }
         let listed = match self.last {
-            Some((last, answer)) if last == key => answer,
+            Some((last, answer)) if last == row.models => answer,
             _ => {
-                let answer = models.serves(self.model)
-                    || self
-                        .config
-                        .adapters
-                        .get(self.model)
-                        .is_some_and(|base| models.base.iter().any(|b| b == base));
-                self.last = Some((key, answer));
+                let answer = self.snapshot.model_list(row.models).is_some_and(|models| {
+                    models.serves(self.model)
+                        || self
+                            .config
+                            .adapters
+                            .get(self.model)
+                            .is_some_and(|base| models.base.iter().any(|b| b == base))
+                });
+                self.last = Some((row.models, answer));
                 answer
             }
         };
-        if listed || pod.runs_adapter(self.model) {
+        if listed || self.snapshot.pods()[index].runs_adapter(self.model) {
             Serves::Yes
         } else {
             Serves::No

@@ -39,7 +39,7 @@ use rand::Rng;
 pub use config::{InvalidConfig, Saturation, SchedulerConfig, Weights};
 pub use lora::LoraTier;
 
-use crate::fleet::{Fleet, LoadSignals, PodLoad, PodView, PrefixMatches};
+use crate::fleet::{Fleet, PodLoad, PodView, PrefixMatches};
 use crate::request::RouteRequest;
 
 /// Why a request could not be placed.
@@ -282,16 +282,36 @@ pub fn tokens_needed(request: &RouteRequest<'_>, config: &SchedulerConfig) -> u6
 /// gateways, each of kvroute's own terms counts that many times
 /// ([`SchedulerConfig::replicas`]). `None` when the pod did not report its capacity.
 pub fn free_kv_tokens(pod: &PodView, load: &PodLoad, replicas: u32) -> Option<u64> {
-    free_kv_tokens_of(pod.signals()?, load, replicas)
+    let signals = pod.signals()?;
+    free_kv_tokens_of(
+        signals.kv_capacity_tokens,
+        signals.kv_used_tokens,
+        load.unscraped_tokens(),
+        load,
+        replicas,
+    )
 }
 
-/// [`free_kv_tokens`] of a pod whose signals the caller has in hand.
-fn free_kv_tokens_of(signals: &LoadSignals, load: &PodLoad, replicas: u32) -> Option<u64> {
-    let capacity = Some(signals.kv_capacity_tokens).filter(|c| *c > 0)?;
-    let reported = signals.kv_used_tokens;
-    let all = |own: u64| own.saturating_mul(u64::from(replicas));
+/// [`free_kv_tokens`] of a pod whose capacity, reported use and unscraped tokens the
+/// caller has in hand.
+fn free_kv_tokens_of(
+    capacity: u64,
+    reported: u64,
+    unscraped: u64,
+    load: &PodLoad,
+    replicas: u32,
+) -> Option<u64> {
+    let capacity = Some(capacity).filter(|c| *c > 0)?;
+    // One replica (the usual case) without the three multiplications.
+    let all = |own: u64| {
+        if replicas == 1 {
+            own
+        } else {
+            own.saturating_mul(u64::from(replicas))
+        }
+    };
     let used = reported
-        .saturating_add(all(load.unscraped_tokens()))
+        .saturating_add(all(unscraped))
         .max(all(load.committed_tokens()))
         .max(reported.saturating_add(all(load.growth_tokens())));
     Some(capacity.saturating_sub(used))

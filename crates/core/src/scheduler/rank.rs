@@ -37,13 +37,8 @@ pub(super) fn rank<R: Rng + ?Sized>(
     let mut tied = 0usize;
     // One more than the runners-up, in case the winner drawn from a tie is among them.
     let mut top = TopK::new(runners_up + 2);
-    let mut accepted = 0;
-    for (position, candidate) in filtered.accepted() {
-        accepted += 1;
-        // Prefix stickiness (`filter::sticky_floor`): only the prefix's holders compete.
-        if candidate.cached < filtered.sticky_floor {
-            continue;
-        }
+    for (position, candidate) in filtered.candidates.iter().enumerate() {
+        let position = position as u32;
         let total = scorer.total(candidate);
         if total > best + TIE_EPSILON {
             best = total;
@@ -71,7 +66,7 @@ pub(super) fn rank<R: Rng + ?Sized>(
             .take(runners_up)
             .map(breakdown)
             .collect(),
-        accepted,
+        accepted: filtered.accepted,
     }
 }
 

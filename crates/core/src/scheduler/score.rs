@@ -31,11 +31,7 @@ impl<'a> Scorer<'a> {
         adapter: Option<&'a str>,
         config: &'a SchedulerConfig,
     ) -> Self {
-        let max_inflight = filtered
-            .accepted()
-            .map(|(_, c)| c.inflight)
-            .max()
-            .unwrap_or(0);
+        let max_inflight = filtered.max_inflight;
         let key = adapter.map_or(0, adapter_key);
         let pods = fleet.snapshot().pods().len();
         let index = &fleet.snapshot().adapters;
@@ -67,8 +63,11 @@ impl<'a> Scorer<'a> {
     /// Weakened as the pod's metrics age (see `filter::trust`).
     fn kv_headroom(&self, c: &Candidate) -> f64 {
         let headroom = match (c.has_metrics(), c.free_kv()) {
-            (true, Some(free)) => kv_headroom_score(free, self.demand.needed(c.cached), c.capacity),
-            (true, None) => 1.0 - f64::from(c.kv_usage),
+            (true, Some(free)) => {
+                let capacity = self.fleet.row(c.index as usize).capacity;
+                kv_headroom_score(free, self.demand.needed(c.cached), capacity)
+            }
+            (true, None) => 1.0 - f64::from(self.fleet.row(c.index as usize).kv_usage),
             (false, _) => 0.0,
         };
         c.trust() * headroom
