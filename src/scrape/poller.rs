@@ -13,10 +13,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use hyper::Uri;
 use tokio::sync::Semaphore;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_rustls::TlsConnector;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use kvroute_core::vllm::{
     ModelsError, VllmMetricsError, metrics_query, parse_models, parse_vllm_metrics,
@@ -148,7 +149,14 @@ struct PodPoller {
 impl PodPoller {
     async fn run(mut self) {
         // Only the series kvroute reads (vLLM then skips rendering its histograms).
-        let metrics_path = format!("/metrics?{}", metrics_query());
+        let metrics_path = match Uri::try_from(format!("/metrics?{}", metrics_query())) {
+            Ok(path) => path,
+            Err(error) => {
+                error!(%error, "cannot form the /metrics request; not scraping");
+                return;
+            }
+        };
+        let models_path = Uri::from_static("/v1/models");
         // The first scrape at once (a new pod is read without delay), the next ones at the
         // pod's own phase of the interval: pollers started together (a fleet discovered at
         // once) would otherwise scrape in one burst every interval.
@@ -199,7 +207,7 @@ impl PodPoller {
 
             if Instant::now() >= models_due {
                 let models = self
-                    .fetch("/v1/models", api_key.as_ref())
+                    .fetch(&models_path, api_key.as_ref())
                     .await
                     .and_then(|body| Ok(parse_models(&body)?));
                 match models {
@@ -232,7 +240,7 @@ impl PodPoller {
     }
 
     /// GETs `path` from the pod, within the timeout and the size limit.
-    async fn fetch(&mut self, path: &str, key: Option<&ApiKey>) -> Result<Vec<u8>, ScrapeError> {
+    async fn fetch(&mut self, path: &Uri, key: Option<&ApiKey>) -> Result<Vec<u8>, ScrapeError> {
         let (limit, timeout) = (self.config.max_response_bytes, self.config.timeout);
         self.client.get(path, key, limit, timeout).await
     }

@@ -51,7 +51,7 @@ async fn one_connection_serves_every_scrape() {
     let mut client = PodClient::new(addr, None);
     for _ in 0..5 {
         let body = client
-            .get("/metrics", None, 1 << 20, SECOND)
+            .get(&Uri::from_static("/metrics"), None, 1 << 20, SECOND)
             .await
             .expect("answer");
         assert_eq!(body, b"vllm:num_requests_running 1.0\n");
@@ -66,7 +66,9 @@ async fn a_connection_the_pod_closed_while_idle_is_reopened_without_a_failure() 
     for round in 0..4 {
         // Lets the pod's close arrive before the next request.
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let body = client.get("/metrics", None, 1 << 20, SECOND).await;
+        let body = client
+            .get(&Uri::from_static("/metrics"), None, 1 << 20, SECOND)
+            .await;
         assert_eq!(body.expect("answer").as_slice(), b"ok", "round {round}");
     }
     assert_eq!(accepted.load(Ordering::SeqCst), 4);
@@ -77,12 +79,12 @@ async fn a_body_over_the_limit_fails_and_the_next_scrape_starts_clean() {
     let (addr, _) = pod("0123456789", usize::MAX).await;
     let mut client = PodClient::new(addr, None);
     let error = client
-        .get("/metrics", None, 4, SECOND)
+        .get(&Uri::from_static("/metrics"), None, 4, SECOND)
         .await
         .expect_err("too large");
     assert!(matches!(error, ScrapeError::TooLarge(4)), "{error}");
     let body = client
-        .get("/metrics", None, 100, SECOND)
+        .get(&Uri::from_static("/metrics"), None, 100, SECOND)
         .await
         .expect("answer");
     assert_eq!(body, b"0123456789");
@@ -95,7 +97,7 @@ async fn nothing_listening_is_a_connect_error() {
     drop(listener);
     let mut client = PodClient::new(addr, None);
     let error = client
-        .get("/metrics", None, 100, SECOND)
+        .get(&Uri::from_static("/metrics"), None, 100, SECOND)
         .await
         .expect_err("refused");
     assert_eq!(error.kind(), "connect", "{error}");
