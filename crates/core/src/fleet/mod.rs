@@ -237,20 +237,28 @@ impl PodRow {
     pub(crate) const UNLISTED: u32 = u32::MAX;
 }
 
-/// The rows of `pods`, and their distinct model lists (equal lists are usually one
-/// `Arc`, interned by the store; others are kept apart, which is only slower).
+/// The rows of `pods`, and their distinct model lists (the store interns equal lists,
+/// so pods with the same models share one `Arc`; a fleet whose pods list different
+/// adapters has as many lists as pods, hence the map).
 fn rows_of(pods: &[PodView]) -> (Vec<PodRow>, Vec<Arc<ServedModels>>) {
     let mut lists: Vec<Arc<ServedModels>> = Vec::new();
+    let mut ids: HashMap<*const ServedModels, u32> = HashMap::new();
+    // The previous pod's list and id: most fleets have one list, found without hashing.
+    let mut last: Option<(*const ServedModels, u32)> = None;
     let rows = pods
         .iter()
         .map(|pod| {
             let models = pod.models.as_ref().map_or(PodRow::UNLISTED, |models| {
-                let found = lists.iter().rposition(|list| Arc::ptr_eq(list, models));
-                let at = found.unwrap_or_else(|| {
-                    lists.push(Arc::clone(models));
-                    lists.len() - 1
-                });
-                u32::try_from(at).unwrap_or(PodRow::UNLISTED)
+                let key = Arc::as_ptr(models);
+                let id = match last {
+                    Some((previous, id)) if previous == key => id,
+                    _ => *ids.entry(key).or_insert_with(|| {
+                        lists.push(Arc::clone(models));
+                        u32::try_from(lists.len() - 1).unwrap_or(PodRow::UNLISTED)
+                    }),
+                };
+                last = Some((key, id));
+                id
             });
             let signals = pod.signals();
             PodRow {

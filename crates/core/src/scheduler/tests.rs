@@ -232,6 +232,42 @@ fn the_adapter_map_lets_pods_of_the_base_model_serve_an_unlisted_adapter() {
 }
 
 #[test]
+fn pods_whose_shared_model_lists_alternate_are_each_asked_about_their_own() {
+    // Two lists, each shared by every other pod (the snapshot numbers its lists once; the
+    // model check remembers the last list's answer): "other" is served by pods 2, 4, 6 only.
+    let list = |model: &str| {
+        Arc::new(ServedModels {
+            base: vec![model.to_owned()],
+            adapters: HashMap::new(),
+        })
+    };
+    let (base, other) = (list("base"), list("other"));
+    let pods = (1..=6)
+        .map(|n| {
+            let mut pod = pod(n);
+            pod.models = Some(Arc::clone(if n % 2 == 0 { &other } else { &base }));
+            pod
+        })
+        .collect();
+    let snapshot = fleet(pods);
+    for seed in 0..20 {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let config = SchedulerConfig::default();
+        let to_other = pick(&request("other", 10), &snapshot, &config, &mut rng).expect("placed");
+        assert!(
+            [2, 4, 6].map(endpoint).contains(&to_other.endpoint),
+            "{to_other:?}"
+        );
+        assert_eq!(to_other.candidates, 3);
+        let to_base = pick(&request("base", 10), &snapshot, &config, &mut rng).expect("placed");
+        assert!(
+            [1, 3, 5].map(endpoint).contains(&to_base.endpoint),
+            "{to_base:?}"
+        );
+    }
+}
+
+#[test]
 fn unhealthy_pods_are_never_picked() {
     let mut down = pod(1);
     down.healthy = false;
