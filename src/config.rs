@@ -18,7 +18,7 @@ use kvroute_core::fleet::HealthPolicy;
 use kvroute_core::scheduler::{Saturation, SchedulerConfig, Weights};
 
 use crate::extproc::policy::DEFAULT_ALLOWED_PATHS;
-use crate::flow::FlowSettings;
+use crate::flow::{FlowSettings, StandingQueue};
 use crate::kvevents::{EndpointTemplate, KvEventsConfig, PrefixSource};
 use crate::scrape::{ApiKey, ScrapeConfig};
 
@@ -194,6 +194,16 @@ pub struct ServeArgs {
     /// this plus 1 s in `max_message_timeout` (the shipped configs allow up to 60 s).
     #[arg(long, env = "KVROUTE_MAX_QUEUE_WAIT", default_value = "15s", value_parser = humantime::parse_duration)]
     pub max_queue_wait: Duration,
+    /// While the gateway's queue has not emptied for --standing-queue-after, a request that
+    /// has waited this long is answered 429 at once rather than after --max-queue-wait: a
+    /// queue that never empties is running behind the pods, and its requests would all wait
+    /// out the longer bound. 0 turns this off.
+    #[arg(long, env = "KVROUTE_STANDING_QUEUE_WAIT", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub standing_queue_wait: Duration,
+    /// How long the queue must hold requests without a break before --standing-queue-wait
+    /// applies (a burst shorter than this waits up to --max-queue-wait). 0 turns it off.
+    #[arg(long, env = "KVROUTE_STANDING_QUEUE_AFTER", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub standing_queue_after: Duration,
     /// Most requests waiting at the gateway at once; beyond it a request that fits no pod
     /// is answered 429 at once.
     #[arg(long, env = "KVROUTE_MAX_QUEUE_LENGTH", default_value_t = crate::flow::DEFAULT_MAX_WAITING)]
@@ -652,6 +662,10 @@ impl ServeConfig {
                 max_waiting: args.max_queue_length,
                 hold_without_endpoints: !args.no_wait_for_endpoints,
                 objectives,
+                standing: StandingQueue::from_flags(
+                    args.standing_queue_after,
+                    args.standing_queue_wait,
+                ),
             },
             prefix_index_bytes: (args.prefix_index_mib as usize) << 20,
             prefix_source: args.prefix_source,

@@ -19,8 +19,8 @@
 use kvroute_core::flow::Priority;
 
 pub use kvroute_core::flow::{
-    ClassError, DEFAULT_MAX_WAIT, DEFAULT_MAX_WAITING, DEFAULT_TENANT, DropReason, FlowSettings,
-    MAX_FAIRNESS_ID_BYTES, RequestClass,
+    ClassError, DEFAULT_MAX_WAIT, DEFAULT_MAX_WAITING, DEFAULT_STANDING, DEFAULT_TENANT,
+    DropReason, FlowSettings, MAX_FAIRNESS_ID_BYTES, RequestClass, StandingQueue,
 };
 
 /// Headers naming the request's objective, the current spelling first.

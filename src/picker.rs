@@ -212,7 +212,7 @@ impl LivePicker {
         let fleet = self.store.fleet();
         let starving_after = self.room.settings.max_wait / 2;
         let mut held = self.room.lock();
-        let expired = held.expire(now);
+        let expired = held.expire(now, |waiter| waiter.no_endpoint.load(Ordering::Relaxed));
         let routed = held.queue_mut().dispatch(
             MAX_MISSES_PER_PASS,
             |waiter| waiter.pods_key,
@@ -232,13 +232,19 @@ impl LivePicker {
         );
         self.room.changed(&held);
         drop(held);
-        for waiter in expired {
+        for (waiter, bound) in expired {
             // What its last try found: pods without room, or no ready pod at all.
             let any_ready = !waiter.no_endpoint.load(Ordering::Relaxed);
-            let bound = self.room.settings.max_wait;
             let (reason, message) = if any_ready {
-                let message =
-                    format!("no endpoint had room for the request within {bound:?}; retry later");
+                let message = if bound < self.room.settings.max_wait {
+                    format!(
+                        "no endpoint had room for the request within {bound:?}: the gateway's \
+                         queue has not emptied for a while (more requests than the endpoints \
+                         serve); retry later"
+                    )
+                } else {
+                    format!("no endpoint had room for the request within {bound:?}; retry later")
+                };
                 (DropReason::TtlExpired, message)
             } else {
                 let message = format!("no ready endpoint could serve the request within {bound:?}");

@@ -322,8 +322,21 @@ fn flow_control_flags_set_the_queue_and_the_objectives() {
         "critical=100,batch=-10",
         "--objective-priority",
         "standard=0",
+        "--standing-queue-wait",
+        "500ms",
+        "--standing-queue-after",
+        "3s",
     ])
     .expect("valid");
+    assert_eq!(
+        config.flow.standing,
+        Some(crate::flow::StandingQueue {
+            after: Duration::from_secs(3),
+            wait: Duration::from_millis(500),
+        })
+    );
+    let off = parse(&["--endpoints", "10.0.0.1:8000", "--standing-queue-wait", "0"]);
+    assert_eq!(off.expect("valid").flow.standing, None);
     assert_eq!(config.flow.max_wait, Duration::from_secs(2));
     assert_eq!(config.flow.max_waiting, 10);
     assert!(!config.flow.hold_without_endpoints);

@@ -70,7 +70,7 @@ mod waiting_room {
     use tokio::time::Instant;
 
     use super::*;
-    use crate::flow::DropReason;
+    use crate::flow::{DropReason, StandingQueue};
 
     const POD: &str = "10.0.0.1:8000";
     /// A pod's KV pool: room for one request of [`request`] at a time.
@@ -241,6 +241,48 @@ mod waiting_room {
         assert_eq!(refused.kind, UnroutedKind::Shed);
         assert_eq!(refused.dropped, Some(DropReason::TtlExpired));
         assert!(started.elapsed() >= Duration::from_secs(2));
+        assert_eq!(picker.waiting(), 0);
+        room.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_queue_that_does_not_empty_sheds_at_the_standing_wait_but_a_raised_priority_waits_on()
+    {
+        let store = store_with_pod(0.95, 0);
+        let flow = FlowSettings {
+            max_wait: Duration::from_secs(10),
+            standing: Some(StandingQueue {
+                after: Duration::from_secs(1),
+                wait: Duration::from_secs(2),
+            }),
+            ..FlowSettings::default()
+        };
+        let picker = picker_over(store, flow);
+        let plain = held(route(&picker, 0));
+        let critical = held(route(&picker, 100));
+        let room = tokio::spawn(Arc::clone(&picker).run_waiting_room());
+        let started = Instant::now();
+        let refused = plain.await.expect_err("no room ever came");
+        assert_eq!(refused.dropped, Some(DropReason::TtlExpired));
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_secs(2),
+            "the standing wait, not 10 s"
+        );
+        assert!(
+            refused.message.contains("has not emptied"),
+            "{}",
+            refused.message
+        );
+        assert_eq!(picker.waiting(), 1, "the raised priority waits on");
+        let refused = critical.await.expect_err("no room ever came");
+        assert_eq!(refused.dropped, Some(DropReason::TtlExpired));
+        assert_eq!(started.elapsed(), Duration::from_secs(10));
+        assert!(
+            !refused.message.contains("has not emptied"),
+            "{}",
+            refused.message
+        );
         assert_eq!(picker.waiting(), 0);
         room.abort();
     }

@@ -80,7 +80,7 @@ impl std::fmt::Debug for WaitingRoom {
 impl WaitingRoom {
     pub(super) fn new(settings: Arc<FlowSettings>) -> Self {
         WaitingRoom {
-            held: Mutex::new(Held::new(settings.max_waiting)),
+            held: Mutex::new(Held::new(&settings)),
             settings,
             count: AtomicUsize::new(0),
             wake: Notify::new(),
@@ -107,8 +107,8 @@ impl WaitingRoom {
     /// request out of the queue when dropped.
     pub(super) fn hold(self: &Arc<Self>, tenant: &str, waiter: Waiter) -> Option<HeldPlace> {
         let mut held = self.lock();
-        let deadline = waiter.since + self.settings.max_wait;
-        let id = held.hold(waiter.priority, tenant, waiter, deadline)?;
+        let arrival = waiter.since;
+        let (id, _) = held.hold(waiter.priority, tenant, waiter, arrival)?;
         self.changed(&held);
         drop(held);
         self.wake.notify_one();
@@ -123,7 +123,8 @@ impl WaitingRoom {
         if self.is_empty() {
             return None;
         }
-        self.lock().next_deadline()
+        self.lock()
+            .next_deadline(|waiter| waiter.no_endpoint.load(Ordering::Relaxed))
     }
 
     /// Brings the count and the queue gauges up to date after a change.

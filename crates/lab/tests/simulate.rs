@@ -31,6 +31,8 @@ fn args(pods: Option<usize>, rates: &[f64], duration: Duration) -> SimulateArgs 
         scrape_interval: Duration::from_millis(50),
         scrape_delay: Duration::from_millis(50),
         max_queue_wait: Duration::from_secs(15),
+        standing_queue_wait: Duration::from_secs(2),
+        standing_queue_after: Duration::from_secs(5),
         seed: None,
         jobs: Some(1),
         no_warmup: false,

@@ -25,8 +25,9 @@ pub use queue::{EntryId, FlowQueue, Holds};
 pub use room::WaitingRoom;
 pub use rules::{FlowRules, HEADROOM, Hold, pods_key};
 pub use settings::{
-    ClassError, DEFAULT_MAX_WAIT, DEFAULT_MAX_WAITING, DEFAULT_TENANT, DropReason, FlowSettings,
-    MAX_FAIRNESS_ID_BYTES, MAX_MISSES_PER_PASS, RequestClass,
+    ClassError, DEFAULT_MAX_WAIT, DEFAULT_MAX_WAITING, DEFAULT_STANDING, DEFAULT_TENANT,
+    DropReason, FlowSettings, MAX_FAIRNESS_ID_BYTES, MAX_MISSES_PER_PASS, RequestClass,
+    StandingQueue,
 };
 pub use shares::TenantShares;
 

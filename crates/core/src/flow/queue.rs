@@ -125,6 +125,16 @@ impl<T> FlowQueue<T> {
         id
     }
 
+    /// The waiting request `id`, if it still waits.
+    pub fn get(&self, id: EntryId) -> Option<&T> {
+        let (priority, tenant) = self.index.get(&id)?;
+        self.bands
+            .get(&Reverse(*priority))?
+            .tenants
+            .get(tenant)?
+            .get(&id)
+    }
+
     /// Takes a request out without serving it (its client left, its wait ran out). The
     /// turn does not move.
     pub fn remove(&mut self, id: EntryId) -> Option<T> {

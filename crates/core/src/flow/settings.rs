@@ -16,6 +16,33 @@ pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(15);
 /// Default of [`FlowSettings::max_waiting`].
 pub const DEFAULT_MAX_WAITING: usize = 4096;
 
+/// A bound on waits while the queue stands (CoDel's idea, as request queues use it): a
+/// queue that has not emptied for `after` is not absorbing a burst but running behind the
+/// fleet, and every request in it would wait out `max_wait` before being refused anyway.
+/// Then a request that has waited `wait` is answered (429) at once: the requests that are
+/// served start within `wait`, the excess learns at once instead of after `max_wait`, and
+/// the pods serve as many either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StandingQueue {
+    /// How long the queue must have held requests without a break.
+    pub after: Duration,
+    /// The wait allowed meanwhile.
+    pub wait: Duration,
+}
+
+impl StandingQueue {
+    /// The bound from its two flags; either at zero switches it off.
+    pub fn from_flags(after: Duration, wait: Duration) -> Option<Self> {
+        (!after.is_zero() && !wait.is_zero()).then_some(StandingQueue { after, wait })
+    }
+}
+
+/// Default of [`FlowSettings::standing`].
+pub const DEFAULT_STANDING: StandingQueue = StandingQueue {
+    after: Duration::from_secs(5),
+    wait: Duration::from_secs(2),
+};
+
 /// How flow control holds requests.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FlowSettings {
@@ -30,6 +57,8 @@ pub struct FlowSettings {
     pub hold_without_endpoints: bool,
     /// Objective name → priority.
     pub objectives: HashMap<String, Priority>,
+    /// The shorter bound on waits while the queue stands; `None`: `max_wait` always.
+    pub standing: Option<StandingQueue>,
 }
 
 impl Default for FlowSettings {
@@ -39,6 +68,7 @@ impl Default for FlowSettings {
             max_waiting: DEFAULT_MAX_WAITING,
             hold_without_endpoints: true,
             objectives: HashMap::new(),
+            standing: Some(DEFAULT_STANDING),
         }
     }
 }

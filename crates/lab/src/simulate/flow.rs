@@ -89,7 +89,7 @@ pub struct WaitingRoom {
 impl WaitingRoom {
     pub fn new(settings: FlowSettings) -> Self {
         WaitingRoom {
-            room: flow::WaitingRoom::new(settings.max_waiting),
+            room: flow::WaitingRoom::new(&settings),
             settings,
         }
     }
@@ -111,15 +111,17 @@ impl WaitingRoom {
     /// Holds `waiter` until its deadline, unless the room is full (`None`); returns its
     /// place and its deadline.
     pub fn hold(&mut self, waiter: Waiter) -> Option<(EntryId, Duration)> {
-        let deadline = waiter.since + self.settings.max_wait;
-        let tenant = Arc::clone(&waiter.tenant);
-        let id = self.room.hold(waiter.priority, &tenant, waiter, deadline)?;
-        Some((id, deadline))
+        let (tenant, arrival) = (Arc::clone(&waiter.tenant), waiter.since);
+        self.room.hold(waiter.priority, &tenant, waiter, arrival)
     }
 
     /// Takes out the requests whose deadline is at or before `now`.
     pub fn expire(&mut self, now: Duration) -> Vec<Waiter> {
-        self.room.expire(now)
+        self.room
+            .expire(now, |waiter| waiter.no_endpoint.get())
+            .into_iter()
+            .map(|(waiter, _)| waiter)
+            .collect()
     }
 
     /// Takes a request out without serving it (its client gave up).
@@ -162,6 +164,7 @@ mod tests {
         let mut room = WaitingRoom::new(FlowSettings {
             max_wait: Duration::from_secs(15),
             max_waiting: 2,
+            standing: None,
             ..FlowSettings::default()
         });
         assert!(!room.must_queue_behind(0));

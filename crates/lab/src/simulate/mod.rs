@@ -54,6 +54,7 @@ use serde::Serialize;
 use crate::compare::report::{RouterRun, WorkloadResult};
 use crate::compare::{RouterKind, machine, spread_positions};
 use crate::loadgen::Workload;
+use kvroute_core::flow::StandingQueue;
 
 /// A policy the simulation can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum)]
@@ -152,6 +153,13 @@ pub struct SimulateArgs {
     /// requests are still refused). The default is what `compare` gives the live kvroute.
     #[arg(long, env = "KVROUTE_SIMULATE_MAX_QUEUE_WAIT", default_value = "15s", value_parser = humantime::parse_duration)]
     pub max_queue_wait: Duration,
+    /// kvroute's `--standing-queue-wait`, virtual time: while the queue has not emptied
+    /// for `--standing-queue-after`, a request that has waited this long is shed (0: off).
+    #[arg(long, env = "KVROUTE_SIMULATE_STANDING_QUEUE_WAIT", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub standing_queue_wait: Duration,
+    /// kvroute's `--standing-queue-after`, virtual time.
+    #[arg(long, env = "KVROUTE_SIMULATE_STANDING_QUEUE_AFTER", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub standing_queue_after: Duration,
     /// Seed of the trace, the engines and the policies [default: the workload's].
     #[arg(long, env = "KVROUTE_SIMULATE_SEED")]
     pub seed: Option<u64>,
@@ -214,6 +222,8 @@ pub struct Setup<'w> {
     pub scrape_delay: Duration,
     /// kvroute's longest wait at the gateway (zero: no queue).
     pub max_queue_wait: Duration,
+    /// kvroute's bound on waits while its queue stands (`None`: off).
+    pub standing: Option<StandingQueue>,
     pub sample_period: Duration,
     pub max_concurrency: usize,
     pub timeout: Duration,
@@ -275,6 +285,10 @@ impl<'w> Setup<'w> {
             scrape_interval: args.scrape_interval,
             scrape_delay: args.scrape_delay,
             max_queue_wait: args.max_queue_wait,
+            standing: StandingQueue::from_flags(
+                args.standing_queue_after,
+                args.standing_queue_wait,
+            ),
             sample_period,
             max_concurrency: (MAX_CONCURRENCY * scale.rate).ceil().max(1.0) as usize,
             timeout: TIMEOUT,

@@ -759,6 +759,7 @@ impl Policy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_core::flow::StandingQueue;
 
     #[test]
     fn endpoints_sort_as_the_pods() {
@@ -815,15 +816,25 @@ mod tests {
 
     /// kvroute over `pods` idle pods (a scrape published at time 0), holding requests at
     /// most `max_wait`.
+    /// One replica over `pods` pods, waits bounded by `max_wait` alone (no standing
+    /// bound, which has its own test).
     fn kvroute(pods: usize, max_wait: Duration) -> Kvroute {
+        kvroute_with(
+            pods,
+            FlowSettings {
+                max_wait,
+                standing: None,
+                ..FlowSettings::default()
+            },
+        )
+    }
+
+    fn kvroute_with(pods: usize, flow: FlowSettings) -> Kvroute {
         let mut k = Kvroute::new(
             pods,
             super::super::observe::served_models(MODEL, &[]),
             SchedulerConfig::default(),
-            FlowSettings {
-                max_wait,
-                ..FlowSettings::default()
-            },
+            flow,
             7,
         );
         rescrape(&mut k, Duration::ZERO, 0);
@@ -940,6 +951,44 @@ mod tests {
         let pass = k.dispatch(secs(16));
         assert_eq!(pass.expired, [(1, DropReason::TtlExpired)]);
         assert!(pass.routed.is_empty());
+        assert_eq!(k.waiting(), 0);
+    }
+
+    #[test]
+    fn a_queue_that_does_not_empty_sheds_at_the_standing_wait() {
+        let mut k = kvroute_with(
+            1,
+            FlowSettings {
+                max_wait: secs(15),
+                standing: Some(StandingQueue {
+                    after: secs(5),
+                    wait: secs(2),
+                }),
+                ..FlowSettings::default()
+            },
+        );
+        let _first = routed(k.route(secs(0), request(8_000), None, &class(0), 0));
+        for (slot, at) in [(1, 1), (2, 5)] {
+            assert!(is_held(&k.route(
+                secs(at),
+                request(8_000),
+                None,
+                &class(0),
+                slot
+            )));
+        }
+        rescrape(&mut k, secs(5), 0);
+        let pass = k.dispatch(secs(5));
+        assert!(
+            pass.expired.is_empty(),
+            "the queue stands from 6 s (busy since 1 s)"
+        );
+        let pass = k.dispatch(secs(6));
+        assert_eq!(pass.expired, [(1, DropReason::TtlExpired)], "waited 5 s");
+        let pass = k.dispatch(Duration::from_millis(6_500));
+        assert!(pass.expired.is_empty(), "the second has waited 1.5 s");
+        let pass = k.dispatch(secs(7));
+        assert_eq!(pass.expired, [(2, DropReason::TtlExpired)], "waited 2 s");
         assert_eq!(k.waiting(), 0);
     }
 

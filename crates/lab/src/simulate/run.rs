@@ -232,6 +232,7 @@ impl<'s> World<'s> {
                 // The classes carry the objectives' priorities already (`flow::classes`).
                 let flow = FlowSettings {
                     max_wait: setup.max_queue_wait,
+                    standing: setup.standing,
                     ..FlowSettings::default()
                 };
                 let kvroute =
@@ -926,6 +927,8 @@ mod tests {
             scrape_interval: Duration::from_secs(3600),
             scrape_delay: Duration::ZERO,
             max_queue_wait: Duration::from_secs(15),
+            standing_queue_wait: Duration::from_secs(2),
+            standing_queue_after: Duration::from_secs(5),
             seed: None,
             jobs: Some(1),
             no_warmup: true,
