@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::envoy::{EnvoyProcess, Gateway, free_port};
 use crate::loadgen::Workload;
+use kvroute_core::flow::{DEFAULT_STANDING, StandingQueue};
 
 /// A router the comparison can measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum, Serialize)]
@@ -363,6 +364,9 @@ pub struct KvrouteTiming {
     /// `--max-queue-wait`, wall time: kvroute's default (15 s) of simulated time, since a
     /// request waits for the simulated pods.
     pub max_queue_wait: Duration,
+    /// `--standing-queue-after` and `--standing-queue-wait`, wall time: kvroute's defaults
+    /// of simulated time, for the same reason.
+    pub standing: StandingQueue,
 }
 
 impl KvrouteTiming {
@@ -372,6 +376,10 @@ impl KvrouteTiming {
             scrape_interval,
             max_metrics_age: Duration::from_secs_f64(1.0 / speedup).max(scrape_interval * 10),
             max_queue_wait: Duration::from_secs_f64(15.0 / speedup),
+            standing: StandingQueue {
+                after: DEFAULT_STANDING.after.div_f64(speedup),
+                wait: DEFAULT_STANDING.wait.div_f64(speedup),
+            },
         }
     }
 }
@@ -508,6 +516,12 @@ fn spawn_kvroute(
         ])
         .args(["--max-metrics-age", &millis(timing.max_metrics_age)])
         .args(["--max-queue-wait", &millis(timing.max_queue_wait)])
+        .args([
+            "--standing-queue-after",
+            &millis(timing.standing.after),
+            "--standing-queue-wait",
+            &millis(timing.standing.wait),
+        ])
         .args(["--drain-timeout", "1s"])
         .args(["--replicas", &replicas.to_string()])
         // One `--flag=value` argument: a value cannot be taken for a flag.
@@ -655,6 +669,10 @@ mod tests {
         let sped_up = KvrouteTiming::for_speedup(10.0);
         assert_eq!(sped_up.scrape_interval, MIN_WALL_SCRAPE_INTERVAL);
         assert_eq!(sped_up.max_metrics_age, MIN_WALL_SCRAPE_INTERVAL * 10);
+        // Waits are for the simulated pods: simulated time, scaled.
+        assert_eq!(sped_up.max_queue_wait, Duration::from_millis(1_500));
+        assert_eq!(sped_up.standing.after, Duration::from_millis(500));
+        assert_eq!(sped_up.standing.wait, Duration::from_millis(200));
     }
 
     #[test]
