@@ -22,6 +22,8 @@ pub struct WaitingRoom<T, D> {
     /// When the queue last went from empty to holding a request: it has held requests
     /// without a break since, as long as it is not empty.
     busy_since: Option<D>,
+    /// The arrival the last deadline counted from.
+    last_arrival: Option<D>,
 }
 
 impl<T, D> WaitingRoom<T, D>
@@ -38,6 +40,7 @@ where
             max_wait: settings.max_wait,
             standing: settings.standing.filter(|s| s.wait < settings.max_wait),
             busy_since: None,
+            last_arrival: None,
         }
     }
 
@@ -72,6 +75,12 @@ where
         if self.queue.len() >= self.max_waiting {
             return None;
         }
+        // Deadlines must come due in the order they are pushed (the scans below stop at
+        // the first one not due). Two requests stamped just before racing for the
+        // gateway's lock can arrive here out of order: the later one counts from the
+        // earlier one's stamp, microseconds later.
+        let arrival = self.last_arrival.map_or(arrival, |last| arrival.max(last));
+        self.last_arrival = Some(arrival);
         if self.queue.is_empty() {
             self.busy_since = Some(arrival);
         }
@@ -301,6 +310,23 @@ mod tests {
         assert_eq!(room.next_deadline(starting), Some(secs(10)));
         let expired = room.expire(secs(10), |item| *item == "starting");
         assert_eq!(expired, [("critical", secs(10)), ("starting", secs(10))]);
+    }
+
+    #[test]
+    fn an_arrival_stamped_before_the_previous_ones_counts_from_it() {
+        let standing = StandingQueue {
+            after: secs(1),
+            wait: secs(2),
+        };
+        let mut room = room(100, Some(standing));
+        let (_, first) = room.hold(100, "t", "critical", secs(3)).expect("room");
+        let (_, second) = room.hold(0, "t", "plain", secs(2)).expect("room");
+        assert_eq!((first, second), (secs(13), secs(13)), "in push order");
+        // The plain one is due at 5 s (counted from 3 s), and is taken out then: the
+        // critical one before it in the deque does not hide it.
+        assert_eq!(room.next_deadline(|_| false), Some(secs(5)));
+        assert_eq!(room.expire_all(secs(5)), ["plain"]);
+        assert_eq!(room.next_deadline(|_| false), Some(secs(13)));
     }
 
     #[test]
