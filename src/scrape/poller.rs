@@ -17,7 +17,7 @@ use hyper::Uri;
 use tokio::sync::Semaphore;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_rustls::TlsConnector;
-use tracing::{debug, error, warn};
+use tracing::{debug, warn};
 
 use kvroute_core::vllm::{
     ModelsError, VllmMetricsError, metrics_query, parse_models, parse_vllm_metrics,
@@ -80,6 +80,9 @@ impl ScrapeError {
 /// Starts and stops the per-pod pollers as the endpoint set changes.
 pub struct ScrapeManager {
     store: Arc<PodStore>,
+    /// `/metrics` with the query for only the series kvroute reads (vLLM then skips
+    /// rendering its histograms), parsed once for every poller.
+    metrics_path: Uri,
     /// HTTPS to the pods when `--pod-ca-bundle` is set.
     tls: Option<TlsConnector>,
     config: ScrapeConfig,
@@ -105,7 +108,10 @@ impl ScrapeManager {
             .as_deref()
             .map(tls_connector)
             .transpose()?;
+        let metrics_path = Uri::try_from(format!("/metrics?{}", metrics_query()))
+            .context("forming the /metrics request")?;
         Ok(ScrapeManager {
+            metrics_path,
             permits: config
                 .concurrency
                 .map(|bound| Arc::new(Semaphore::new(bound))),
@@ -124,6 +130,7 @@ impl ScrapeManager {
             |endpoint| {
                 let poller = PodPoller {
                     endpoint,
+                    metrics_path: self.metrics_path.clone(),
                     store: Arc::clone(&self.store),
                     client: PodClient::new(endpoint, self.tls.clone()),
                     config: self.config.clone(),
@@ -139,6 +146,7 @@ impl ScrapeManager {
 
 struct PodPoller {
     endpoint: SocketAddr,
+    metrics_path: Uri,
     store: Arc<PodStore>,
     client: PodClient,
     config: ScrapeConfig,
@@ -148,14 +156,8 @@ struct PodPoller {
 
 impl PodPoller {
     async fn run(mut self) {
-        // Only the series kvroute reads (vLLM then skips rendering its histograms).
-        let metrics_path = match Uri::try_from(format!("/metrics?{}", metrics_query())) {
-            Ok(path) => path,
-            Err(error) => {
-                error!(%error, "cannot form the /metrics request; not scraping");
-                return;
-            }
-        };
+        // A cheap handle of its own: `fetch` borrows the poller mutably.
+        let metrics_path = self.metrics_path.clone();
         let models_path = Uri::from_static("/v1/models");
         // The first scrape at once (a new pod is read without delay), the next ones at the
         // pod's own phase of the interval: pollers started together (a fleet discovered at

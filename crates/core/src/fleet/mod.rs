@@ -96,9 +96,9 @@ impl ServedModels {
     }
 }
 
-/// The few numbers the scheduler reads for every pod, copied out of the scrape when
-/// the snapshot is built, so a pick over thousands of pods finds them in place rather
-/// than behind a pointer.
+/// The few numbers the scheduler reads of a pod's scrape, copied out of it when the
+/// pod's view is built: the snapshot's [`PodRow`]s are made from them, and the gateway
+/// reads them for a pod it has in hand (its free KV, its capacity).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LoadSignals {
     /// Requests waiting per engine (rounded up): a data-parallel pod runs one queue per

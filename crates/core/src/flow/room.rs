@@ -133,9 +133,7 @@ where
         let shortened = self
             .deadlines
             .iter()
-            .find(|&&(_, id, priority)| {
-                priority <= 0 && self.queue.get(id).is_some_and(|item| !waits_for_pods(item))
-            })
+            .find(|&&(_, id, priority)| self.standing_bound_applies(id, priority, &waits_for_pods))
             .map(|&(at, _, _)| (at - (self.max_wait - standing.wait)).max(since + standing.after));
         Some(shortened.map_or(deadline, |at| at.min(deadline)))
     }
@@ -167,11 +165,9 @@ where
                 if deadline > due {
                     break;
                 }
-                let stays = self
-                    .queue
-                    .get(id)
-                    .is_some_and(|item| priority > 0 || waits_for_pods(item));
-                if stays {
+                if self.queue.contains(id)
+                    && !self.standing_bound_applies(id, priority, &waits_for_pods)
+                {
                     at += 1;
                     continue;
                 }
@@ -182,6 +178,18 @@ where
             }
         }
         expired
+    }
+
+    /// Whether the standing bound's shorter wait applies to the waiting request `id` of
+    /// `priority`: it is at or below the default priority ([`WaitingRoom::wait_bound`])
+    /// and not waiting for a pod to come up (`waits_for_pods`). False once it left.
+    fn standing_bound_applies(
+        &self,
+        id: EntryId,
+        priority: Priority,
+        waits_for_pods: impl Fn(&T) -> bool,
+    ) -> bool {
+        priority <= 0 && self.queue.get(id).is_some_and(|item| !waits_for_pods(item))
     }
 
     /// Takes a request out before its deadline (its client left).

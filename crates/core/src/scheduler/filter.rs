@@ -34,7 +34,7 @@ pub(super) struct Candidate {
     pub(super) flags: u8,
     /// How far the pod's own report can be trusted, by its age, in 1/255ths (a byte keeps
     /// the record at 40 bytes; the scores read capacity and KV use from the pod's row, for
-    /// the few candidates that compete): see [`trust`].
+    /// the few candidates that compete): see [`Reading::trust`].
     trust: u8,
     pub(super) waiting: u32,
     pub(super) inflight: u32,
@@ -100,15 +100,24 @@ impl<'a> Reading<'a> {
         }
     }
 
-    /// How far the report of the pod in `row` can be trusted: see [`trust`].
+    /// How much the report of the pod in `row` counts, by its age: fully up to
+    /// `max_metrics_age`, then `max_metrics_age / age` (half at twice the age, a tenth at
+    /// ten times); nothing without an age. Old metrics weaken the pod's KV and queue
+    /// scores in proportion rather than excluding the pod: when the scraper falls behind on
+    /// a large fleet, excluding every pod past a threshold herded all traffic onto
+    /// whichever pods were scraped last. What kvroute itself sent (in flight, queued
+    /// prefill, committed KV) is always current and is not weakened. Ages are compared in
+    /// nanoseconds: most pods are fresh, and a `Duration` from nanoseconds costs a division.
     fn trust(&self, row: &PodRow) -> u8 {
         if row.age_nanos == PodRow::NO_AGE {
-            0
-        } else if row.age_nanos <= self.max_age_nanos {
-            FULL_TRUST
-        } else {
-            trust(Duration::from_nanos(row.age_nanos), self.config)
+            return 0;
         }
+        if row.age_nanos <= self.max_age_nanos {
+            return FULL_TRUST;
+        }
+        let age = Duration::from_nanos(row.age_nanos);
+        let share = self.config.max_metrics_age.as_secs_f64() / age.as_secs_f64();
+        (share * f64::from(FULL_TRUST)).round() as u8
     }
 }
 
@@ -345,20 +354,6 @@ fn soft_filters(present: &[bool; COMBINATIONS]) -> (u16, Relaxed) {
         kv_headroom: relaxed[1],
     };
     (accepted, relaxed)
-}
-
-/// How much the pod's report counts, by its age: fully up to `max_metrics_age`, then
-/// `max_metrics_age / age` (half at twice the age, a tenth at ten times). Old metrics
-/// weaken the pod's KV and queue scores in proportion rather than excluding the pod:
-/// when the scraper falls behind on a large fleet, excluding every pod past a threshold
-/// herded all traffic onto whichever pods were scraped last. What kvroute itself sent
-/// (in flight, queued prefill, committed KV) is always current and is not weakened.
-fn trust(age: Duration, config: &SchedulerConfig) -> u8 {
-    if age <= config.max_metrics_age {
-        return FULL_TRUST;
-    }
-    let share = config.max_metrics_age.as_secs_f64() / age.as_secs_f64();
-    (share * f64::from(FULL_TRUST)).round() as u8
 }
 
 /// A long queue, or KV use at the threshold. KV use does not make a pod saturated for a

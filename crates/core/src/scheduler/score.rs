@@ -60,7 +60,7 @@ impl<'a> Scorer<'a> {
         &self.fleet.snapshot().pods()[c.index as usize]
     }
 
-    /// Weakened as the pod's metrics age (see `filter::trust`).
+    /// Weakened as the pod's metrics age (see `filter::Reading::trust`).
     fn kv_headroom(&self, c: &Candidate) -> f64 {
         let headroom = match (c.has_metrics(), c.free_kv()) {
             (true, Some(free)) => {

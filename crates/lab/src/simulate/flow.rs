@@ -115,7 +115,8 @@ impl WaitingRoom {
         self.room.hold(waiter.priority, &tenant, waiter, arrival)
     }
 
-    /// Takes out the requests whose deadline is at or before `now`.
+    /// Takes out the requests whose wait has run out at `now`: their deadline, or the
+    /// standing bound's shorter wait (`kvroute_core::flow::WaitingRoom::expire`).
     pub fn expire(&mut self, now: Duration) -> Vec<Waiter> {
         self.room
             .expire(now, |waiter| waiter.no_endpoint.get())
