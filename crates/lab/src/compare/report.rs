@@ -398,8 +398,8 @@ fn groups_markdown(w: &WorkloadResult) -> String {
         w.workload
     );
     s.push_str(
-        "| rate | router | group | completed/planned | shed | errors | req/s | real-scale TTFT p50 s | real-scale TTFT p90 s | client TTFT p90 s | e2e p90 s |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| rate | router | group | completed/planned | shed | errors | req/s | real-scale TTFT p50 s | real-scale TTFT p90 s | pod TTFT p90 s | path p50 ms | path p90 ms | queue p90 s | client TTFT p90 s | e2e p90 s |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for &rate in &w.rates {
         for run in &w.runs {
@@ -409,7 +409,7 @@ fn groups_markdown(w: &WorkloadResult) -> String {
             for (label, g) in step.groups() {
                 let _ = writeln!(
                     s,
-                    "| {rate} | {} | {label} | {}/{} | {} | {} | {:.2} | {} | {} | {} | {} |",
+                    "| {rate} | {} | {label} | {}/{} | {} | {} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} |",
                     run.router.name(),
                     g.completed,
                     g.planned,
@@ -418,6 +418,10 @@ fn groups_markdown(w: &WorkloadResult) -> String {
                     per_arrival_second(g.completed as f64, step.duration_s),
                     num(g.ttft_real_scale_s.p50, 3),
                     num(g.ttft_real_scale_s.p90, 3),
+                    num(g.pod_ttft_s.p90, 3),
+                    num(g.path_s.p50.map(|p| p * 1e3), 1),
+                    num(g.path_s.p90.map(|p| p * 1e3), 1),
+                    num(g.queue_s.p90, 3),
                     num(g.ttft_s.p90, 3),
                     num(g.e2e_s.p90, 3),
                 );
@@ -436,7 +440,10 @@ the target checks read) counts the time outside the pods once, unscaled, except 
 queue wait, which kvroute reports in `server-timing` and which counts in simulated time: it is
 the simulated pods the request waits for. `shed`: requests a gateway answered 429 or 503 with
 `x-llm-d-request-dropped-reason`, by reason (neither completed nor errors); `req/s`: completed
-requests per simulated second of the step's arrival window, as in the tables above.
+requests per simulated second of the step's arrival window, as in the tables above; `pod TTFT`
+the pod's own, `path` the wall time outside the pod before the first token (the gateway's
+queue wait included), `queue` the gateway's hold in simulated time (0 for a request it did not
+hold).
 ";
 
 /// Column meanings, for the top of the report.
@@ -789,12 +796,12 @@ mod tests {
         assert!(md.contains("### w: per objective and tenant"), "{md}");
         assert!(
             md.contains(
-                "| 44 | kvroute | objective critical | 8/8 | 0 | 0 | 0.80 | 0.250 | 0.250 | 0.250 | 0.750 |"
+                "| 44 | kvroute | objective critical | 8/8 | 0 | 0 | 0.80 | 0.250 | 0.250 | - | - | - | 0.000 | 0.250 | 0.750 |"
             ),
             "{md}"
         );
         assert!(
-            md.contains("| 44 | kvroute | objective sheddable | 0/3 | 3 (rejected-saturated 3) | 0 | 0.00 | - | - | - | - |"),
+            md.contains("| 44 | kvroute | objective sheddable | 0/3 | 3 (rejected-saturated 3) | 0 | 0.00 | - | - | - | - | - | - | - | - |"),
             "{md}"
         );
         assert!(md.contains("### w: target checks"), "{md}");

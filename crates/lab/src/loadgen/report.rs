@@ -134,6 +134,14 @@ pub struct GroupStats {
     /// in simulated time. Against a sped-up simulator `ttft_s` overstates the router's own
     /// CPU time tenfold; at speedup 1 they agree.
     pub ttft_real_scale_s: Latency,
+    /// The pod's own TTFT of completed requests (see [`Outcome::pod_ttft_s`]): with
+    /// `path_s`, it tells a group's slower TTFT at busier pods from one on a slower path.
+    pub pod_ttft_s: Latency,
+    /// Wall time outside the pod before the first token (see [`Outcome::path_s`]).
+    pub path_s: Latency,
+    /// The gateway's hold of completed requests, in simulated time (see
+    /// [`Outcome::queue_s`]; 0 for a request it did not hold).
+    pub queue_s: Latency,
     /// End to end of completed requests.
     pub e2e_s: Latency,
 }
@@ -144,6 +152,9 @@ struct GroupAcc {
     stats: GroupStats,
     ttft: Vec<f64>,
     real_scale: Vec<f64>,
+    pod_ttft: Vec<f64>,
+    path: Vec<f64>,
+    queue: Vec<f64>,
     e2e: Vec<f64>,
 }
 
@@ -160,6 +171,11 @@ impl GroupAcc {
             s.completed += 1;
             self.ttft.extend(o.ttft_s);
             self.real_scale.extend(o.ttft_real_scale_s);
+            self.pod_ttft.extend(o.pod_ttft_s);
+            self.path.extend(o.path_s);
+            if o.ttft_s.is_some() {
+                self.queue.push(o.queue_s.unwrap_or(0.0));
+            }
             self.e2e.extend(o.e2e_s);
         }
     }
@@ -173,6 +189,9 @@ impl GroupAcc {
             },
             ttft_s: Latency::of(self.ttft),
             ttft_real_scale_s: Latency::of(self.real_scale),
+            pod_ttft_s: Latency::of(self.pod_ttft),
+            path_s: Latency::of(self.path),
+            queue_s: Latency::of(self.queue),
             e2e_s: Latency::of(self.e2e),
             ..self.stats
         }

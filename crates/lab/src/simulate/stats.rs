@@ -139,8 +139,12 @@ pub struct GroupAcc {
     pub errors: usize,
     pub shed: usize,
     pub shed_by_reason: BTreeMap<String, usize>,
-    /// TTFT (the wait at the gateway included) and e2e of completed requests.
+    /// TTFT (the wait at the gateway included), the pod's own TTFT and e2e of completed
+    /// requests.
     pub ttft: Vec<f64>,
+    pub pod_ttft: Vec<f64>,
+    /// The wait at the gateway of completed requests.
+    pub queue: Vec<f64>,
     pub e2e: Vec<f64>,
 }
 
@@ -174,6 +178,19 @@ impl GroupAcc {
             ttft_s: ttft,
             // No path outside the pods: the client's TTFT is the one at real scale.
             ttft_real_scale_s: ttft,
+            pod_ttft_s: Latency::of(
+                groups
+                    .clone()
+                    .flat_map(|g| g.pod_ttft.iter().copied())
+                    .collect(),
+            ),
+            path_s: Latency::default(),
+            queue_s: Latency::of(
+                groups
+                    .clone()
+                    .flat_map(|g| g.queue.iter().copied())
+                    .collect(),
+            ),
             e2e_s: Latency::of(groups.flat_map(|g| g.e2e.iter().copied()).collect()),
         }
     }
@@ -300,6 +317,8 @@ impl StepAcc {
         let g = self.group(c.class);
         g.completed += 1;
         g.ttft.push(ttft);
+        g.pod_ttft.push(c.pod_ttft);
+        g.queue.push(c.waited);
         g.e2e.push(e2e);
         if c.tokens > 1 {
             self.tpot
