@@ -128,6 +128,33 @@ fn the_same_seed_gives_the_same_result_and_another_seed_does_not() {
 }
 
 #[test]
+fn the_cache_aware_model_keeps_prefixes_home_as_round_robin_does_not() {
+    // The peers' policy, modelled: requests sharing a system prompt follow it to the pod
+    // whose tree holds it, so the fleet's prefix cache hits far more often than when every
+    // pod takes its turn; every request is accounted for.
+    let file = workload_file("shared-prefix");
+    let w = Workload::from_file(&file).unwrap();
+    let a = args(Some(4), &[16.0], Duration::from_secs(15));
+    let setup = Setup::new(&a, &w, &file).unwrap();
+    let (model, model_stats) = run(&setup, Router::CacheAware);
+    let (rr, rr_stats) = run(&setup, Router::RoundRobin);
+    assert_accounted(&model, &model_stats);
+    assert_accounted(&rr, &rr_stats);
+    assert_eq!(model.router.name(), "cache-aware");
+    let hits = |r: &RouterRun| {
+        r.fleet_steps[0]
+            .prefix_hit_rate
+            .expect("the pods counted queries")
+    };
+    assert!(
+        hits(&model) > hits(&rr) + 0.1,
+        "prefix hit rate: cache-aware model {}, round robin {}",
+        hits(&model),
+        hits(&rr)
+    );
+}
+
+#[test]
 fn a_fleet_scaled_up_keeps_each_pods_load_and_copies_the_tenants() {
     let file = workload_file("multi-lora");
     let w = Workload::from_file(&file).unwrap();

@@ -274,7 +274,7 @@ pub(super) fn filter(
     if candidates.is_empty() {
         return Err(PickError::NoReadyEndpoint);
     }
-    let (accepted, relaxed) = soft_filters(&present);
+    let (accepted, mut relaxed) = soft_filters(&present);
     let sticky_floor = sticky_floor(&candidates, demand.prompt);
     // Once, so that the passes that score and rank read only the pods that compete.
     let (mut accepted_count, mut max_inflight) = (0, 0);
@@ -286,6 +286,22 @@ pub(super) fn filter(
         max_inflight = max_inflight.max(candidate.inflight);
         candidate.cached >= sticky_floor
     });
+    // Stickiness keeps the context's pods whatever the filters said. When every one of them
+    // has a queue at the saturation depth and none the KV to start even the request's
+    // uncached prompt, the pick lacks room as if every pod did: flow control holds the
+    // request at the gateway until a holder has room (or sheds it), where it would have
+    // joined the holder's queue and, admitted, grown until the pod preempted. A holder with
+    // no queue, or with room for the prompt, still takes it at once: holding waits for the
+    // next scrape, which cost p90 TTFT below the knee when any holder short of KV held.
+    if sticky_floor > 0
+        && !candidates.iter().any(|c| {
+            c.flags & (FITS | NOT_SATURATED) != 0
+                || c.free_kv()
+                    .is_none_or(|free| free >= demand.uncached_prompt(c.cached))
+        })
+    {
+        relaxed.kv_headroom = true;
+    }
     Ok(Filtered {
         candidates,
         accepted: accepted_count,

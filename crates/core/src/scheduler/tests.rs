@@ -1162,6 +1162,30 @@ fn the_pod_holding_most_of_the_prompt_keeps_it_while_saturated_and_short_of_kv()
 }
 
 #[test]
+fn a_queued_holder_without_kv_to_start_the_prompt_lacks_room_for_flow_control() {
+    // Pod 1 caches 2,992 of the 3,200 prompt tokens, has 9 requests queued and 90 tokens
+    // free, less than the 208 uncached prompt tokens: the request would join that queue
+    // and grow there. Stickiness still names pod 1, but the decision lacks room, so flow
+    // control holds the request at the gateway until pod 1 has it.
+    let prefix = matches(200, &[(1, 187)]);
+    let ask = context_request(&prefix);
+    let snapshot = fleet(vec![pressed(1, 0.997, 9), pressed(2, 0.1, 0)]);
+    let decision = pick_seeded(&ask, &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+    assert!(decision.relaxed.kv_headroom, "{decision:?}");
+    assert!(decision.lacks_room(), "{decision:?}");
+    assert_eq!(decision.reason, Reason::Fallback);
+
+    // With room to start the prompt (300 free), or with no queue, the pod takes it now.
+    for holder in [pressed(1, 0.99, 9), pressed(1, 0.997, 0)] {
+        let snapshot = fleet(vec![holder, pressed(2, 0.1, 0)]);
+        let decision = pick_seeded(&ask, &snapshot).expect("placed");
+        assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+        assert!(!decision.lacks_room(), "{decision:?}");
+    }
+}
+
+#[test]
 fn a_prefix_holder_loaded_past_the_slack_gives_the_prefix_up() {
     let prefix = matches(200, &[(1, 187)]);
     let ask = context_request(&prefix);

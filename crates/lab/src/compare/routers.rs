@@ -45,6 +45,9 @@ pub enum RouterKind {
     Sglang,
     /// vllm-router, cache_aware.
     VllmRouter,
+    /// `simulate`'s model of the two routers' cache_aware policy (not a live router).
+    #[value(skip)]
+    CacheAware,
 }
 
 impl RouterKind {
@@ -58,7 +61,7 @@ impl RouterKind {
     ];
 
     /// Every router including the opt-in ones, in report order (their plot colours).
-    pub const EVERY: [RouterKind; 8] = [
+    pub const EVERY: [RouterKind; 9] = [
         RouterKind::Kvroute,
         RouterKind::RoundRobin,
         RouterKind::LeastRequest,
@@ -67,6 +70,7 @@ impl RouterKind {
         RouterKind::KvrouteEvents,
         RouterKind::KvrouteReplicas,
         RouterKind::KvrouteEventsReplicas,
+        RouterKind::CacheAware,
     ];
 
     /// The name used in flags, tables and file names.
@@ -80,6 +84,7 @@ impl RouterKind {
             RouterKind::LeastRequest => "least-request",
             RouterKind::Sglang => "sglang",
             RouterKind::VllmRouter => "vllm-router",
+            RouterKind::CacheAware => "cache-aware",
         }
     }
 
@@ -102,6 +107,9 @@ impl RouterKind {
             RouterKind::LeastRequest => "Envoy `LEAST_REQUEST`",
             RouterKind::Sglang => "sglang-router `--policy cache_aware` (PyPI)",
             RouterKind::VllmRouter => "vllm-router `--policy cache_aware` (PyPI)",
+            RouterKind::CacheAware => {
+                "`kvroute-lab simulate`'s model of the cache_aware policy of sglang-router and vllm-router (offline only)"
+            }
         }
     }
 
@@ -275,6 +283,9 @@ pub async fn start(
             let (child, url) = start_python_router(&tools.python, module, level, pods, &log)?;
             (Guard::Process(child), url)
         }
+        RouterKind::CacheAware => anyhow::bail!(
+            "cache-aware is `kvroute-lab simulate`'s model of the peers' policy; live, run sglang or vllm-router"
+        ),
     };
     let mut router = RunningRouter {
         kind,

@@ -31,6 +31,7 @@
 //! behind `compare`'s report types, `diagnose` the optional decision and per-pod traces
 //! (`--diagnose N`).
 
+mod cache_aware;
 mod diagnose;
 mod flow;
 mod observe;
@@ -67,10 +68,12 @@ pub enum Router {
     RoundRobin,
     /// Envoy `LEAST_REQUEST` (two random choices, fewer active requests).
     LeastRequest,
+    /// A model of sglang-router's and vllm-router's `cache_aware` policy (opt-in).
+    CacheAware,
 }
 
 impl Router {
-    /// Every policy, in report order.
+    /// The policies a simulation runs unless told otherwise, in report order.
     pub const ALL: [Router; 4] = [
         Router::Kvroute,
         Router::KvrouteEvents,
@@ -85,6 +88,7 @@ impl Router {
             Router::KvrouteEvents => RouterKind::KvrouteEvents,
             Router::RoundRobin => RouterKind::RoundRobin,
             Router::LeastRequest => RouterKind::LeastRequest,
+            Router::CacheAware => RouterKind::CacheAware,
         }
     }
 
@@ -99,6 +103,9 @@ impl Router {
             Router::RoundRobin => "Envoy `ROUND_ROBIN` (each pod in turn)",
             Router::LeastRequest => {
                 "Envoy `LEAST_REQUEST` (two pods drawn at random, the one with fewer active requests)"
+            }
+            Router::CacheAware => {
+                "a model of the `cache_aware` policy of sglang-router and vllm-router at their defaults (not the routers themselves): the least loaded pod when max − min requests in flight > 64 and max > 1.5 × min, else the pod whose tree holds the longest prefix of the prompt when it is more than 0.3 of it, else the pod with the smallest tree (trees of 16-token blocks per model, nothing evicted)"
             }
         }
     }

@@ -24,6 +24,8 @@
 //! - [`Policy::RoundRobin`]: Envoy's `ROUND_ROBIN` over equal hosts.
 //! - [`Policy::LeastRequest`]: Envoy's `LEAST_REQUEST` over equal hosts: two hosts drawn at
 //!   random (with replacement), the one with fewer active requests, the first on a tie.
+//! - [`Policy::CacheAware`]: a model of sglang-router's and vllm-router's `cache_aware`
+//!   ([`super::cache_aware`]).
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -46,6 +48,7 @@ use kvroute_core::kvevents::{
 use kvroute_core::request::{InferenceRequest, RouteRequest};
 use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
 
+use super::cache_aware::CacheAware;
 use super::flow::{
     DropReason, FlowClass, FlowSettings, MAX_MISSES_PER_PASS, Waiter, WaitingRoom, pods_key,
 };
@@ -707,6 +710,7 @@ pub enum Policy {
     Kvroute(Box<Kvroute>),
     RoundRobin { next: usize },
     LeastRequest { rng: SmallRng },
+    CacheAware(Box<CacheAware>),
 }
 
 impl Policy {
@@ -730,6 +734,14 @@ impl Policy {
             Policy::Kvroute(k) => {
                 let (request, tokens) = request(k.uses_kv_events());
                 return k.route(now, request, tokens, class, slot);
+            }
+            Policy::CacheAware(c) => {
+                let (request, tokens) = request(true);
+                c.route(
+                    inflight,
+                    &request.model,
+                    tokens.as_deref().unwrap_or_default(),
+                )
             }
             Policy::RoundRobin { next } => {
                 let pod = *next % pods;

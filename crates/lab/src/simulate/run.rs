@@ -32,6 +32,7 @@ use kvroute_sim::engine::{
 };
 use kvroute_sim::kv::mix;
 
+use super::cache_aware::CacheAware;
 use super::diagnose::{Diagnostics, PodSample};
 use super::flow::{self, FlowClass, FlowSettings};
 use super::observe::{pod_metrics, served_models};
@@ -245,6 +246,7 @@ impl<'s> World<'s> {
                 Policy::Kvroute(Box::new(kvroute.with_replicas(setup.replicas)))
             }
             Router::RoundRobin => Policy::RoundRobin { next: 0 },
+            Router::CacheAware => Policy::CacheAware(Box::new(CacheAware::new(setup.pods))),
             Router::LeastRequest => Policy::LeastRequest {
                 rng: rand::SeedableRng::seed_from_u64(mix(setup.seed, 0x1ea5)),
             },
