@@ -274,12 +274,13 @@ impl LivePicker {
         let request = waiter.route_request();
         let started = Instant::now();
         let config = self.rules_for(waiter.priority, &waiter.tenant);
+        let hold = Hold::WithoutKv.for_tenant(&waiter.tenant, &lock(&self.shares));
         match self.place(
             &request,
             &waiter.blocks,
             fleet,
             waiter.first_token_visible,
-            Hold::WithoutKv,
+            hold,
             &config,
         ) {
             Ok(Placed::Routed(decision, reservation, prefix)) => Some(self.routed(
@@ -778,7 +779,8 @@ impl LivePicker {
         if queues && request.model().is_some() && self.room.must_queue_behind(class.priority) {
             return self.hold(request, class, blocks, labels, first_token_visible, false);
         }
-        let hold = Hold::on_arrival(request.model().is_some(), class.priority, queues);
+        let hold = Hold::on_arrival(request.model().is_some(), class.priority, queues)
+            .for_tenant(&class.tenant, &lock(&self.shares));
         let started = Instant::now();
         let config = self.rules_for(class.priority, &class.tenant);
         let placed = self.place(request, &blocks, &fleet, first_token_visible, hold, &config);

@@ -357,6 +357,31 @@ mod waiting_room {
     }
 
     #[tokio::test]
+    async fn a_quiet_tenant_is_not_held_for_kv_the_busy_one_took() {
+        let store = store_with_pod(0.0, 0);
+        let picker = picker_over(Arc::clone(&store), FlowSettings::default());
+        let mut routed = Vec::new();
+        let mut busy = loop {
+            match route_small(&picker, 0, "busy") {
+                Placement::Routed(r) => routed.push(r),
+                Placement::Waiting(waiting) => break waiting,
+                Placement::Unrouted(refused) => panic!("{refused:?}"),
+            }
+            assert!(routed.len() < 40, "the busy tenant never had to wait");
+        };
+        // The pod now reports itself full: no room even for the headroom.
+        scrape(&store, 0.99, 0);
+        // The quiet tenant, with nothing in flight beside the busy one, queues behind it
+        // (its band's order), and the pass its arrival starts sends it to the pod anyway:
+        // the pod queues it, rather than the gateway until a scrape shows room.
+        let mut quiet = held(route_small(&picker, 0, "quiet"));
+        picker.dispatch_waiting(Instant::now());
+        assert!(matches!(resolved(&mut quiet), Some(Ok(_))));
+        assert!(resolved(&mut busy).is_none(), "the busy tenant waits on");
+        assert_eq!(picker.waiting(), 1);
+    }
+
+    #[tokio::test]
     async fn a_full_waiting_room_refuses_the_next_request() {
         let flow = FlowSettings {
             max_waiting: 1,

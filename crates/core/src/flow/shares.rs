@@ -64,6 +64,14 @@ impl TenantShares {
             .is_some_and(|(own, total, tenants)| (own + 1) * tenants <= total)
     }
 
+    /// Whether `tenant` holds at most half an equal share of what is in flight among the
+    /// tenants with requests in flight (itself included), beside at least one other tenant.
+    pub fn quiet(&self, tenant: &str) -> bool {
+        // own <= total / tenants / 2, in integers.
+        self.standing(tenant)
+            .is_some_and(|(own, total, tenants)| own * 2 * tenants <= total)
+    }
+
     /// `tenant`'s requests in flight, everyone's, and how many tenants count (those with
     /// requests in flight, and `tenant`); `None` while no other tenant has any.
     fn standing(&self, tenant: &str) -> Option<(u64, u64, u64)> {
@@ -151,6 +159,27 @@ mod tests {
             "b has nothing in flight beside a busy a"
         );
         assert!(!shares.under_share("a"), "a is alone");
+    }
+
+    #[test]
+    fn a_tenant_with_at_most_half_an_equal_share_is_quiet() {
+        let mut shares = TenantShares::default();
+        let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+        for _ in 0..9 {
+            shares.started(&a, 100);
+        }
+        assert!(!shares.quiet("a"), "alone, a is not quiet");
+        assert!(shares.quiet("b"), "nothing in flight beside a busy a");
+        shares.started(&b, 100);
+        // b: 1 of 10, half an equal share is 2.5.
+        assert!(shares.quiet("b") && !shares.quiet("a"));
+        shares.started(&b, 100);
+        shares.started(&b, 100);
+        // b: 3 of 12, half an equal share is 3.
+        assert!(shares.quiet("b"));
+        shares.started(&b, 100);
+        // b: 4 of 13: under its share, no longer quiet.
+        assert!(!shares.quiet("b") && shares.under_share("b"));
     }
 
     #[test]

@@ -324,8 +324,9 @@ impl Replica {
             return self.hold(now, request, blocks, class, slot, false);
         }
         // Every simulated request names a model: `Hold::Never` is flow control off.
-        let hold = Hold::on_arrival(true, class.priority, queues);
         let shares = self.shares.borrow();
+        let hold =
+            Hold::on_arrival(true, class.priority, queues).for_tenant(&class.tenant, &shares);
         let config = self
             .rules
             .for_request(class.priority, &class.tenant, &shares);
@@ -441,6 +442,7 @@ impl Replica {
             },
             |waiter| {
                 let config = rules.for_request(waiter.priority, &waiter.tenant, &shares.borrow());
+                let hold = Hold::WithoutKv.for_tenant(&waiter.tenant, &shares.borrow());
                 match place(
                     prefix,
                     events.as_ref(),
@@ -448,7 +450,7 @@ impl Replica {
                     rng,
                     &waiter.request,
                     &waiter.blocks,
-                    Hold::WithoutKv,
+                    hold,
                     &config,
                 ) {
                     Ok(Placed::Routed(mut routed)) => {
