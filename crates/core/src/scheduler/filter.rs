@@ -183,9 +183,15 @@ impl Candidate {
         self.flags & HAS_METRICS != 0
     }
 
-    /// The weight (0..=1) of what the pod reported, by its age.
+    /// The weight (0..=1) of what the pod reported, by its age. Fresh pods (most of them)
+    /// weigh 1 without a division: a pick over thousands of candidates is bound by the
+    /// divider as much as by anything.
     pub(super) fn trust(&self) -> f64 {
-        f64::from(self.trust) / f64::from(FULL_TRUST)
+        if self.trust == FULL_TRUST {
+            1.0
+        } else {
+            f64::from(self.trust) / f64::from(FULL_TRUST)
+        }
     }
 }
 

@@ -19,8 +19,19 @@ pub(super) struct Scorer<'a> {
     adapter_waiting: PositionSet,
     /// The most requests in flight on any accepted candidate.
     max_inflight: u32,
+    /// `1 / max_inflight` and `1 / request_blocks` of the prefix match, so that the terms
+    /// each candidate computes multiply: over thousands of candidates the divider, not the
+    /// arithmetic, sets a pick's time.
+    inverse_max_inflight: f64,
+    inverse_request_blocks: f64,
+    /// The queue term of a pod with `waiting` requests queued, for the short queues most
+    /// pods have.
+    queue_terms: [f64; QUEUE_TERMS],
     config: &'a SchedulerConfig,
 }
+
+/// Queue lengths whose queue term [`Scorer`] computes once per pick.
+const QUEUE_TERMS: usize = 16;
 
 impl<'a> Scorer<'a> {
     pub(super) fn new(
@@ -43,15 +54,24 @@ impl<'a> Scorer<'a> {
         } else {
             (PositionSet::default(), PositionSet::default())
         };
+        let prefix = prefix.filter(|p| p.any() && p.request_blocks > 0);
+        let limit = f64::from(config.saturation.queue_depth);
         Scorer {
             fleet,
-            prefix: prefix.filter(|p| p.any() && p.request_blocks > 0),
+            prefix,
             demand,
             adapter,
             adapter_key: key,
             adapter_running,
             adapter_waiting,
             max_inflight,
+            inverse_max_inflight: if max_inflight == 0 {
+                0.0
+            } else {
+                1.0 / f64::from(max_inflight)
+            },
+            inverse_request_blocks: prefix.map_or(0.0, |p| 1.0 / f64::from(p.request_blocks)),
+            queue_terms: std::array::from_fn(|waiting| limit / (limit + waiting as f64)),
             config,
         }
     }
@@ -80,15 +100,21 @@ impl<'a> Scorer<'a> {
         if !c.has_metrics() {
             return 0.0;
         }
-        let limit = f64::from(self.config.saturation.queue_depth);
-        c.trust() * limit / (limit + f64::from(c.waiting))
+        let term = match self.queue_terms.get(c.waiting as usize) {
+            Some(&term) => term,
+            None => {
+                let limit = f64::from(self.config.saturation.queue_depth);
+                limit / (limit + f64::from(c.waiting))
+            }
+        };
+        c.trust() * term
     }
 
     fn inflight(&self, c: &Candidate) -> f64 {
         if self.max_inflight == 0 {
             1.0
         } else {
-            1.0 - f64::from(c.inflight) / f64::from(self.max_inflight)
+            1.0 - f64::from(c.inflight) * self.inverse_max_inflight
         }
     }
 
@@ -115,7 +141,7 @@ impl<'a> Scorer<'a> {
     /// Share of the prompt's leading blocks the pod holds.
     fn prefix(&self, c: &Candidate) -> f64 {
         self.prefix.map_or(0.0, |p| {
-            f64::from(p.blocks_at(c.index as usize)) / f64::from(p.request_blocks)
+            f64::from(p.blocks_at(c.index as usize)) * self.inverse_request_blocks
         })
     }
 
