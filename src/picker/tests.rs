@@ -324,6 +324,24 @@ mod waiting_room {
         assert!(matches!(route_small(&picker, 0, "t"), Placement::Routed(_)));
     }
 
+    /// Routes small requests of `tenant` (kept in `routed`) until one is held, which it
+    /// returns; fails if `limit` are routed first.
+    fn fill_until_held(
+        picker: &LivePicker,
+        tenant: &str,
+        routed: &mut Vec<Routed<InFlightRequest>>,
+        limit: usize,
+    ) -> Waiting<InFlightRequest> {
+        loop {
+            match route_small(picker, 0, tenant) {
+                Placement::Routed(r) => routed.push(r),
+                Placement::Waiting(waiting) => return waiting,
+                Placement::Unrouted(refused) => panic!("{refused:?}"),
+            }
+            assert!(routed.len() < limit, "{tenant} never had to wait");
+        }
+    }
+
     #[tokio::test]
     async fn a_quiet_tenant_uses_the_headroom_a_busy_one_must_leave() {
         // 60 % full; each small request takes 5 % more until the next scrape.
@@ -334,14 +352,7 @@ mod waiting_room {
         };
         routed.push(quiet);
         // The busy tenant fills the pod until, over its share, it must leave a tenth free.
-        let mut busy = loop {
-            match route_small(&picker, 0, "busy") {
-                Placement::Routed(r) => routed.push(r),
-                Placement::Waiting(waiting) => break waiting,
-                Placement::Unrouted(refused) => panic!("{refused:?}"),
-            }
-            assert!(routed.len() < 20, "the busy tenant never had to wait");
-        };
+        let mut busy = fill_until_held(&picker, "busy", &mut routed, 20);
         assert!(
             routed.len() >= 4,
             "{} routed before it waited",
@@ -361,14 +372,7 @@ mod waiting_room {
         let store = store_with_pod(0.0, 0);
         let picker = picker_over(Arc::clone(&store), FlowSettings::default());
         let mut routed = Vec::new();
-        let mut busy = loop {
-            match route_small(&picker, 0, "busy") {
-                Placement::Routed(r) => routed.push(r),
-                Placement::Waiting(waiting) => break waiting,
-                Placement::Unrouted(refused) => panic!("{refused:?}"),
-            }
-            assert!(routed.len() < 40, "the busy tenant never had to wait");
-        };
+        let mut busy = fill_until_held(&picker, "busy", &mut routed, 40);
         // The pod now reports itself full: no room even for the headroom.
         scrape(&store, 0.99, 0);
         // The quiet tenant, with nothing in flight beside the busy one, queues behind it
