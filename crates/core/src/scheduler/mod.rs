@@ -60,7 +60,10 @@ pub enum PickError {
     NoReadyEndpoint,
 }
 
-/// Soft filters that found no pod and were therefore skipped.
+/// Soft filters that found no pod and were therefore skipped. `kv_headroom` is also set
+/// when prefix stickiness keeps only pods holding the prompt's context and every one of
+/// them has a queue at the saturation depth and no KV to start the prompt (see
+/// `filter::filter`): the pick then lacks room as if no pod had it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Relaxed {
     pub saturation: bool,
