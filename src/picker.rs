@@ -273,8 +273,7 @@ impl LivePicker {
     fn try_place(&self, waiter: &Waiter, fleet: &Fleet) -> Option<Routed<InFlightRequest>> {
         let request = waiter.route_request();
         let started = Instant::now();
-        let config = self.rules_for(waiter.priority, &waiter.tenant);
-        let hold = Hold::WithoutKv.for_tenant(&waiter.tenant, &lock(&self.shares));
+        let (hold, config) = self.placement(Hold::WithoutKv, waiter.priority, &waiter.tenant);
         match self.place(
             &request,
             &waiter.blocks,
@@ -363,11 +362,16 @@ impl LivePicker {
         }
     }
 
-    /// The scheduler configuration a request of `priority` and `tenant` is placed by
-    /// ([`FlowRules::for_request`]).
-    fn rules_for(&self, priority: i32, tenant: &str) -> std::borrow::Cow<'_, SchedulerConfig> {
+    /// What a request of `priority` and `tenant` that `hold` would hold is held on, and the
+    /// scheduler configuration it is placed by ([`FlowRules::placement`]).
+    fn placement(
+        &self,
+        hold: Hold,
+        priority: i32,
+        tenant: &str,
+    ) -> (Hold, std::borrow::Cow<'_, SchedulerConfig>) {
         self.rules
-            .for_request(priority, tenant, &lock(&self.shares))
+            .placement(hold, priority, tenant, &lock(&self.shares))
     }
 
     /// Holds a request that found no room, or refuses it: a sheddable one, or any once
@@ -779,10 +783,12 @@ impl LivePicker {
         if queues && request.model().is_some() && self.room.must_queue_behind(class.priority) {
             return self.hold(request, class, blocks, labels, first_token_visible, false);
         }
-        let hold = Hold::on_arrival(request.model().is_some(), class.priority, queues)
-            .for_tenant(&class.tenant, &lock(&self.shares));
+        let (hold, config) = self.placement(
+            Hold::on_arrival(request.model().is_some(), class.priority, queues),
+            class.priority,
+            &class.tenant,
+        );
         let started = Instant::now();
-        let config = self.rules_for(class.priority, &class.tenant);
         let placed = self.place(request, &blocks, &fleet, first_token_visible, hold, &config);
         let elapsed = started.elapsed();
         match placed {

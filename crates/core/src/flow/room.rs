@@ -231,6 +231,18 @@ mod tests {
         Duration::from_secs(s)
     }
 
+    /// A room of 100 whose queue stands after `after` seconds and then bounds waits by
+    /// `wait` seconds.
+    fn standing_room(after: u64, wait: u64) -> WaitingRoom<&'static str, Duration> {
+        room(
+            100,
+            Some(StandingQueue {
+                after: secs(after),
+                wait: secs(wait),
+            }),
+        )
+    }
+
     #[test]
     fn waits_run_out_in_arrival_order_and_a_full_room_refuses() {
         let mut room = room(3, None);
@@ -256,11 +268,7 @@ mod tests {
 
     #[test]
     fn a_queue_that_has_not_emptied_for_the_standing_time_bounds_waits_by_the_shorter_wait() {
-        let standing = StandingQueue {
-            after: secs(5),
-            wait: secs(2),
-        };
-        let mut room = room(100, Some(standing));
+        let mut room = standing_room(5, 2);
         room.hold(0, "t", "a", secs(0)).expect("room");
         room.hold(0, "t", "b", secs(4)).expect("room");
         // A burst: before the queue has stood for 5 s, "a" may wait its whole 10 s.
@@ -295,11 +303,7 @@ mod tests {
 
     #[test]
     fn raised_priorities_and_requests_waiting_for_pods_keep_the_longest_wait() {
-        let standing = StandingQueue {
-            after: secs(1),
-            wait: secs(2),
-        };
-        let mut room = room(100, Some(standing));
+        let mut room = standing_room(1, 2);
         room.hold(0, "t", "plain", secs(0)).expect("room");
         room.hold(100, "t", "critical", secs(0)).expect("room");
         room.hold(0, "t", "starting", secs(0)).expect("room");
@@ -322,11 +326,7 @@ mod tests {
 
     #[test]
     fn an_arrival_stamped_before_the_previous_ones_counts_from_it() {
-        let standing = StandingQueue {
-            after: secs(1),
-            wait: secs(2),
-        };
-        let mut room = room(100, Some(standing));
+        let mut room = standing_room(1, 2);
         let (_, first) = room.hold(100, "t", "critical", secs(3)).expect("room");
         let (_, second) = room.hold(0, "t", "plain", secs(2)).expect("room");
         assert_eq!((first, second), (secs(13), secs(13)), "in push order");
@@ -339,11 +339,7 @@ mod tests {
 
     #[test]
     fn a_standing_wait_not_below_the_longest_wait_changes_nothing() {
-        let standing = StandingQueue {
-            after: secs(1),
-            wait: secs(10),
-        };
-        let mut room = room(100, Some(standing));
+        let mut room = standing_room(1, 10);
         room.hold(0, "t", "a", secs(0)).expect("room");
         assert!(!room.stands(secs(9)));
         assert_eq!(room.next_deadline(|_| false), Some(secs(10)));

@@ -128,6 +128,23 @@ impl FlowRules {
         })
     }
 
+    /// What a request of `priority` and `tenant` that `hold` would hold is held on, and
+    /// the configuration it is placed by: [`Hold::for_tenant`] and
+    /// [`FlowRules::for_request`], read from one look at what each tenant has in flight
+    /// (the gateway's shares sit behind a lock every placement would otherwise take twice).
+    pub fn placement(
+        &self,
+        hold: Hold,
+        priority: Priority,
+        tenant: &str,
+        shares: &TenantShares,
+    ) -> (Hold, Cow<'_, SchedulerConfig>) {
+        (
+            hold.for_tenant(tenant, shares),
+            self.for_request(priority, tenant, shares),
+        )
+    }
+
     /// The configured thresholds.
     pub fn normal(&self) -> &SchedulerConfig {
         &self.normal

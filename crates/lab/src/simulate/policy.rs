@@ -325,11 +325,12 @@ impl Replica {
         }
         // Every simulated request names a model: `Hold::Never` is flow control off.
         let shares = self.shares.borrow();
-        let hold =
-            Hold::on_arrival(true, class.priority, queues).for_tenant(&class.tenant, &shares);
-        let config = self
-            .rules
-            .for_request(class.priority, &class.tenant, &shares);
+        let (hold, config) = self.rules.placement(
+            Hold::on_arrival(true, class.priority, queues),
+            class.priority,
+            &class.tenant,
+            &shares,
+        );
         let placed = place(
             &self.prefix,
             self.events.as_ref(),
@@ -441,8 +442,12 @@ impl Replica {
                 }
             },
             |waiter| {
-                let config = rules.for_request(waiter.priority, &waiter.tenant, &shares.borrow());
-                let hold = Hold::WithoutKv.for_tenant(&waiter.tenant, &shares.borrow());
+                let (hold, config) = rules.placement(
+                    Hold::WithoutKv,
+                    waiter.priority,
+                    &waiter.tenant,
+                    &shares.borrow(),
+                );
                 match place(
                     prefix,
                     events.as_ref(),
@@ -829,9 +834,7 @@ mod tests {
     }
 
     /// kvroute over `pods` idle pods (a scrape published at time 0), holding requests at
-    /// most `max_wait`.
-    /// One replica over `pods` pods, waits bounded by `max_wait` alone (no standing
-    /// bound, which has its own test).
+    /// most `max_wait` (no standing bound, which has its own test).
     fn kvroute(pods: usize, max_wait: Duration) -> Kvroute {
         kvroute_with(
             pods,

@@ -158,12 +158,16 @@ impl GroupAcc {
             }
         }
         let completed = groups.clone().map(|g| g.completed).sum::<usize>();
-        let ttft = Latency::of(
-            groups
-                .clone()
-                .flat_map(|g| g.ttft.iter().copied())
-                .collect(),
-        );
+        // The latency of one of the samples each group keeps, over every group.
+        let over_groups = |samples: fn(&GroupAcc) -> &Vec<f64>| {
+            Latency::of(
+                groups
+                    .clone()
+                    .flat_map(|g| samples(g).iter().copied())
+                    .collect(),
+            )
+        };
+        let ttft = over_groups(|g| &g.ttft);
         GroupStats {
             planned: groups.clone().map(|g| g.planned).sum(),
             completed,
@@ -178,20 +182,10 @@ impl GroupAcc {
             ttft_s: ttft,
             // No path outside the pods: the client's TTFT is the one at real scale.
             ttft_real_scale_s: ttft,
-            pod_ttft_s: Latency::of(
-                groups
-                    .clone()
-                    .flat_map(|g| g.pod_ttft.iter().copied())
-                    .collect(),
-            ),
+            pod_ttft_s: over_groups(|g| &g.pod_ttft),
             path_s: Latency::default(),
-            queue_s: Latency::of(
-                groups
-                    .clone()
-                    .flat_map(|g| g.queue.iter().copied())
-                    .collect(),
-            ),
-            e2e_s: Latency::of(groups.flat_map(|g| g.e2e.iter().copied()).collect()),
+            queue_s: over_groups(|g| &g.queue),
+            e2e_s: over_groups(|g| &g.e2e),
         }
     }
 }
