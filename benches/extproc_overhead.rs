@@ -147,7 +147,7 @@ impl ExternalProcessor for NoopProcessor {
                 // The same answer builders kvroute uses: only the deciding is left out.
                 let answers = match message.request {
                     Some(Request::RequestHeaders(h)) if h.end_of_stream => {
-                        vec![messages::route_in_headers(&destination)]
+                        vec![messages::route_in_headers(&destination, None)]
                     }
                     Some(Request::RequestHeaders(_)) if full_duplex => vec![],
                     Some(Request::RequestHeaders(_)) => vec![messages::continue_request_headers()],
@@ -155,14 +155,16 @@ impl ExternalProcessor for NoopProcessor {
                         body.extend_from_slice(&b.body);
                         if b.end_of_stream {
                             vec![
-                                messages::route_in_headers(&destination),
+                                messages::route_in_headers(&destination, None),
                                 messages::streamed_request_body(std::mem::take(&mut body), true),
                             ]
                         } else {
                             vec![]
                         }
                     }
-                    Some(Request::RequestBody(_)) => vec![messages::route_in_body(&destination)],
+                    Some(Request::RequestBody(_)) => {
+                        vec![messages::route_in_body(&destination, None)]
+                    }
                     Some(Request::ResponseHeaders(_)) => {
                         vec![messages::continue_response_headers()]
                     }

@@ -31,6 +31,7 @@ use tokio::sync::{broadcast, oneshot};
 use tracing::{debug, warn};
 
 use crate::extproc::messages::ErrorReply;
+use crate::extproc::observe::PrefixPrediction;
 use crate::extproc::{
     InFlight, Placement, RawRequest, ResponseSummary, Routed, Router, Unrouted, UnroutedKind,
     Waiting,
@@ -343,12 +344,29 @@ impl LivePicker {
                 ..DecisionRecord::new(request, Ok(&decision))
             }),
         }
+        let prediction = decision.ranked.first().map(|winner| {
+            let block_tokens = self
+                .store
+                .fleet()
+                .snapshot()
+                .pod(decision.endpoint)
+                .and_then(|pod| pod.metrics())
+                .and_then(|metrics| metrics.block_size)
+                .unwrap_or(BLOCK_TOKENS_DEFAULT);
+            PrefixPrediction {
+                cached_tokens: winner.cached_tokens,
+                source: prefix.as_str(),
+                pod: decision.endpoint,
+                block_tokens,
+            }
+        });
         let endpoints = std::iter::once(decision.endpoint)
             .chain(decision.fallbacks)
             .collect();
         Routed {
             endpoints,
             queued: waited,
+            prediction,
             ticket: InFlightRequest {
                 endpoint: decision.endpoint,
                 reservation,
@@ -569,7 +587,7 @@ impl LivePicker {
             .then(|| inference.model.clone());
         let endpoint = pod.endpoint;
         let text = text_blocks(request);
-        let (inference, subset, class) =
+        let (mut inference, subset, class) =
             (inference.clone(), request.subset.cloned(), class.clone());
         let tokenizer = precise.tokenizer.clone();
         let max_wait = tokenizer.timeout() + self.room.settings.max_wait;
@@ -581,10 +599,15 @@ impl LivePicker {
             let outcome = tokens.as_ref().err().map(TokenizeError::kind);
             telemetry::record_tokenize(started.elapsed(), outcome);
             let tokens = match tokens {
-                Ok(tokens) => Some(TokenBlocks {
-                    chains: token_block_hashes(adapter.as_deref(), &tokens, block_tokens),
-                    block_tokens,
-                }),
+                Ok(tokens) => {
+                    // The pod's own count replaces the estimate from the text: the KV the
+                    // prompt needs, and the most of it a pod can hold cached.
+                    inference.prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+                    Some(TokenBlocks {
+                        chains: token_block_hashes(adapter.as_deref(), &tokens, block_tokens),
+                        block_tokens,
+                    })
+                }
                 Err(error) => {
                     debug!(pod = %endpoint, %error, "tokenization failed; matching on what kvroute sent");
                     None

@@ -65,6 +65,8 @@ pub const KV_EVENT_INDEX_ENTRIES: &str = "kvroute_kv_event_index_entries";
 pub const TOKENIZE_DURATION: &str = "kvroute_tokenize_duration_seconds";
 pub const PREFIX_PREDICTED: &str = "kvroute_prefix_predicted_cached_tokens_total";
 pub const POD_PREFIX_HITS: &str = "kvroute_pod_prefix_cache_hit_tokens_total";
+pub const PREFIX_CHECKS: &str = "kvroute_prefix_checks_total";
+pub const PREFIX_CHECKED_TOKENS: &str = "kvroute_prefix_checked_tokens_total";
 
 /// The `source` values of [`PREFIX_PREDICTED`] (`picker::PrefixFrom::as_str`).
 pub const PREFIX_SOURCES: [&str; 3] = ["sent", "kv_events", "kv_events+sent"];
@@ -375,6 +377,14 @@ fn describe() {
         POD_PREFIX_HITS,
         "Prompt tokens each pod served from its prefix cache (vLLM's prefix_cache_hits counter, as last scraped)."
     );
+    describe_counter!(
+        PREFIX_CHECKS,
+        "Routed requests whose response kvroute saw, by the prediction's source and how the pod's own usage.prompt_tokens_details.cached_tokens compared with it: as_predicted (within a block), fewer, more, other_pod (a retry went elsewhere), unreported (no usage in the response)."
+    );
+    describe_counter!(
+        PREFIX_CHECKED_TOKENS,
+        "Over the requests checked against their response (kvroute_prefix_checks_total, outcomes as_predicted, fewer and more): the cached prompt tokens kvroute predicted and those the pod served (kind)."
+    );
     describe_gauge!(
         KV_EVENT_INDEX_ENTRIES,
         "(pod, block) pairs in the index built from the pods' KV events."
@@ -430,6 +440,15 @@ fn register_counters() {
             .iter()
             .map(|&source| counter!(PREFIX_PREDICTED, "source" => source)),
     );
+    for source in PREFIX_SOURCES {
+        standing.extend(crate::extproc::observe::CheckOutcome::ALL.map(
+            |outcome| counter!(PREFIX_CHECKS, "source" => source, "outcome" => outcome.as_str()),
+        ));
+        standing.extend(
+            ["predicted", "served"]
+                .map(|kind| counter!(PREFIX_CHECKED_TOKENS, "source" => source, "kind" => kind)),
+        );
+    }
     standing.push(counter!(KV_EVENT_GAPS));
     standing.push(counter!(KV_EVENT_RESETS));
     let _ = STANDING.set(standing);
@@ -674,6 +693,22 @@ pub fn record_kv_blocks(applied: &kvroute_core::kvevents::Applied) {
 /// by the index `source` says.
 pub fn record_predicted_cached(source: &'static str, tokens: u64) {
     counter!(PREFIX_PREDICTED, "source" => source).increment(tokens);
+}
+
+/// A request's predicted cached tokens checked against its response (`served`: what the
+/// pod reported, when it did and it was the pod predicted for).
+pub fn record_prefix_check(
+    source: &'static str,
+    outcome: crate::extproc::observe::CheckOutcome,
+    predicted: u64,
+    served: Option<u64>,
+) {
+    counter!(PREFIX_CHECKS, "source" => source, "outcome" => outcome.as_str()).increment(1);
+    if let Some(served) = served {
+        counter!(PREFIX_CHECKED_TOKENS, "source" => source, "kind" => "predicted")
+            .increment(predicted);
+        counter!(PREFIX_CHECKED_TOKENS, "source" => source, "kind" => "served").increment(served);
+    }
 }
 
 /// One prompt tokenized on a pod (`failure`: why not, if it failed).

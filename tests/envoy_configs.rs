@@ -5,7 +5,9 @@
 
 mod support;
 
-use kvroute_lab::envoy::{ORIGINAL_DST_CONFIG, OVERRIDE_HOST_CONFIG, rewrite_shipped};
+use kvroute_lab::envoy::{
+    ORIGINAL_DST_CONFIG, OVERRIDE_HOST_CONFIG, rewrite_shipped, with_observer,
+};
 use support::{envoy_validate_file, project_file};
 
 #[test]
@@ -36,6 +38,25 @@ fn the_configs_rewritten_for_local_ports_are_valid_too() {
             rewrite_shipped(template, 18080, 19901, kvroute, &pods),
         )
         .expect("write");
+        envoy_validate_file(&path);
+    }
+}
+
+#[test]
+fn the_shipped_configs_with_their_response_observer_turned_on_are_valid() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (name, template) in [
+        ("closed.yaml", ORIGINAL_DST_CONFIG),
+        ("open.yaml", OVERRIDE_HOST_CONFIG),
+    ] {
+        let observed = with_observer(template);
+        assert!(
+            observed.contains("\n                  - name: kvroute.response_observer\n")
+                && observed.contains("observability_mode: true"),
+            "{name}: the observer block uncomments into a filter of the chain"
+        );
+        let path = dir.path().join(name);
+        std::fs::write(&path, observed).expect("write");
         envoy_validate_file(&path);
     }
 }

@@ -666,3 +666,109 @@ async fn a_data_parallel_pod_holds_a_block_while_any_of_its_ranks_does() {
     }
     pod.stop().await;
 }
+
+/// The cached tokens a response's usage reports (vLLM leaves the details out at 0).
+fn usage_cached(usage: &serde_json::Value) -> u64 {
+    assert!(usage["prompt_tokens"].is_u64(), "a usage object: {usage}");
+    usage["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// The usage object of a streamed completion's last event before `[DONE]`.
+async fn streamed_usage(response: reqwest::Response) -> serde_json::Value {
+    let text = response.text().await.expect("the stream ends");
+    let last = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .rfind(|l| *l != "[DONE]")
+        .expect("events");
+    serde_json::from_str::<serde_json::Value>(last).expect("an event")["usage"].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_response_observer_checks_each_prediction_against_the_pods_own_usage() {
+    let (fleet, templates) = fleet().await;
+    let pods = fleet.endpoints();
+    let mut config = test_config(pods.clone());
+    config.prefix_source = PrefixSource::Auto;
+    config.kv_events.endpoint = EndpointTemplate::parse(&templates.endpoint).expect("template");
+    config.kv_events.replay_endpoint =
+        Some(EndpointTemplate::parse(&templates.replay).expect("template"));
+    let kvroute = Kvroute::start(config).await;
+    kvroute
+        .wait_for("both pods scraped with their models", |s| {
+            pods.iter().all(|p| {
+                s.pod(*p)
+                    .is_some_and(|v| v.healthy && v.metrics().is_some() && v.models.is_some())
+            })
+        })
+        .await;
+    wait_for_gauge(&kvroute, "kvroute_kv_event_streams", 2.0).await;
+    let client = http_client();
+    let prompts: Vec<(String, SocketAddr)> = (0..4).map(|k| (prompt(k), pods[k % 2])).collect();
+    compute_on(&client, &prompts).await;
+    wait_for_gauge(&kvroute, "kvroute_kv_event_index_entries", 4.0 * 18.0).await;
+
+    // The shipped fail-closed gateway with its commented-out observer turned on.
+    let envoy = Envoy::start(Gateway::OriginalDstObserved, kvroute.addrs.grpc, &pods).await;
+    let url = envoy.url("/v1/completions");
+    let mut served = 0;
+    // Two answered whole, two streamed with usage asked for, then a prompt no pod holds.
+    let mut texts: Vec<String> = prompts.iter().map(|(t, _)| t.clone()).collect();
+    texts.push(prompt(99));
+    for (k, text) in texts.iter().enumerate() {
+        let stream = k % 2 == 1;
+        let mut body =
+            json!({"model": MODEL, "prompt": format!("{text} and then?"), "max_tokens": 3});
+        if stream {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let response = client
+            .post(&url)
+            .json(&body)
+            .send()
+            .await
+            .expect("Envoy answers");
+        assert_eq!(response.status(), 200, "{}", envoy.log());
+        let usage = if stream {
+            streamed_usage(response).await
+        } else {
+            response.json::<serde_json::Value>().await.expect("json")["usage"].clone()
+        };
+        let cached = usage_cached(&usage);
+        assert_eq!(cached > 0, k < 4, "prompt {k}: {usage}");
+        served += cached;
+    }
+
+    // The observing stream ends after the client has its answer: wait for the fifth check.
+    let checked = "kvroute_prefix_checks_total{source=\"kv_events\",outcome=\"as_predicted\"}";
+    let text = wait_for_gauge(&kvroute, checked, 5.0).await;
+    let tokens = |kind: &str| {
+        value(
+            &text,
+            &format!("kvroute_prefix_checked_tokens_total{{source=\"kv_events\",kind=\"{kind}\"}}"),
+        ) as u64
+    };
+    // Each prediction came from the events, within a block of what the pod served.
+    assert_eq!(tokens("served"), served, "{text}");
+    assert!(
+        tokens("predicted").abs_diff(served) <= 5 * 16,
+        "predicted {} against {served} served:\n{text}",
+        tokens("predicted")
+    );
+    for outcome in ["fewer", "more", "other_pod", "unreported"] {
+        assert_eq!(
+            value(
+                &text,
+                &format!(
+                    "kvroute_prefix_checks_total{{source=\"kv_events\",outcome=\"{outcome}\"}}"
+                )
+            ),
+            0.0,
+            "{outcome}:\n{text}"
+        );
+    }
+    fleet.shutdown().await;
+}

@@ -35,6 +35,7 @@ use kvroute_core::request::{
     ApiKind, EndpointSubset, InferenceRequest, RequestError, parse_request,
 };
 
+use super::observe::{self, PrefixPrediction, UsageScan};
 use super::{
     InFlight, Placement, RawRequest, ResponseSummary, RouteRequest, Routed, Router, Unrouted,
     UnroutedKind, Waiting,
@@ -109,6 +110,11 @@ pub struct Exchange<R: Router> {
     ticket: Option<R::Ticket>,
     response: ResponseSummary,
     first_token_seen: bool,
+    /// What the router expected the pod to find cached, checked against the response's
+    /// usage when the response body passes kvroute ([`observe`](super::observe)).
+    prediction: Option<PrefixPrediction>,
+    served_by: Option<std::net::SocketAddr>,
+    usage: UsageScan,
 }
 
 impl<R: Router> Exchange<R> {
@@ -131,6 +137,9 @@ impl<R: Router> Exchange<R> {
             ticket: None,
             response: ResponseSummary::default(),
             first_token_seen: false,
+            prediction: None,
+            served_by: None,
+            usage: UsageScan::default(),
         }
     }
 
@@ -372,9 +381,14 @@ impl<R: Router> Exchange<R> {
         let served = metadata
             .and_then(served_metadata)
             .or_else(|| served_header.clone());
-        if let (Some(ticket), Some(endpoint)) = (self.ticket.as_mut(), served) {
+        if let Some(endpoint) = served {
             match endpoint.trim().parse() {
-                Ok(endpoint) => ticket.served_by(endpoint),
+                Ok(endpoint) => {
+                    self.served_by = Some(endpoint);
+                    if let Some(ticket) = self.ticket.as_mut() {
+                        ticket.served_by(endpoint);
+                    }
+                }
                 Err(_) => debug!(%endpoint, "unreadable served endpoint"),
             }
         }
@@ -432,10 +446,9 @@ impl<R: Router> Exchange<R> {
                 ticket.streamed(events);
             }
         }
-        if let Some(tokens) = find_completion_tokens(&body.body) {
-            self.response.completion_tokens = Some(tokens);
-        }
         let ended = body.end_of_stream || body.end_of_stream_without_message;
+        self.usage.feed(&body.body, ended);
+        self.response.completion_tokens = self.usage.completion_tokens;
         let answer = match self.response_mode {
             BodyMode::FullDuplex => messages::streamed_response_body(body.body, body.end_of_stream),
             _ => messages::continue_response_body(),
@@ -463,15 +476,17 @@ impl<R: Router> Exchange<R> {
         let destination = routed.destination();
         self.ticket = Some(routed.ticket);
         self.phase = Phase::Forwarded;
+        self.prediction = routed.prediction;
+        let prediction = self.prediction.as_ref();
         let trailers = match self.answer_in {
-            AnswerIn::Headers => return vec![messages::route_in_headers(&destination)],
-            AnswerIn::Body => return vec![messages::route_in_body(&destination)],
+            AnswerIn::Headers => return vec![messages::route_in_headers(&destination, prediction)],
+            AnswerIn::Body => return vec![messages::route_in_body(&destination, prediction)],
             AnswerIn::Streamed { trailers } => trailers,
         };
         let body = std::mem::take(&mut self.body);
         self.policy.held_body_budget.give_back(body.len());
         let mut answers = Vec::with_capacity(3 + body.len() / MAX_STREAMED_CHUNK);
-        answers.push(messages::route_in_headers(&destination));
+        answers.push(messages::route_in_headers(&destination, prediction));
         if body.is_empty() {
             answers.push(messages::streamed_request_body(Vec::new(), !trailers));
         }
@@ -574,10 +589,16 @@ impl<R: Router> Exchange<R> {
         reply.into_response()
     }
 
-    /// Ends the routed request's ticket, once: its in-flight accounting is released.
+    /// Ends the routed request's ticket, once: its in-flight accounting is released. When
+    /// the response body passed kvroute, the prediction is checked against its usage.
     fn complete(&mut self) {
         if let Some(ticket) = self.ticket.take() {
             ticket.finish(self.response);
+            if self.response_mode != BodyMode::None
+                && let Some(prediction) = self.prediction.take()
+            {
+                observe::check(&prediction, &self.usage, self.served_by);
+            }
         }
     }
 }
@@ -614,7 +635,7 @@ fn first_header(map: &HeaderMap, names: &[&str]) -> Option<String> {
     names.iter().find_map(|name| header_value(map, name))
 }
 
-fn header_value(map: &HeaderMap, name: &str) -> Option<String> {
+pub(super) fn header_value(map: &HeaderMap, name: &str) -> Option<String> {
     map.headers
         .iter()
         .find(|h| h.key.eq_ignore_ascii_case(name))
@@ -668,23 +689,6 @@ fn count_events(chunk: &[u8]) -> u64 {
         .filter(|(at, window)| *window == FIELD && (*at == 0 || chunk[at - 1] == b'\n'))
         .count();
     starts as u64
-}
-
-/// Finds the last `"completion_tokens": N` in a response chunk (the usage object
-/// comes last, in the final SSE event or at the end of a JSON answer).
-fn find_completion_tokens(chunk: &[u8]) -> Option<u64> {
-    const KEY: &[u8] = b"\"completion_tokens\"";
-    let start = chunk.windows(KEY.len()).rposition(|w| w == KEY)? + KEY.len();
-    let rest = &chunk[start..];
-    let rest = rest.strip_prefix(b" ").unwrap_or(rest);
-    let rest = rest.strip_prefix(b":")?;
-    let digits: Vec<u8> = rest
-        .iter()
-        .skip_while(|b| b.is_ascii_whitespace())
-        .take_while(|b| b.is_ascii_digit())
-        .copied()
-        .collect();
-    std::str::from_utf8(&digits).ok()?.parse().ok()
 }
 
 fn bad_request(error: &RequestError) -> ErrorReply {

@@ -13,6 +13,7 @@ use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, Struct, Value
 
 use std::time::Duration;
 
+use super::observe::PrefixPrediction;
 use crate::flow::{DROPPED_REASON_HEADER, DropReason};
 
 /// Header (and metadata key) carrying the chosen endpoint, per the Gateway API
@@ -81,24 +82,41 @@ fn destination_metadata(destination: &str) -> Struct {
     outer
 }
 
+/// The routing answer's dynamic metadata: the destination, and the prediction (if any)
+/// for an observing filter to forward back to kvroute.
+fn routing_metadata(destination: &str, prediction: Option<&PrefixPrediction>) -> Struct {
+    let mut metadata = destination_metadata(destination);
+    if let Some(prediction) = prediction {
+        let (namespace, value) = prediction.metadata_field();
+        metadata.fields.insert(namespace, value);
+    }
+    metadata
+}
+
 /// Answer to the request headers that routes the request.
-pub fn route_in_headers(destination: &str) -> ProcessingResponse {
+pub fn route_in_headers(
+    destination: &str,
+    prediction: Option<&PrefixPrediction>,
+) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::RequestHeaders(HeadersResponse {
             response: Some(routing_common_response(destination)),
         })),
-        dynamic_metadata: Some(destination_metadata(destination)),
+        dynamic_metadata: Some(routing_metadata(destination, prediction)),
         ..ProcessingResponse::default()
     }
 }
 
 /// Answer to the (buffered) request body that routes the request.
-pub fn route_in_body(destination: &str) -> ProcessingResponse {
+pub fn route_in_body(
+    destination: &str,
+    prediction: Option<&PrefixPrediction>,
+) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse {
             response: Some(routing_common_response(destination)),
         })),
-        dynamic_metadata: Some(destination_metadata(destination)),
+        dynamic_metadata: Some(routing_metadata(destination, prediction)),
         ..ProcessingResponse::default()
     }
 }

@@ -4,6 +4,7 @@
 
 mod exchange;
 pub mod messages;
+pub mod observe;
 pub mod policy;
 
 use std::future::Future;
@@ -44,6 +45,9 @@ pub struct Routed<T> {
     /// client as `server-timing: kvroute-queue`); `None`: it was not held. A wait of
     /// another kind (a prompt being tokenized) is not counted.
     pub queued: Option<Duration>,
+    /// The cached prompt tokens the router expects the chosen pod to find, sent on in the
+    /// request's dynamic metadata and checked against the response ([`observe`]).
+    pub prediction: Option<observe::PrefixPrediction>,
 }
 
 impl<T> Routed<T> {
@@ -385,6 +389,12 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
                     }
                 };
                 match message {
+                    Ok(Some(message)) if message.observability_mode => {
+                        // A filter that only watches responses: it expects no answers.
+                        drop(silent.take());
+                        observe_stream(message, &mut inbound, &abort).await;
+                        break;
+                    }
                     Ok(Some(message)) => {
                         // It spoke: no longer counted as silent.
                         drop(silent.take());
@@ -423,4 +433,27 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
         });
         Ok(Response::new(ReceiverStream::new(stream).map(unbox)))
     }
+}
+
+/// Follows an observing stream (a filter in `observability_mode`) to its end: the
+/// response's cached tokens against the picker's prediction ([`observe`]). Nothing is
+/// answered, and the stream is kept open until Envoy ends it: ending it early would cut
+/// the observation short, not speed anything up.
+async fn observe_stream(
+    first: ProcessingRequest,
+    inbound: &mut Streaming<ProcessingRequest>,
+    abort: &Phase,
+) {
+    let mut observer = observe::ResponseObserver::default();
+    observer.handle(&first);
+    loop {
+        tokio::select! {
+            message = inbound.message() => match message {
+                Ok(Some(message)) => observer.handle(&message),
+                Ok(None) | Err(_) => break,
+            },
+            () = abort.fired() => break,
+        }
+    }
+    observer.finish();
 }

@@ -489,6 +489,10 @@ pub enum Gateway {
     /// The fail-closed config reaching kvroute over mutual TLS, with the certificates in
     /// this directory (see `kvroute_lab::envoy::Gateway::OriginalDstOverTls`).
     OriginalDstOverTls(&'static str),
+    /// The fail-closed config with its response observer turned on.
+    OriginalDstObserved,
+    /// The fail-open config with its response observer turned on.
+    OverrideHostObserved,
 }
 
 /// A real Envoy running a shipped config, rewritten for this test's ports.
@@ -529,6 +533,12 @@ impl Envoy {
             }
             Gateway::OriginalDstOverTls(certs) => {
                 kvroute_lab::envoy::Gateway::OriginalDstOverTls { kvroute, certs }
+            }
+            Gateway::OriginalDstObserved => {
+                kvroute_lab::envoy::Gateway::OriginalDstObserved { kvroute }
+            }
+            Gateway::OverrideHostObserved => {
+                kvroute_lab::envoy::Gateway::OverrideHostObserved { kvroute }
             }
         };
         let level = std::env::var("ENVOY_LOG_LEVEL").unwrap_or_else(|_| "warning".into());

@@ -68,10 +68,47 @@ pub enum Gateway {
     /// The fail-closed gateway with two kvroute replicas in its processor cluster (Envoy
     /// spreads the ext_proc streams over both, health checks each).
     OriginalDstReplicas { kvroutes: [SocketAddr; 2] },
+    /// The fail-closed gateway with its response observer turned on (the commented-out
+    /// second ext_proc filter: kvroute checks each prediction against the response).
+    OriginalDstObserved { kvroute: SocketAddr },
+    /// The fail-open gateway with its response observer turned on.
+    OverrideHostObserved { kvroute: SocketAddr },
     /// No picker: Envoy's own ROUND_ROBIN over the pods.
     RoundRobin,
     /// No picker: Envoy's own LEAST_REQUEST over the pods.
     LeastRequest,
+}
+
+/// A shipped config with the block between `# BEGIN observer` and `# END observer`
+/// uncommented, as an operator turns the response observer on.
+pub fn with_observer(template: &str) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut inside = false;
+    let mut seen = false;
+    for line in template.lines() {
+        match line.trim() {
+            "# BEGIN observer" => (inside, seen) = (true, true),
+            "# END observer" => inside = false,
+            _ if inside => {
+                // `# - name` becomes `- name`, at the comment's own indentation.
+                let indent = line.len() - line.trim_start().len();
+                let text = line.trim_start();
+                let text = text.strip_prefix("# ").or_else(|| text.strip_prefix('#'));
+                out.push_str(&line[..indent]);
+                out.push_str(text.unwrap_or(line.trim_start()));
+                out.push('\n');
+            }
+            _ => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    assert!(
+        seen,
+        "the shipped gateway lost its observer block: update this rewrite"
+    );
+    out
 }
 
 /// Rewrites a shipped config for local use: listener, admin and kvroute ports, and the
@@ -312,6 +349,14 @@ impl EnvoyProcess {
                 );
                 let template = ORIGINAL_DST_CONFIG.replace(ENDPOINT, &format!("{ENDPOINT}{other}"));
                 rewrite_shipped(&template, port, admin_port, first, pods)
+            }
+            Gateway::OriginalDstObserved { kvroute } => {
+                let template = with_observer(ORIGINAL_DST_CONFIG);
+                rewrite_shipped(&template, port, admin_port, kvroute, pods)
+            }
+            Gateway::OverrideHostObserved { kvroute } => {
+                let template = with_observer(OVERRIDE_HOST_CONFIG);
+                rewrite_shipped(&template, port, admin_port, kvroute, pods)
             }
             Gateway::RoundRobin => plain_config(port, admin_port, "ROUND_ROBIN", pods),
             Gateway::LeastRequest => plain_config(port, admin_port, "LEAST_REQUEST", pods),

@@ -89,7 +89,8 @@ async fn a_completion_answers_in_openai_shape_with_usage_and_the_pod_header() {
             u["total_tokens"].as_u64(),
             Some(u["prompt_tokens"].as_u64().unwrap_or(0) + 7)
         );
-        assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 0);
+        // Nothing cached: vLLM leaves the details out rather than writing 0.
+        assert!(u.get("prompt_tokens_details").is_none(), "{u}");
     }
     fleet.shutdown().await;
 }
@@ -141,7 +142,8 @@ async fn a_chat_stream_sends_role_content_usage_then_done() {
     let usage = &chunks.last().expect("usage chunk")["usage"];
     assert_eq!(chunks.last().expect("usage chunk")["choices"], json!([]));
     assert_eq!(usage["completion_tokens"], 5);
-    assert!(usage["prompt_tokens_details"]["cached_tokens"].is_u64());
+    // A first, uncached prompt: vLLM writes no details when nothing came from the cache.
+    assert!(usage.get("prompt_tokens_details").is_none(), "{usage}");
     fleet.shutdown().await;
 }
 

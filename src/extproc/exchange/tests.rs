@@ -59,6 +59,7 @@ impl StubRouter {
             endpoints: vec![POD_A.parse().expect("addr"), POD_B.parse().expect("addr")],
             ticket: StubTicket(Arc::clone(&self.tickets)),
             queued: None,
+            prediction: None,
         }
     }
 }
@@ -609,19 +610,6 @@ fn other_allowed_paths_with_a_non_json_body_are_routed_without_a_model() {
     let answers = ex.handle(body(b"\x00\x01binary", true));
     assert!(destination_of(&answers[0]).is_some());
     assert_eq!(router.seen.lock().expect("lock")[0].0, None);
-}
-
-#[test]
-fn completion_tokens_are_found_with_or_without_spaces() {
-    assert_eq!(
-        find_completion_tokens(br#""completion_tokens": 42}"#),
-        Some(42)
-    );
-    assert_eq!(
-        find_completion_tokens(br#"{"completion_tokens":7,"x":1}"#),
-        Some(7)
-    );
-    assert_eq!(find_completion_tokens(b"no usage here"), None);
 }
 
 fn response_headers(pairs: &[(&str, &str)], metadata: Option<Metadata>) -> ProcessingRequest {

@@ -297,7 +297,7 @@ impl Replica {
     pub fn route(
         &mut self,
         now: Duration,
-        request: InferenceRequest,
+        mut request: InferenceRequest,
         tokens: Option<Vec<u32>>,
         class: &FlowClass,
         slot: u32,
@@ -307,8 +307,10 @@ impl Replica {
             request.prefix_context,
             &request.prompt_prefix,
         );
-        // The engine's own tokens: what the gateway gets from a pod's /tokenize.
+        // The engine's own tokens: what the gateway gets from a pod's /tokenize, whose
+        // count replaces the estimate from the text (as `LivePicker` does).
         let tokens = self.events.as_ref().zip(tokens).map(|(events, tokens)| {
+            request.prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
             let adapter = self
                 .models
                 .is_adapter(&request.model)

@@ -16,13 +16,18 @@ use crate::tokens::output_token;
 use super::generate::AbortGuard;
 use super::{ApiError, Kind};
 
+/// The usage object as vLLM writes it with `--enable-prompt-tokens-details`: the details
+/// only when some of the prompt came from the prefix cache (vLLM leaves them out at 0).
 fn usage_json(s: &Summary) -> Value {
-    json!({
+    let mut usage = json!({
         "prompt_tokens": s.prompt_tokens,
         "total_tokens": s.prompt_tokens + s.completion_tokens,
         "completion_tokens": s.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
-    })
+    });
+    if s.cached_tokens > 0 {
+        usage["prompt_tokens_details"] = json!({"cached_tokens": s.cached_tokens});
+    }
+    usage
 }
 
 /// The pod's timing of one request, simulated seconds from its arrival at the pod.
