@@ -19,7 +19,9 @@
 //! (response bodies not sent). Per setup and rate: time to first byte and to the last
 //! byte, p50 / p99, and CPU-seconds per 1,000 requests of Envoy (its process) and of the
 //! processor (this process's CPU less setup A's at the same rate: the client and the
-//! upstream run here in every setup).
+//! upstream run here in every setup). `--observed` adds setup D: kvroute behind the same
+//! gateway with its optional response observer turned on (every response chunk copied to
+//! kvroute in observability mode, to check cached-token predictions).
 
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -416,12 +418,20 @@ async fn start_all() -> (SocketAddr, SocketAddr, SocketAddr) {
 }
 
 /// Setups A, B and C at each rate, through the fail-closed (or fail-open) gateway.
-async fn response_path(rates: &[f64], seconds: f64, tokens: usize, fail_open: bool) {
+async fn response_path(
+    rates: &[f64],
+    seconds: f64,
+    tokens: usize,
+    fail_open: bool,
+    observed: bool,
+) {
     let (pod, noop, kvroute_addr) = start_all().await;
-    let gateway = |extproc| match (extproc, fail_open) {
-        (None, _) => Gateway::RoundRobin,
-        (Some(kvroute), false) => Gateway::OriginalDst { kvroute },
-        (Some(kvroute), true) => Gateway::OverrideHost { kvroute },
+    let gateway = |extproc, observer| match (extproc, fail_open, observer) {
+        (None, _, _) => Gateway::RoundRobin,
+        (Some(kvroute), false, false) => Gateway::OriginalDst { kvroute },
+        (Some(kvroute), true, false) => Gateway::OverrideHost { kvroute },
+        (Some(kvroute), false, true) => Gateway::OriginalDstObserved { kvroute },
+        (Some(kvroute), true, true) => Gateway::OverrideHostObserved { kvroute },
     };
     println!(
         "{} gateway; streamed answers of {tokens} tokens, {} ms apart; {seconds} s per rate",
@@ -451,14 +461,18 @@ async fn response_path(rates: &[f64], seconds: f64, tokens: usize, fail_open: bo
     );
     for &rate in rates {
         let mut baseline: Option<PathRun> = None;
-        for (name, extproc) in [
-            ("A none", None),
-            ("B no-op", Some(noop)),
-            ("C kvroute", Some(kvroute_addr)),
-        ] {
-            let envoy = EnvoyProcess::start(gateway(extproc), &[pod], &envoy_binary(), "error")
-                .await
-                .unwrap_or_else(|e| panic!("{e}"));
+        let setups = [
+            ("A none", None, false),
+            ("B no-op", Some(noop), false),
+            ("C kvroute", Some(kvroute_addr), false),
+            ("D observed", Some(kvroute_addr), true),
+        ];
+        let count = if observed { 4 } else { 3 };
+        for (name, extproc, observer) in setups.into_iter().take(count) {
+            let envoy =
+                EnvoyProcess::start(gateway(extproc, observer), &[pod], &envoy_binary(), "error")
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
             let run = open_loop(&envoy, rate, seconds, tokens).await;
             let per_1k = |cpu: f64| cpu * 1000.0 / run.sent.max(1) as f64;
             let (added_p50, added_p99, processor_cpu) = match &baseline {
@@ -512,6 +526,7 @@ fn main() {
             arg("--seconds").unwrap_or(10.0),
             arg("--tokens").unwrap_or(32),
             flag("--fail-open"),
+            flag("--observed"),
         ));
         return;
     }

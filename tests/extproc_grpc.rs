@@ -991,3 +991,40 @@ async fn streams_that_sent_nothing_are_capped_across_connections() {
     let admitted = Stream::try_open_at(kvroute.addrs.grpc).await;
     assert!(admitted.is_ok(), "a new stream is admitted");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observing_stream_gets_no_answer_and_is_ended_by_kvroute_once_the_body_has() {
+    let pods = two_pods().await;
+    let kvroute = Kvroute::start(test_config(pods.iter().map(|p| p.addr).collect())).await;
+    let mut stream = Stream::open(&kvroute).await;
+    // Envoy's observing filter: response headers and body, never waiting for answers.
+    let observed = |request| ProcessingRequest {
+        request: Some(request),
+        observability_mode: true,
+        ..ProcessingRequest::default()
+    };
+    stream
+        .send(observed(Request::ResponseHeaders(HttpHeaders::default())))
+        .await;
+    for (chunk, last) in [
+        (b"data: {}\n\n".as_slice(), false),
+        (b"data: [DONE]\n\n", true),
+    ] {
+        stream
+            .send(observed(Request::ResponseBody(HttpBody {
+                body: chunk.to_vec(),
+                end_of_stream: last,
+                ..HttpBody::default()
+            })))
+            .await;
+    }
+    // The send side stays open (Envoy holds it for its deferred close): the end comes
+    // from kvroute, with no answer before it.
+    let end = tokio::time::timeout(Duration::from_secs(5), stream.answers.message())
+        .await
+        .expect("kvroute ends the stream in time");
+    assert!(
+        matches!(end, Ok(None)),
+        "the stream ends cleanly with no answer: {end:?}"
+    );
+}

@@ -435,10 +435,11 @@ impl<R: Router> ExternalProcessor for ExtProcService<R> {
     }
 }
 
-/// Follows an observing stream (a filter in `observability_mode`) to its end: the
-/// response's cached tokens against the picker's prediction ([`observe`]). Nothing is
-/// answered, and the stream is kept open until Envoy ends it: ending it early would cut
-/// the observation short, not speed anything up.
+/// Follows an observing stream (a filter in `observability_mode`): the response's cached
+/// tokens against the picker's prediction ([`observe`]). Nothing is answered. The stream
+/// ends as soon as the response body has: Envoy would otherwise hold it open for the
+/// filter's `deferred_close_timeout` after the request (5 s by default), and those
+/// streams would crowd the routing streams out of the connection's stream limit.
 async fn observe_stream(
     first: ProcessingRequest,
     inbound: &mut Streaming<ProcessingRequest>,
@@ -449,7 +450,12 @@ async fn observe_stream(
     loop {
         tokio::select! {
             message = inbound.message() => match message {
-                Ok(Some(message)) => observer.handle(&message),
+                Ok(Some(message)) => {
+                    observer.handle(&message);
+                    if observer.is_done() {
+                        break;
+                    }
+                }
                 Ok(None) | Err(_) => break,
             },
             () = abort.fired() => break,

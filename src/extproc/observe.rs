@@ -283,6 +283,11 @@ impl ResponseObserver {
         }
     }
 
+    /// Whether the response has ended and been checked: nothing more will come.
+    pub fn is_done(&self) -> bool {
+        self.checked
+    }
+
     /// The response ended, or the stream did: checks the prediction, once.
     pub fn finish(&mut self) {
         if std::mem::replace(&mut self.checked, true) {
