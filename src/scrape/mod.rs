@@ -3,6 +3,7 @@
 //! this module owns the HTTP side and its settings.
 
 mod connection;
+mod http1;
 mod poller;
 
 use std::path::PathBuf;

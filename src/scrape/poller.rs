@@ -33,7 +33,7 @@ pub enum ScrapeError {
     #[error("cannot connect: {0}")]
     Connect(std::io::Error),
     #[error("HTTP: {0}")]
-    Http(#[from] hyper::Error),
+    Http(String),
     #[error("the pod closed the connection")]
     Closed,
     #[error("cannot form the request: {0}")]
@@ -188,7 +188,7 @@ impl PodPoller {
             let outcome = self
                 .fetch(&metrics_path, None)
                 .await
-                .and_then(|body| Ok(parse_vllm_metrics(&exposition_text(&body))?));
+                .and_then(|body| Ok(parse_vllm_metrics(&exposition_text(body))?));
             let elapsed = started.elapsed();
             if let Err(error) = &outcome {
                 debug!(endpoint = %self.endpoint, %error, "scrape failed");
@@ -211,7 +211,7 @@ impl PodPoller {
                 let models = self
                     .fetch(&models_path, api_key.as_ref())
                     .await
-                    .and_then(|body| Ok(parse_models(&body)?));
+                    .and_then(|body| Ok(parse_models(body)?));
                 match models {
                     Ok(models) => {
                         self.store.record_models(self.endpoint, models);
@@ -242,7 +242,7 @@ impl PodPoller {
     }
 
     /// GETs `path` from the pod, within the timeout and the size limit.
-    async fn fetch(&mut self, path: &Uri, key: Option<&ApiKey>) -> Result<Vec<u8>, ScrapeError> {
+    async fn fetch(&mut self, path: &Uri, key: Option<&ApiKey>) -> Result<&[u8], ScrapeError> {
         let (limit, timeout) = (self.config.max_response_bytes, self.config.timeout);
         self.client.get(path, key, limit, timeout).await
     }

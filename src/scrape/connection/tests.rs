@@ -10,6 +10,24 @@ use super::*;
 /// the connection (as a server's keep-alive timeout would, between requests). Counts the
 /// connections it accepted.
 async fn pod(body: &'static str, answers_per_connection: usize) -> (SocketAddr, Arc<AtomicUsize>) {
+    let answer: &'static str = Box::leak(
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_boxed_str(),
+    );
+    pod_answering(answer, answers_per_connection, None).await
+}
+
+/// A pod answering every GET with the raw `answer`, its head included, written in
+/// pieces of `piece` bytes when set; `answers_per_connection` as for [`pod`]. Also keeps
+/// the last request it read.
+async fn pod_answering(
+    answer: &'static str,
+    answers_per_connection: usize,
+    piece: Option<usize>,
+) -> (SocketAddr, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let accepted = Arc::new(AtomicUsize::new(0));
@@ -28,12 +46,17 @@ async fn pod(body: &'static str, answers_per_connection: usize) -> (SocketAddr, 
                         }
                     }
                     buffer.clear();
-                    let answer = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
-                        body.len()
-                    );
-                    if socket.write_all(answer.as_bytes()).await.is_err() {
-                        return;
+                    let pieces = answer
+                        .as_bytes()
+                        .chunks(piece.unwrap_or(answer.len()).max(1));
+                    for bytes in pieces {
+                        if socket.write_all(bytes).await.is_err() {
+                            return;
+                        }
+                        let _ = socket.flush().await;
+                        if piece.is_some() {
+                            tokio::task::yield_now().await;
+                        }
                     }
                 }
                 // Closes the connection, idle, between requests.
@@ -69,7 +92,7 @@ async fn a_connection_the_pod_closed_while_idle_is_reopened_without_a_failure() 
         let body = client
             .get(&Uri::from_static("/metrics"), None, 1 << 20, SECOND)
             .await;
-        assert_eq!(body.expect("answer").as_slice(), b"ok", "round {round}");
+        assert_eq!(body.expect("answer"), b"ok", "round {round}");
     }
     assert_eq!(accepted.load(Ordering::SeqCst), 4);
 }
@@ -101,4 +124,132 @@ async fn nothing_listening_is_a_connect_error() {
         .await
         .expect_err("refused");
     assert_eq!(error.kind(), "connect", "{error}");
+}
+
+#[tokio::test]
+async fn a_chunked_answer_in_small_pieces_is_read_whole_and_the_connection_kept() {
+    let answer = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/plain\r\n\r\n\
+                  9\r\nvllm:num_\r\n14\r\nrequests_running 1.0\r\n0\r\n\r\n";
+    let (addr, accepted) = pod_answering(answer, usize::MAX, Some(7)).await;
+    let mut client = PodClient::new(addr, None);
+    for _ in 0..3 {
+        let body = client
+            .get(&Uri::from_static("/metrics"), None, 1 << 20, SECOND)
+            .await
+            .expect("answer");
+        assert_eq!(body, b"vllm:num_requests_running 1.0");
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn an_answer_that_closes_its_connection_is_read_and_the_next_opens_another() {
+    // No length and no chunks: the body runs to the close, as HTTP/1.1 allows.
+    let (addr, accepted) = pod_answering("HTTP/1.1 200 OK\r\n\r\nto the end", 1, None).await;
+    let mut client = PodClient::new(addr, None);
+    for _ in 0..2 {
+        let body = client
+            .get(&Uri::from_static("/metrics"), None, 1 << 20, SECOND)
+            .await
+            .expect("answer");
+        assert_eq!(body, b"to the end");
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    let (addr, accepted) = pod_answering(
+        "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
+        usize::MAX,
+        None,
+    )
+    .await;
+    let mut client = PodClient::new(addr, None);
+    for _ in 0..2 {
+        let body = client.get(&Uri::from_static("/m"), None, 100, SECOND).await;
+        assert_eq!(body.expect("answer"), b"ok");
+    }
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        2,
+        "connection: close is honoured"
+    );
+}
+
+#[tokio::test]
+async fn an_error_status_or_a_malformed_answer_fails_the_scrape() {
+    let (addr, _) = pod_answering(
+        "HTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n",
+        usize::MAX,
+        None,
+    )
+    .await;
+    let mut client = PodClient::new(addr, None);
+    let error = client
+        .get(&Uri::from_static("/m"), None, 100, SECOND)
+        .await
+        .expect_err("503");
+    assert!(matches!(error, ScrapeError::Status(503)), "{error}");
+    let (addr, _) = pod_answering("SPDY/9 what\r\n\r\n", usize::MAX, None).await;
+    let mut client = PodClient::new(addr, None);
+    let error = client
+        .get(&Uri::from_static("/m"), None, 100, SECOND)
+        .await
+        .expect_err("bad");
+    assert_eq!(error.kind(), "http", "{error}");
+    let (addr, _) = pod_answering(
+        "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n400\r\n",
+        usize::MAX,
+        None,
+    )
+    .await;
+    let mut client = PodClient::new(addr, None);
+    let error = client
+        .get(&Uri::from_static("/m"), None, 100, SECOND)
+        .await
+        .expect_err("big");
+    assert!(matches!(error, ScrapeError::TooLarge(100)), "{error}");
+}
+
+#[tokio::test]
+async fn the_request_names_the_pod_and_the_key_and_a_key_that_could_split_it_is_refused() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let seen = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.expect("accept");
+        let mut buffer = Vec::new();
+        let mut chunk = [0u8; 1024];
+        while !buffer.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = socket.read(&mut chunk).await.expect("read");
+            buffer.extend_from_slice(&chunk[..n]);
+        }
+        socket
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n[]")
+            .await
+            .expect("write");
+        String::from_utf8(buffer).expect("text")
+    });
+    let mut client = PodClient::new(addr, None);
+    let key = ApiKey("s3cret".into());
+    let body = client
+        .get(&Uri::from_static("/v1/models?x=1"), Some(&key), 100, SECOND)
+        .await
+        .expect("answer");
+    assert_eq!(body, b"[]");
+    let request = seen.await.expect("the pod read a request");
+    assert!(
+        request.starts_with("GET /v1/models?x=1 HTTP/1.1\r\n"),
+        "{request}"
+    );
+    assert!(
+        request.contains(&format!("\r\nhost: {addr}\r\n")),
+        "{request}"
+    );
+    assert!(
+        request.contains("\r\nauthorization: Bearer s3cret\r\n"),
+        "{request}"
+    );
+    let forged = ApiKey("k\r\nx-injected: 1".into());
+    let error = client
+        .get(&Uri::from_static("/v1/models"), Some(&forged), 100, SECOND)
+        .await
+        .expect_err("refused");
+    assert!(matches!(error, ScrapeError::Request(_)), "{error}");
 }
