@@ -190,9 +190,16 @@ impl PodClient {
                 }
             }
             Framing::UntilClose => {
-                while read_more(stream, buffer, READ_ROOM).await? > 0 {
-                    if buffer.len() - start > limit {
-                        return Err(ScrapeError::TooLarge(limit));
+                // The close ends the body: a clean one, or a TLS peer's without
+                // close_notify (which rustls reports as an unexpected end).
+                loop {
+                    match read_more(stream, buffer, READ_ROOM).await {
+                        Ok(0) | Err(ScrapeError::Closed) => break,
+                        Ok(_) if buffer.len() - start > limit => {
+                            return Err(ScrapeError::TooLarge(limit));
+                        }
+                        Ok(_) => {}
+                        Err(error) => return Err(error),
                     }
                 }
                 (buffer.len(), false)
