@@ -306,6 +306,7 @@ async fn two_replicas_agree_from_the_events_and_one_left_alone_routes_everything
     }
     let envoy = kvroute_lab::envoy::EnvoyProcess::start(
         kvroute_lab::envoy::Gateway::OriginalDstReplicas {
+            observed: false,
             kvroutes: [replicas[0].grpc, replicas[1].grpc],
         },
         &pods,

@@ -58,6 +58,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         kvroute: args.kvroute,
         kvroute_scrape_interval: None,
         python: None,
+        observe_responses: false,
     })
     .await
 }

@@ -67,7 +67,11 @@ pub enum Gateway {
     },
     /// The fail-closed gateway with two kvroute replicas in its processor cluster (Envoy
     /// spreads the ext_proc streams over both, health checks each).
-    OriginalDstReplicas { kvroutes: [SocketAddr; 2] },
+    /// `observed`: with the response observer turned on.
+    OriginalDstReplicas {
+        kvroutes: [SocketAddr; 2],
+        observed: bool,
+    },
     /// The fail-closed gateway with its response observer turned on (the commented-out
     /// second ext_proc filter: kvroute checks each prediction against the response).
     OriginalDstObserved { kvroute: SocketAddr },
@@ -337,6 +341,7 @@ impl EnvoyProcess {
             }
             Gateway::OriginalDstReplicas {
                 kvroutes: [first, second],
+                observed,
             } => {
                 const ENDPOINT: &str = "              - endpoint:\n                  address:\n                    socket_address: { address: 127.0.0.1, port_value: 9002 }\n";
                 assert!(
@@ -347,7 +352,11 @@ impl EnvoyProcess {
                     "address: 127.0.0.1, port_value: 9002",
                     &format!("address: {}, port_value: {}", second.ip(), second.port()),
                 );
-                let template = ORIGINAL_DST_CONFIG.replace(ENDPOINT, &format!("{ENDPOINT}{other}"));
+                let mut template =
+                    ORIGINAL_DST_CONFIG.replace(ENDPOINT, &format!("{ENDPOINT}{other}"));
+                if observed {
+                    template = with_observer(&template);
+                }
                 rewrite_shipped(&template, port, admin_port, first, pods)
             }
             Gateway::OriginalDstObserved { kvroute } => {

@@ -76,6 +76,12 @@ pub struct CompareArgs {
     /// Python with sglang-router and vllm-router installed [default: ./.venv/bin/python].
     #[arg(long, env = "KVROUTE_COMPARE_PYTHON")]
     pub python: Option<PathBuf>,
+    /// Run kvroute's gateways with their response observer on (envoy/, commented out by
+    /// default): each request's predicted cached tokens are checked against its response,
+    /// and the report counts the outcomes per router. Costs a gRPC message per response
+    /// chunk, which the latencies then include.
+    #[arg(long, env = "KVROUTE_COMPARE_OBSERVE_RESPONSES")]
+    pub observe_responses: bool,
 }
 
 /// Wall period of the fleet sampler.
@@ -209,20 +215,21 @@ async fn run_router(
         let router =
             routers::start(kind, &pods, speedup, workload, tools, kv_events.as_ref()).await?;
         let measured = measure(&router.base_url, workload, file, rates, step, quick, &pods).await;
-        let routed = router.replicas_routed().await;
+        let counters = router.kvroute_counters().await;
         router.stop().await;
-        Ok::<_, anyhow::Error>((measured?, routed?))
+        Ok::<_, anyhow::Error>((measured?, counters?))
     }
     .await;
     fleet.shutdown().await;
-    let ((bench, fleet_steps, fleet_total), replicas_routed) = outcome?;
+    let ((bench, fleet_steps, fleet_total), counters) = outcome?;
     Ok(RouterRun {
         router: kind,
         bench,
         fleet_steps,
         fleet_total,
         wall_s: wall.elapsed().as_secs_f64(),
-        replicas_routed,
+        replicas_routed: counters.routed,
+        prefix_checks: counters.prefix_checks,
     })
 }
 
@@ -330,6 +337,7 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
             .unwrap_or_else(|| PathBuf::from(".venv/bin/python")),
         log_dir: out.clone(),
         kvroute_scrape_interval: args.kvroute_scrape_interval,
+        observe_responses: args.observe_responses,
     };
     let wall = Instant::now();
     let names: Vec<&str> = kinds.iter().map(|k| k.name()).collect();
@@ -375,6 +383,12 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
                         eprintln!(
                             "    requests routed by each replica: {:?}",
                             run.replicas_routed
+                        );
+                    }
+                    for check in &run.prefix_checks {
+                        eprintln!(
+                            "    prefix predictions from {}: {} {}",
+                            check.source, check.requests, check.outcome
                         );
                     }
                     result.runs.push(run);
@@ -514,6 +528,7 @@ mod tests {
             kvroute: None,
             kvroute_scrape_interval: None,
             python: None,
+            observe_responses: false,
         }
     }
 

@@ -19,6 +19,15 @@ use super::routers::RouterKind;
 use super::targets;
 use crate::loadgen::report::Report;
 
+/// Requests whose predicted cached tokens kvroute checked against their response, for one
+/// prediction source and outcome (`kvroute_prefix_checks_total`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PrefixCheckCount {
+    pub source: String,
+    pub outcome: String,
+    pub requests: u64,
+}
+
 /// One router's run of one workload: the load generator's report and the fleet's activity.
 #[derive(Debug, Clone, Serialize)]
 pub struct RouterRun {
@@ -36,6 +45,10 @@ pub struct RouterRun {
     /// other routers and offline).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub replicas_routed: Vec<u64>,
+    /// kvroute's checks of its predicted cached tokens against the responses, over every
+    /// replica and the whole run (`--observe-responses`; empty otherwise).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub prefix_checks: Vec<PrefixCheckCount>,
 }
 
 /// Everything measured on one workload.
@@ -293,6 +306,7 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
         s.push('\n');
     }
     s.push_str(&ratio_markdown(w, &rows, &columns, knee));
+    s.push_str(&prefix_checks_markdown(w));
     if w.has_groups() {
         s.push_str(&groups_markdown(w));
     }
@@ -306,6 +320,50 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
             let _ = writeln!(s, "![{p}]({p})\n");
         }
     }
+    s
+}
+
+/// With `--observe-responses`: how kvroute's predicted cached tokens compared with what the
+/// pods reported, per router and prediction source, over the whole run.
+fn prefix_checks_markdown(w: &WorkloadResult) -> String {
+    const OUTCOMES: [&str; 5] = ["as_predicted", "fewer", "more", "other_pod", "unreported"];
+    let mut s = String::new();
+    let mut rows = Vec::new();
+    for run in w.runs.iter().filter(|r| !r.prefix_checks.is_empty()) {
+        let sources: BTreeSet<&str> = run
+            .prefix_checks
+            .iter()
+            .map(|c| c.source.as_str())
+            .collect();
+        for source in sources {
+            let count = |outcome: &str| {
+                run.prefix_checks
+                    .iter()
+                    .find(|c| c.source == source && c.outcome == outcome)
+                    .map_or(0, |c| c.requests)
+            };
+            let cells: Vec<String> = OUTCOMES.iter().map(|o| count(o).to_string()).collect();
+            rows.push(format!(
+                "| {} | {source} | {} |",
+                run.router.name(),
+                cells.join(" | ")
+            ));
+        }
+    }
+    if rows.is_empty() {
+        return s;
+    }
+    let _ = writeln!(
+        s,
+        "Prefix predictions checked against the responses' cached tokens (whole run; within a block is as predicted):\n\n\
+         | router | source | {} |\n|---|---|{}",
+        OUTCOMES.join(" | "),
+        "---|".repeat(OUTCOMES.len())
+    );
+    for row in rows {
+        let _ = writeln!(s, "{row}");
+    }
+    s.push('\n');
     s
 }
 
@@ -956,5 +1014,46 @@ mod tests {
         let md = workload_markdown(&w, &[]);
         assert!(!md.contains("per objective and tenant"), "{md}");
         assert!(!md.contains("target checks"), "{md}");
+        assert!(!md.contains("Prefix predictions checked"), "{md}");
+    }
+
+    #[test]
+    fn observed_runs_get_a_table_of_their_prefix_checks_per_source() {
+        use crate::compare::targets::tests::{requests, result, run};
+        let mut kvroute = run(
+            RouterKind::Kvroute,
+            vec![(4.0, requests(None, None, 5, Some(0.1)))],
+        );
+        let check = |source: &str, outcome: &str, requests| PrefixCheckCount {
+            source: source.into(),
+            outcome: outcome.into(),
+            requests,
+        };
+        kvroute.prefix_checks = vec![
+            check("kv_events", "as_predicted", 90),
+            check("kv_events", "fewer", 8),
+            check("sent", "more", 3),
+        ];
+        let rr = run(
+            RouterKind::RoundRobin,
+            vec![(4.0, requests(None, None, 5, Some(0.1)))],
+        );
+        let md = workload_markdown(&result(&[4.0], &[], None, vec![kvroute, rr]), &[]);
+        let table = md
+            .split_once("Prefix predictions checked")
+            .and_then(|(_, rest)| rest.split("\n\n").nth(1))
+            .expect("a table of checks");
+        assert!(
+            table.contains("| kvroute | kv_events | 90 | 8 | 0 | 0 | 0 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| kvroute | sent | 0 | 0 | 3 | 0 | 0 |"),
+            "{table}"
+        );
+        assert!(
+            !table.contains("round-robin"),
+            "only routers that checked: {table}"
+        );
     }
 }

@@ -153,6 +153,17 @@ pub struct Tools {
     pub log_dir: PathBuf,
     /// kvroute's scrape period (wall time) instead of 50 ms simulated.
     pub kvroute_scrape_interval: Option<Duration>,
+    /// kvroute's gateways run their response observer (`compare --observe-responses`).
+    pub observe_responses: bool,
+}
+
+/// What kvroute's own counters said at the end of a run.
+#[derive(Debug, Default)]
+pub struct KvrouteCounters {
+    /// Requests each replica routed, in replica order.
+    pub routed: Vec<u64>,
+    /// Prefix predictions checked, summed over the replicas (none without the observer).
+    pub prefix_checks: Vec<super::report::PrefixCheckCount>,
 }
 
 /// A running router; stopped by [`RunningRouter::stop`] or when dropped.
@@ -188,14 +199,16 @@ impl Drop for ChildGuard {
 
 impl RunningRouter {
     /// How many requests each kvroute replica routed so far (its `kvroute_decisions_total`
-    /// over every reason), in replica order; empty for the other routers. With two
-    /// replicas it shows that Envoy spread the streams over both.
-    pub async fn replicas_routed(&self) -> anyhow::Result<Vec<u64>> {
+    /// over every reason), in replica order, and its checks of predicted cached tokens;
+    /// empty for the other routers. With two replicas it shows that Envoy spread the
+    /// streams over both.
+    pub async fn kvroute_counters(&self) -> anyhow::Result<KvrouteCounters> {
         let Guard::Kvroute { metrics, .. } = &self.guard else {
-            return Ok(Vec::new());
+            return Ok(KvrouteCounters::default());
         };
         let client = reqwest::Client::new();
         let mut routed = Vec::with_capacity(metrics.len());
+        let mut checks: BTreeMap<(String, String), u64> = BTreeMap::new();
         for addr in metrics {
             let text = client
                 .get(format!("http://{addr}/metrics"))
@@ -209,8 +222,31 @@ impl RunningRouter {
             })
             .map_err(|e| anyhow::anyhow!("kvroute's /metrics at {addr}: {e}"))?;
             routed.push(decisions.iter().map(|s| s.value).sum::<f64>() as u64);
+            let samples = kvroute_core::exposition::parse_where(&text, |name| {
+                name == "kvroute_prefix_checks_total"
+            })
+            .map_err(|e| anyhow::anyhow!("kvroute's /metrics at {addr}: {e}"))?;
+            for sample in samples.iter().filter(|s| s.value > 0.0) {
+                let label = |name: &str| sample.label(name).unwrap_or_default().to_owned();
+                *checks
+                    .entry((label("source"), label("outcome")))
+                    .or_default() += sample.value as u64;
+            }
         }
-        Ok(routed)
+        let prefix_checks = checks
+            .into_iter()
+            .map(
+                |((source, outcome), requests)| super::report::PrefixCheckCount {
+                    source,
+                    outcome,
+                    requests,
+                },
+            )
+            .collect();
+        Ok(KvrouteCounters {
+            routed,
+            prefix_checks,
+        })
     }
 
     /// Stops the router and waits until it is gone.
@@ -465,10 +501,12 @@ async fn start_kvroute(launch: &KvrouteLaunch<'_>) -> anyhow::Result<(Guard, Str
         grpcs.push(ports[0]);
         metrics.push(ports[1]);
     }
-    let gateway = match grpcs[..] {
-        [kvroute] => Gateway::OriginalDst { kvroute },
-        [first, second] => Gateway::OriginalDstReplicas {
+    let gateway = match (&grpcs[..], tools.observe_responses) {
+        (&[kvroute], false) => Gateway::OriginalDst { kvroute },
+        (&[kvroute], true) => Gateway::OriginalDstObserved { kvroute },
+        (&[first, second], observed) => Gateway::OriginalDstReplicas {
             kvroutes: [first, second],
+            observed,
         },
         _ => anyhow::bail!("the gateway takes one or two kvroute replicas, not {replicas}"),
     };

@@ -343,6 +343,7 @@ pub(crate) mod tests {
             fleet_total: Default::default(),
             wall_s: 0.0,
             replicas_routed: Vec::new(),
+            prefix_checks: Vec::new(),
             bench: Report {
                 version: REPORT_VERSION,
                 workload: "w".into(),

@@ -895,6 +895,7 @@ pub fn simulate(setup: &Setup<'_>, router: Router) -> anyhow::Result<(RouterRun,
         fleet_total,
         wall_s,
         replicas_routed: Vec::new(),
+        prefix_checks: Vec::new(),
     };
     // Every request ended, and kvroute holds nothing any more.
     stats.open_at_end = world.open_total;
