@@ -449,6 +449,7 @@ impl<R: Router> Exchange<R> {
         let ended = body.end_of_stream || body.end_of_stream_without_message;
         self.usage.feed(&body.body, ended);
         self.response.completion_tokens = self.usage.completion_tokens;
+        self.response.cached_tokens = self.usage.cached_tokens;
         let answer = match self.response_mode {
             BodyMode::FullDuplex => messages::streamed_response_body(body.body, body.end_of_stream),
             _ => messages::continue_response_body(),

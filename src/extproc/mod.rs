@@ -154,6 +154,9 @@ pub struct ResponseSummary {
     pub status: Option<u16>,
     /// `completion_tokens` of the usage object, if the body passed the processor.
     pub completion_tokens: Option<u64>,
+    /// `prompt_tokens_details.cached_tokens` of the usage object, if the body passed the
+    /// processor and the pod reported it.
+    pub cached_tokens: Option<u64>,
 }
 
 /// What a routed request holds while its response streams: in-flight accounting and

@@ -44,6 +44,8 @@ struct StubRouter {
     held: Mutex<Vec<HeldAnswer>>,
     /// The class of each route call.
     classes: Mutex<Vec<RequestClass>>,
+    /// What each route predicts the pod caches.
+    prediction: Option<PrefixPrediction>,
     tickets: Arc<Mutex<TicketLog>>,
 }
 
@@ -59,7 +61,7 @@ impl StubRouter {
             endpoints: vec![POD_A.parse().expect("addr"), POD_B.parse().expect("addr")],
             ticket: StubTicket(Arc::clone(&self.tickets)),
             queued: None,
-            prediction: None,
+            prediction: self.prediction,
         }
     }
 }
@@ -583,6 +585,57 @@ fn response_chunks_are_echoed_at_once_in_full_duplex_and_the_end_releases_the_re
     assert_eq!(log.open, 0);
     assert_eq!(log.finished.len(), 1);
     assert_eq!(log.finished[0].completion_tokens, Some(17));
+}
+
+#[test]
+fn the_prediction_goes_out_in_the_routing_metadata_and_the_response_usage_is_read_across_chunks() {
+    let prediction = PrefixPrediction {
+        cached_tokens: 2992,
+        source: "kv_events",
+        pod: POD_A.parse().expect("addr"),
+        block_tokens: 16,
+    };
+    let router = Arc::new(StubRouter {
+        prediction: Some(prediction),
+        ..StubRouter::default()
+    });
+    for mode in [BodySendMode::Buffered, BodySendMode::FullDuplexStreamed] {
+        let mut ex = exchange(&router, mode);
+        let mut answers = ex.handle(post("/v1/completions"));
+        answers.extend(ex.handle(body(COMPLETION, true)));
+        let metadata = answers
+            .iter()
+            .find_map(|a| a.dynamic_metadata.clone())
+            .expect("the routing answer's metadata");
+        let Some(Kind::StructValue(fields)) = metadata
+            .fields
+            .get(observe::PREDICTION_NAMESPACE)
+            .and_then(|v| v.kind.clone())
+        else {
+            panic!("{mode:?}: no prediction in {metadata:?}")
+        };
+        let mut forwarded = Metadata::default();
+        forwarded
+            .filter_metadata
+            .insert(observe::PREDICTION_NAMESPACE.into(), fields);
+        assert_eq!(
+            PrefixPrediction::from_metadata(&forwarded),
+            Some(prediction),
+            "{mode:?}"
+        );
+        ex.handle(headers(&[(":status", "200")], false));
+        let usage = br#"data: {"choices":[],"usage":{"prompt_tokens":3200,"completion_tokens":8,"prompt_tokens_details":{"cached_tokens":2992}}}"#;
+        let (first, rest) = usage.split_at(usage.len() - 9);
+        ex.handle(response_body(first, false));
+        ex.handle(response_body(rest, true));
+    }
+    let log = router.tickets();
+    // Buffered both ways: the (whole) body passed kvroute too.
+    for summary in &log.finished {
+        assert_eq!(summary.cached_tokens, Some(2992));
+        assert_eq!(summary.completion_tokens, Some(8));
+    }
+    assert_eq!(log.finished.len(), 2);
 }
 
 #[test]
