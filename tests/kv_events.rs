@@ -32,6 +32,30 @@ async fn fleet() -> (SimFleet, kvroute_lab::compare::KvEventTemplates) {
     (fleet, templates)
 }
 
+/// kvroute on `config` with `--prefix-source auto` following the fleet's events, once it
+/// has scraped both pods and both event streams flow.
+async fn following_events(
+    mut config: kvroute::config::ServeConfig,
+    templates: &kvroute_lab::compare::KvEventTemplates,
+    pods: &[SocketAddr],
+) -> Kvroute {
+    config.prefix_source = PrefixSource::Auto;
+    config.kv_events.endpoint = EndpointTemplate::parse(&templates.endpoint).expect("template");
+    config.kv_events.replay_endpoint =
+        Some(EndpointTemplate::parse(&templates.replay).expect("template"));
+    let kvroute = Kvroute::start(config).await;
+    kvroute
+        .wait_for("both pods scraped with their models", |s| {
+            pods.iter().all(|p| {
+                s.pod(*p)
+                    .is_some_and(|v| v.healthy && v.metrics().is_some() && v.models.is_some())
+            })
+        })
+        .await;
+    wait_for_gauge(&kvroute, "kvroute_kv_event_streams", 2.0).await;
+    kvroute
+}
+
 /// A series' value in kvroute's exposition (`name` with its labels, if any); 0 when absent.
 fn value(text: &str, name: &str) -> f64 {
     text.lines()
@@ -84,20 +108,7 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
     let pods = fleet.endpoints();
     let mut config = test_config(pods.clone());
     config.debug_decisions = 16;
-    config.prefix_source = PrefixSource::Auto;
-    config.kv_events.endpoint = EndpointTemplate::parse(&templates.endpoint).expect("template");
-    config.kv_events.replay_endpoint =
-        Some(EndpointTemplate::parse(&templates.replay).expect("template"));
-    let kvroute = Kvroute::start(config).await;
-    kvroute
-        .wait_for("both pods scraped with their models", |s| {
-            pods.iter().all(|p| {
-                s.pod(*p)
-                    .is_some_and(|v| v.healthy && v.metrics().is_some() && v.models.is_some())
-            })
-        })
-        .await;
-    wait_for_gauge(&kvroute, "kvroute_kv_event_streams", 2.0).await;
+    let kvroute = following_events(config, &templates, &pods).await;
 
     // Each prompt is computed on one pod directly, not through kvroute: only that pod's
     // events can tell kvroute where it is cached.
@@ -691,21 +702,7 @@ async fn streamed_usage(response: reqwest::Response) -> serde_json::Value {
 async fn the_response_observer_checks_each_prediction_against_the_pods_own_usage() {
     let (fleet, templates) = fleet().await;
     let pods = fleet.endpoints();
-    let mut config = test_config(pods.clone());
-    config.prefix_source = PrefixSource::Auto;
-    config.kv_events.endpoint = EndpointTemplate::parse(&templates.endpoint).expect("template");
-    config.kv_events.replay_endpoint =
-        Some(EndpointTemplate::parse(&templates.replay).expect("template"));
-    let kvroute = Kvroute::start(config).await;
-    kvroute
-        .wait_for("both pods scraped with their models", |s| {
-            pods.iter().all(|p| {
-                s.pod(*p)
-                    .is_some_and(|v| v.healthy && v.metrics().is_some() && v.models.is_some())
-            })
-        })
-        .await;
-    wait_for_gauge(&kvroute, "kvroute_kv_event_streams", 2.0).await;
+    let kvroute = following_events(test_config(pods.clone()), &templates, &pods).await;
     let client = http_client();
     let prompts: Vec<(String, SocketAddr)> = (0..4).map(|k| (prompt(k), pods[k % 2])).collect();
     compute_on(&client, &prompts).await;

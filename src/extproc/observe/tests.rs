@@ -133,18 +133,24 @@ fn a_usage_without_details_counts_as_nothing_cached_once_pods_report_details() {
     );
 }
 
-#[test]
-fn the_prediction_survives_the_metadata_round_trip_and_forgeries_are_ignored() {
-    let p = prediction(2992);
+/// The prediction's metadata as the observing filter forwards it.
+fn forwarded(p: &PrefixPrediction) -> Metadata {
     let (namespace, value) = p.metadata_field();
     let Some(Kind::StructValue(fields)) = value.kind else {
         panic!("a struct")
     };
     let mut metadata = Metadata::default();
-    metadata.filter_metadata.insert(namespace, fields.clone());
+    metadata.filter_metadata.insert(namespace, fields);
+    metadata
+}
+
+#[test]
+fn the_prediction_survives_the_metadata_round_trip_and_forgeries_are_ignored() {
+    let p = prediction(2992);
+    let mut metadata = forwarded(&p);
     assert_eq!(PrefixPrediction::from_metadata(&metadata), Some(p));
 
-    let mut forged = fields;
+    let mut forged = metadata.filter_metadata[PREDICTION_NAMESPACE].clone();
     forged.fields.insert(
         "prefix_source".into(),
         Value {
@@ -170,12 +176,7 @@ fn observed(message: processing_request::Request, metadata: Option<Metadata>) ->
 #[test]
 fn the_observer_checks_once_from_headers_body_and_trailers() {
     let p = prediction(2992);
-    let (namespace, value) = p.metadata_field();
-    let Some(Kind::StructValue(fields)) = value.kind else {
-        panic!("a struct")
-    };
-    let mut metadata = Metadata::default();
-    metadata.filter_metadata.insert(namespace, fields);
+    let metadata = forwarded(&p);
     let headers = HttpHeaders {
         headers: Some(HeaderMap {
             headers: vec![HeaderValue {

@@ -68,17 +68,21 @@ async fn pod_answering(
 
 const SECOND: Duration = Duration::from_secs(1);
 
+/// Scrapes `addr` `times` on one client, every answer expected to be `body`.
+async fn scrape_each_time(addr: SocketAddr, times: usize, body: &[u8]) {
+    let mut client = PodClient::new(addr, None);
+    for round in 0..times {
+        let answer = client
+            .get(&Uri::from_static("/metrics"), None, 1 << 20, SECOND)
+            .await;
+        assert_eq!(answer.expect("answer"), body, "round {round}");
+    }
+}
+
 #[tokio::test]
 async fn one_connection_serves_every_scrape() {
     let (addr, accepted) = pod("vllm:num_requests_running 1.0\n", usize::MAX).await;
-    let mut client = PodClient::new(addr, None);
-    for _ in 0..5 {
-        let body = client
-            .get(&Uri::from_static("/metrics"), None, 1 << 20, SECOND)
-            .await
-            .expect("answer");
-        assert_eq!(body, b"vllm:num_requests_running 1.0\n");
-    }
+    scrape_each_time(addr, 5, b"vllm:num_requests_running 1.0\n").await;
     assert_eq!(accepted.load(Ordering::SeqCst), 1);
 }
 
@@ -131,14 +135,7 @@ async fn a_chunked_answer_in_small_pieces_is_read_whole_and_the_connection_kept(
     let answer = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/plain\r\n\r\n\
                   9\r\nvllm:num_\r\n14\r\nrequests_running 1.0\r\n0\r\n\r\n";
     let (addr, accepted) = pod_answering(answer, usize::MAX, Some(7)).await;
-    let mut client = PodClient::new(addr, None);
-    for _ in 0..3 {
-        let body = client
-            .get(&Uri::from_static("/metrics"), None, 1 << 20, SECOND)
-            .await
-            .expect("answer");
-        assert_eq!(body, b"vllm:num_requests_running 1.0");
-    }
+    scrape_each_time(addr, 3, b"vllm:num_requests_running 1.0").await;
     assert_eq!(accepted.load(Ordering::SeqCst), 1);
 }
 
@@ -146,14 +143,7 @@ async fn a_chunked_answer_in_small_pieces_is_read_whole_and_the_connection_kept(
 async fn an_answer_that_closes_its_connection_is_read_and_the_next_opens_another() {
     // No length and no chunks: the body runs to the close, as HTTP/1.1 allows.
     let (addr, accepted) = pod_answering("HTTP/1.1 200 OK\r\n\r\nto the end", 1, None).await;
-    let mut client = PodClient::new(addr, None);
-    for _ in 0..2 {
-        let body = client
-            .get(&Uri::from_static("/metrics"), None, 1 << 20, SECOND)
-            .await
-            .expect("answer");
-        assert_eq!(body, b"to the end");
-    }
+    scrape_each_time(addr, 2, b"to the end").await;
     assert_eq!(accepted.load(Ordering::SeqCst), 2);
     let (addr, accepted) = pod_answering(
         "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
@@ -173,38 +163,23 @@ async fn an_answer_that_closes_its_connection_is_read_and_the_next_opens_another
     );
 }
 
+/// The error of one scrape (of at most 100 bytes) of a pod answering `answer`.
+async fn scrape_error(answer: &'static str) -> ScrapeError {
+    let (addr, _) = pod_answering(answer, usize::MAX, None).await;
+    let mut client = PodClient::new(addr, None);
+    client
+        .get(&Uri::from_static("/m"), None, 100, SECOND)
+        .await
+        .expect_err("the scrape fails")
+}
+
 #[tokio::test]
 async fn an_error_status_or_a_malformed_answer_fails_the_scrape() {
-    let (addr, _) = pod_answering(
-        "HTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n",
-        usize::MAX,
-        None,
-    )
-    .await;
-    let mut client = PodClient::new(addr, None);
-    let error = client
-        .get(&Uri::from_static("/m"), None, 100, SECOND)
-        .await
-        .expect_err("503");
+    let error = scrape_error("HTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n").await;
     assert!(matches!(error, ScrapeError::Status(503)), "{error}");
-    let (addr, _) = pod_answering("SPDY/9 what\r\n\r\n", usize::MAX, None).await;
-    let mut client = PodClient::new(addr, None);
-    let error = client
-        .get(&Uri::from_static("/m"), None, 100, SECOND)
-        .await
-        .expect_err("bad");
+    let error = scrape_error("SPDY/9 what\r\n\r\n").await;
     assert_eq!(error.kind(), "http", "{error}");
-    let (addr, _) = pod_answering(
-        "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n400\r\n",
-        usize::MAX,
-        None,
-    )
-    .await;
-    let mut client = PodClient::new(addr, None);
-    let error = client
-        .get(&Uri::from_static("/m"), None, 100, SECOND)
-        .await
-        .expect_err("big");
+    let error = scrape_error("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n400\r\n").await;
     assert!(matches!(error, ScrapeError::TooLarge(100)), "{error}");
 }
 
