@@ -159,22 +159,30 @@ where
             // Every request may wait as long, so "has waited `wait`" is "deadline at or
             // before `now` plus what `wait` leaves of `max_wait`": a prefix of the deque,
             // in which requests above the default priority stay.
+            // One pass over that prefix, keeping in order the requests that stay: taking
+            // each expired one out of the middle of the deque would shift the ones kept
+            // before it every time (quadratic under a band of critical requests).
             let due = now + (self.max_wait - standing.wait);
-            let mut at = 0;
-            while let Some(&(deadline, id, priority)) = self.deadlines.get(at) {
-                if deadline > due {
-                    break;
-                }
-                if self.queue.contains(id)
-                    && !self.standing_bound_applies(id, priority, &waits_for_pods)
-                {
-                    at += 1;
-                    continue;
-                }
-                self.deadlines.remove(at);
-                if let Some(item) = self.queue.remove(id) {
+            let prefix = self
+                .deadlines
+                .partition_point(|&(deadline, _, _)| deadline <= due);
+            let mut kept = Vec::new();
+            for entry in self.deadlines.drain(..prefix) {
+                let (_, id, priority) = entry;
+                // Still waiting, and the standing bound does not apply to it
+                // ([`WaitingRoom::standing_bound_applies`]).
+                let stays = self
+                    .queue
+                    .get(id)
+                    .is_some_and(|item| priority > 0 || waits_for_pods(item));
+                if stays {
+                    kept.push(entry);
+                } else if let Some(item) = self.queue.remove(id) {
                     expired.push((item, standing.wait));
                 }
+            }
+            for entry in kept.into_iter().rev() {
+                self.deadlines.push_front(entry);
             }
         }
         expired
