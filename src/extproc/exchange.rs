@@ -477,7 +477,14 @@ impl<R: Router> Exchange<R> {
         let destination = routed.destination();
         self.ticket = Some(routed.ticket);
         self.phase = Phase::Forwarded;
-        self.prediction = routed.prediction;
+        // Only the completion APIs report cached prompt tokens in their usage: a model
+        // listing or an embedding would only ever read as "unreported".
+        self.prediction = routed.prediction.filter(|_| {
+            matches!(
+                ApiKind::from_path(&self.path),
+                ApiKind::Completions | ApiKind::ChatCompletions
+            )
+        });
         let prediction = self.prediction.as_ref();
         let trailers = match self.answer_in {
             AnswerIn::Headers => return vec![messages::route_in_headers(&destination, prediction)],

@@ -629,13 +629,26 @@ fn the_prediction_goes_out_in_the_routing_metadata_and_the_response_usage_is_rea
         ex.handle(response_body(first, false));
         ex.handle(response_body(rest, true));
     }
+    // An API whose answers carry no cached tokens gets no prediction to check.
+    let mut ex = exchange(&router, BodySendMode::Buffered);
+    ex.handle(post("/v1/embeddings"));
+    let answers = ex.handle(body(br#"{"model":"llama","input":"hello"}"#, true));
+    let metadata = answers[0]
+        .dynamic_metadata
+        .as_ref()
+        .expect("the route's metadata");
+    assert!(
+        !metadata.fields.contains_key(observe::PREDICTION_NAMESPACE),
+        "{metadata:?}"
+    );
+    ex.finish();
     let log = router.tickets();
     // Buffered both ways: the (whole) body passed kvroute too.
-    for summary in &log.finished {
+    for summary in &log.finished[..2] {
         assert_eq!(summary.cached_tokens, Some(2992));
         assert_eq!(summary.completion_tokens, Some(8));
     }
-    assert_eq!(log.finished.len(), 2);
+    assert_eq!(log.finished.len(), 3);
 }
 
 #[test]
