@@ -569,13 +569,25 @@ mod tests {
 
     /// Arguments with every port free (the defaults may be taken on this machine).
     fn free_args(extra: &[&str]) -> UpArgs {
-        let free = || crate::envoy::free_port().expect("a free port").to_string();
+        // Every listener is held until all ports are chosen, so no two flags get the same
+        // free port, and none gets a port `extra` already names (a test's own "free" port,
+        // released before this call, may come back).
+        let mut held = Vec::new();
+        let mut free = || loop {
+            let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+            let port = listener.local_addr().expect("addr").port().to_string();
+            held.push(listener);
+            if !extra.contains(&port.as_str()) {
+                return port;
+            }
+        };
         let mut all: Vec<String> = extra.iter().map(ToString::to_string).collect();
         for flag in PORT_FLAGS.into_iter().chain(["--pods-port"]) {
             if !extra.contains(&flag) {
                 all.extend([flag.to_string(), free()]);
             }
         }
+        drop(held);
         all.extend(["--pods".into(), "1".into()]);
         let refs: Vec<&str> = all.iter().map(String::as_str).collect();
         args(&refs)
