@@ -225,11 +225,27 @@ pub fn envoy_binary() -> PathBuf {
     PathBuf::from("envoy")
 }
 
-/// A free loopback port (bound and released; Envoy binds it right after).
+/// A free loopback port (bound and released; Envoy binds it right after), never one this
+/// process was handed before: the kernel may give a just-released port again, and two
+/// calls in a row then named one port for two listeners.
 pub fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    for _ in 0..64 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        if HANDED_OUT
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(port)
+        {
+            return Ok(port);
+        }
+    }
+    Err(std::io::Error::other(
+        "every free port the kernel offered was handed out before",
+    ))
 }
 
 /// `n` consecutive free loopback ports, held (bound) until the listeners are dropped, for

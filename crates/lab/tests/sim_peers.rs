@@ -15,10 +15,7 @@ use serde_json::{Value, json};
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    kvroute_lab::envoy::free_port().expect("free port")
 }
 
 struct Router(Child);
