@@ -285,6 +285,7 @@ impl LivePicker {
         ) {
             Ok(Placed::Routed(decision, reservation, prefix)) => Some(self.routed(
                 &request,
+                fleet,
                 decision,
                 reservation,
                 Origin {
@@ -309,10 +310,11 @@ impl LivePicker {
         }
     }
 
-    /// Records a placed request and builds its route.
+    /// Records a placed request and builds its route (`fleet`: what it was placed on).
     fn routed(
         &self,
         request: &RouteRequest<'_>,
+        fleet: &Fleet,
         decision: Decision,
         reservation: Option<Reservation>,
         origin: Origin,
@@ -326,8 +328,19 @@ impl LivePicker {
         } = origin;
         lock(&self.shares).started(&tenant, decision.tokens_needed);
         telemetry::record_pick(elapsed, decision.reason.as_str());
-        if let Some(winner) = decision.ranked.first() {
-            telemetry::record_predicted_cached(prefix.as_str(), winner.cached_tokens);
+        let prediction = decision.ranked.first().map(|winner| PrefixPrediction {
+            cached_tokens: winner.cached_tokens,
+            source: prefix.as_str(),
+            pod: decision.endpoint,
+            block_tokens: fleet
+                .snapshot()
+                .pod(decision.endpoint)
+                .and_then(|pod| pod.metrics())
+                .and_then(|metrics| metrics.block_size)
+                .unwrap_or(BLOCK_TOKENS_DEFAULT),
+        });
+        if let Some(prediction) = &prediction {
+            telemetry::record_predicted_cached(prediction.source, prediction.cached_tokens);
         }
         telemetry::record_request(&labels, Outcome::Routed);
         debug!(
@@ -344,22 +357,6 @@ impl LivePicker {
                 ..DecisionRecord::new(request, Ok(&decision))
             }),
         }
-        let prediction = decision.ranked.first().map(|winner| {
-            let block_tokens = self
-                .store
-                .fleet()
-                .snapshot()
-                .pod(decision.endpoint)
-                .and_then(|pod| pod.metrics())
-                .and_then(|metrics| metrics.block_size)
-                .unwrap_or(BLOCK_TOKENS_DEFAULT);
-            PrefixPrediction {
-                cached_tokens: winner.cached_tokens,
-                source: prefix.as_str(),
-                pod: decision.endpoint,
-                block_tokens,
-            }
-        });
         let endpoints = std::iter::once(decision.endpoint)
             .chain(decision.fallbacks)
             .collect();
@@ -823,7 +820,14 @@ impl LivePicker {
                     prefix,
                     waited: None,
                 };
-                Placement::Routed(self.routed(request, decision, reservation, origin, elapsed))
+                Placement::Routed(self.routed(
+                    request,
+                    &fleet,
+                    decision,
+                    reservation,
+                    origin,
+                    elapsed,
+                ))
             }
             Ok(Placed::NoRoom(decision)) => {
                 debug!(
