@@ -108,7 +108,8 @@ pub struct Exchange<R: Router> {
     queued: Option<Duration>,
     /// What the routed request holds until its response ends.
     ticket: Option<R::Ticket>,
-    response: ResponseSummary,
+    /// The response's HTTP status, once its headers passed.
+    status: Option<u16>,
     first_token_seen: bool,
     /// What the router expected the pod to find cached, checked against the response's
     /// usage when the response body passes kvroute ([`observe`](super::observe)).
@@ -135,7 +136,7 @@ impl<R: Router> Exchange<R> {
             held_since: None,
             queued: None,
             ticket: None,
-            response: ResponseSummary::default(),
+            status: None,
             first_token_seen: false,
             prediction: None,
             served_by: None,
@@ -372,7 +373,7 @@ impl<R: Router> Exchange<R> {
         metadata: Option<&Metadata>,
     ) -> Vec<ProcessingResponse> {
         let map = headers.headers.as_ref();
-        self.response.status = map
+        self.status = map
             .and_then(|map| header_value(map, ":status"))
             .and_then(|status| status.parse().ok());
         // Which pod served: the gateway's metadata, else the header the shipped fail-open
@@ -448,8 +449,6 @@ impl<R: Router> Exchange<R> {
         }
         let ended = body.end_of_stream || body.end_of_stream_without_message;
         self.usage.feed(&body.body, ended);
-        self.response.completion_tokens = self.usage.completion_tokens;
-        self.response.cached_tokens = self.usage.cached_tokens;
         let answer = match self.response_mode {
             BodyMode::FullDuplex => messages::streamed_response_body(body.body, body.end_of_stream),
             _ => messages::continue_response_body(),
@@ -601,7 +600,11 @@ impl<R: Router> Exchange<R> {
     /// the response body passed kvroute, the prediction is checked against its usage.
     fn complete(&mut self) {
         if let Some(ticket) = self.ticket.take() {
-            ticket.finish(self.response);
+            ticket.finish(ResponseSummary {
+                status: self.status,
+                completion_tokens: self.usage.completion_tokens,
+                cached_tokens: self.usage.cached_tokens,
+            });
             if self.response_mode != BodyMode::None
                 && let Some(prediction) = self.prediction.take()
             {

@@ -176,7 +176,7 @@ impl PodClient {
             Framing::Chunked => {
                 let mut chunks = Dechunker::new(start);
                 loop {
-                    match chunks.feed(buffer, limit, start) {
+                    match chunks.feed(buffer, limit) {
                         Ok(Some(end)) => break (end, chunks.consumed() == buffer.len()),
                         Ok(None) => {}
                         Err(DechunkError::TooLarge) => return Err(ScrapeError::TooLarge(limit)),

@@ -119,6 +119,8 @@ fn has_token(value: &[u8], token: &[u8]) -> bool {
 /// stopped.
 #[derive(Debug)]
 pub(super) struct Dechunker {
+    /// Where the body starts (the decoded one as the raw one).
+    start: usize,
     /// Where the next decoded byte goes.
     out: usize,
     /// Where the next undecoded byte is.
@@ -132,6 +134,7 @@ pub(super) struct Dechunker {
 impl Dechunker {
     pub(super) fn new(start: usize) -> Dechunker {
         Dechunker {
+            start,
             out: start,
             at: start,
             left_in_chunk: None,
@@ -140,12 +143,12 @@ impl Dechunker {
     }
 
     /// Decodes what it can of `buffer`; `Ok(Some(end))`: the body is whole, decoded in
-    /// `buffer[start..end]`; `Ok(None)`: more bytes are needed. `limit` bounds the body.
+    /// `buffer[start..end]` (`start` as given to [`Dechunker::new`]); `Ok(None)`: more bytes
+    /// are needed. `limit` bounds the body.
     pub(super) fn feed(
         &mut self,
         buffer: &mut [u8],
         limit: usize,
-        start: usize,
     ) -> Result<Option<usize>, DechunkError> {
         loop {
             if self.in_trailers {
@@ -205,7 +208,7 @@ impl Dechunker {
                 self.in_trailers = true;
                 continue;
             }
-            if (self.out - start).saturating_add(size) > limit {
+            if (self.out - self.start).saturating_add(size) > limit {
                 return Err(DechunkError::TooLarge);
             }
             self.left_in_chunk = Some(size);

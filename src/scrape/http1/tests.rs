@@ -88,7 +88,7 @@ fn dechunk(
     for &cut in cuts.iter().chain(std::iter::once(&raw.len())) {
         buffer.extend_from_slice(&raw[from..cut]);
         from = cut;
-        if let Some(end) = chunks.feed(&mut buffer, limit, start)? {
+        if let Some(end) = chunks.feed(&mut buffer, limit)? {
             assert_eq!(chunks.consumed(), start + cut, "nothing left over");
             assert!(
                 buffer[..start].iter().all(|b| *b == b'h'),

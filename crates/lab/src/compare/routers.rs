@@ -217,21 +217,24 @@ impl RunningRouter {
                 .error_for_status()?
                 .text()
                 .await?;
-            let decisions = kvroute_core::exposition::parse_where(&text, |name| {
-                name == "kvroute_decisions_total"
-            })
-            .map_err(|e| anyhow::anyhow!("kvroute's /metrics at {addr}: {e}"))?;
-            routed.push(decisions.iter().map(|s| s.value).sum::<f64>() as u64);
+            const DECISIONS: &str = "kvroute_decisions_total";
+            const CHECKS: &str = "kvroute_prefix_checks_total";
             let samples = kvroute_core::exposition::parse_where(&text, |name| {
-                name == "kvroute_prefix_checks_total"
+                name == DECISIONS || name == CHECKS
             })
             .map_err(|e| anyhow::anyhow!("kvroute's /metrics at {addr}: {e}"))?;
-            for sample in samples.iter().filter(|s| s.value > 0.0) {
-                let label = |name: &str| sample.label(name).unwrap_or_default().to_owned();
-                *checks
-                    .entry((label("source"), label("outcome")))
-                    .or_default() += sample.value as u64;
+            let mut decisions = 0.0;
+            for sample in &samples {
+                if sample.name == DECISIONS {
+                    decisions += sample.value;
+                } else if sample.value > 0.0 {
+                    let label = |name: &str| sample.label(name).unwrap_or_default().to_owned();
+                    *checks
+                        .entry((label("source"), label("outcome")))
+                        .or_default() += sample.value as u64;
+                }
             }
+            routed.push(decisions as u64);
         }
         let prefix_checks = checks
             .into_iter()
