@@ -188,6 +188,17 @@ impl PrefixMatches {
         u64::from(self.blocks_at(pod_index)) * u64::from(self.block_tokens)
     }
 
+    /// Matched blocks by snapshot position, or empty when no pod matches.
+    pub(crate) fn blocks_by_pod(&self) -> &[u32] {
+        &self.by_pod
+    }
+
+    /// The most leading prompt tokens of the request that one pod holds (0: none).
+    pub fn most_tokens(&self) -> u64 {
+        let most = self.by_pod.iter().copied().max().unwrap_or(0);
+        u64::from(most) * u64::from(self.block_tokens)
+    }
+
     /// Whether some pod holds part of the prompt.
     pub fn any(&self) -> bool {
         !self.by_pod.is_empty()

@@ -2,11 +2,15 @@
 //! empty the set; soft filters apply only when someone passes them.
 //!
 //! Each pod is read from its row of the snapshot's dense table ([`PodRow`]) and its live
-//! counters, once, into a compact [`Candidate`]; the soft filters and stickiness then
-//! leave only the candidates that compete, so the passes that score and rank read no
-//! others. Soft-filter outcomes are bits of `flags`; the filters are applied to the flag
-//! combinations present (at most 8) rather than to each pod.
+//! counters, once. The pods that may compete become compact [`Candidate`]s; where the
+//! prompt's context is held, the others (most of a fleet that shares a system prompt) are
+//! only counted by flag combination ([`filter`] says when the fleet is read again). The
+//! soft filters and stickiness then leave only the candidates that compete, so the passes
+//! that score and rank read no others. Soft-filter outcomes are bits of `flags`; the
+//! filters are applied to the flag combinations present (at most 8) rather than to each
+//! pod.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use super::lora::{Serves, ServesModel};
@@ -27,7 +31,7 @@ const FULL_TRUST: u8 = u8::MAX;
 const UNKNOWN: u64 = u64::MAX;
 
 /// What the filters and scores need of one pod.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Candidate {
     /// Position in the snapshot.
     pub(super) index: u32,
@@ -58,13 +62,11 @@ pub(super) struct Demand<'a> {
 }
 
 impl Demand<'_> {
-    /// Prompt tokens the pod at `index` in the snapshot likely caches (kvroute sent it the
-    /// same leading blocks).
-    fn cached_at(&self, index: usize) -> u32 {
-        self.prefix.map_or(0, |prefix| {
-            let tokens = prefix.tokens_at(index).min(self.prompt);
-            u32::try_from(tokens).unwrap_or(u32::MAX)
-        })
+    /// Prompt tokens a pod holding `blocks` of the prompt's leading blocks (kvroute sent it
+    /// the same ones) likely caches, for blocks of `block_tokens`.
+    fn cached(&self, blocks: u32, block_tokens: u64) -> u32 {
+        let tokens = (u64::from(blocks) * block_tokens).min(self.prompt);
+        u32::try_from(tokens).unwrap_or(u32::MAX)
     }
 
     /// New KV the request needs on a pod caching `cached` of its prompt tokens.
@@ -121,52 +123,65 @@ impl<'a> Reading<'a> {
     }
 }
 
+impl Reading<'_> {
+    /// The soft-filter flags of the pod in `row` caching `cached` of the prompt's tokens
+    /// ([`Demand::cached`]), and its free KV tokens ([`UNKNOWN`] when it does not report
+    /// its capacity). Cached blocks are shared, not allocated again: the request needs only
+    /// the rest of its prompt, and the blocks it shares do not make the pod full for it.
+    #[inline(always)]
+    fn flags(&self, row: &PodRow, load: &PodLoad, cached: u32) -> (u8, u64) {
+        // A pod never scraped is neither saturated nor full by what it reported.
+        if !row.has_metrics {
+            return (NOT_SATURATED | FITS, UNKNOWN);
+        }
+        let (demand, config) = (self.demand, self.config);
+        let mut flags = NOT_SATURATED | FITS | HAS_METRICS;
+        let unscraped = load.unscraped_tokens();
+        if is_saturated(row, unscraped, u64::from(cached), demand.prompt, config) {
+            flags &= !NOT_SATURATED;
+        }
+        let Some(free) =
+            free_kv_tokens_of(row.capacity, row.used, unscraped, load, config.replicas)
+        else {
+            return (flags, UNKNOWN);
+        };
+        // What must stay free besides: `keep_free` of the pool rounded up, or
+        // `keep_free_tokens` when more, though never more than half the pool (a quieter
+        // tenant's one huge request must not take half of every pod from a busier one).
+        let keep = if self.keeps {
+            let capacity = row.capacity;
+            ((capacity as f64 * config.keep_free).ceil() as u64)
+                .max(config.keep_free_tokens.min(capacity / 2))
+        } else {
+            0
+        };
+        if free < demand.needed(cached).saturating_add(keep) {
+            flags &= !FITS;
+        }
+        (flags, free)
+    }
+}
+
 impl Candidate {
-    fn read(index: usize, row: &PodRow, load: &PodLoad, reading: &Reading<'_>) -> Self {
-        let (demand, config) = (reading.demand, reading.config);
-        // Cached blocks are shared, not allocated again: the request needs only the rest
-        // of its prompt, and the blocks it shares do not make the pod full for it.
-        let cached = demand.cached_at(index);
-        let mut candidate = Candidate {
+    /// The pod at `index` in the snapshot, caching `cached` of the prompt's tokens.
+    fn read(
+        index: usize,
+        row: &PodRow,
+        load: &PodLoad,
+        cached: u32,
+        reading: &Reading<'_>,
+    ) -> Self {
+        let (flags, free_kv) = reading.flags(row, load, cached);
+        Candidate {
             index: index as u32,
-            flags: NOT_SATURATED | FITS,
+            flags,
             trust: reading.trust(row),
-            waiting: 0,
+            waiting: if row.has_metrics { row.waiting } else { 0 },
             inflight: load.inflight(),
             prefill: load.prefill_tokens(),
             cached,
-            free_kv: UNKNOWN,
-        };
-        // A pod never scraped is neither saturated nor full by what it reported.
-        if !row.has_metrics {
-            return candidate;
+            free_kv,
         }
-        candidate.flags |= HAS_METRICS;
-        candidate.waiting = row.waiting;
-        let unscraped = load.unscraped_tokens();
-        if is_saturated(row, unscraped, u64::from(cached), demand.prompt, config) {
-            candidate.flags &= !NOT_SATURATED;
-        }
-        if let Some(free) =
-            free_kv_tokens_of(row.capacity, row.used, unscraped, load, config.replicas)
-        {
-            candidate.free_kv = free;
-            // What must stay free besides: `keep_free` of the pool rounded up, or
-            // `keep_free_tokens` when more, though never more than half the pool (a
-            // quieter tenant's one huge request must not take half of every pod from a
-            // busier one).
-            let keep = if reading.keeps {
-                let capacity = row.capacity;
-                ((capacity as f64 * config.keep_free).ceil() as u64)
-                    .max(config.keep_free_tokens.min(capacity / 2))
-            } else {
-                0
-            };
-            if free < demand.needed(cached).saturating_add(keep) {
-                candidate.flags &= !FITS;
-            }
-        }
-        candidate
     }
 
     /// Requests on the pod by what is known now: kvroute's own in flight, or the queue
@@ -196,7 +211,7 @@ impl Candidate {
 }
 
 /// The pods that passed the hard filters and compete for the request.
-#[derive(Debug)]
+#[derive(Debug, PartialEq, Eq)]
 pub(super) struct Filtered {
     /// Healthy pods that may serve the request, that the soft filters accept (see
     /// [`accepts`]) and that hold enough of the prompt's prefix ([`sticky_floor`]), in
@@ -220,70 +235,74 @@ fn accepts(candidate: &Candidate, accepted: u16, sticky_floor: u32) -> bool {
     accepted & (1 << candidate.flags) != 0 || (sticky_floor > 0 && candidate.cached >= sticky_floor)
 }
 
+/// What one pass over the fleet found of the pods that passed the hard filters.
+struct Pass {
+    /// The candidates caching at least the pass's `record_floor` prompt tokens, read in
+    /// full ([`Candidate::complete`]), in snapshot order.
+    recorded: Vec<Candidate>,
+    /// The other candidates by flag combination: how many, and the most requests in
+    /// flight on one of them.
+    others: [(usize, u32); COMBINATIONS],
+    /// `present[f]`: some candidate has flags `f`.
+    present: [bool; COMBINATIONS],
+    could_fit: bool,
+    /// The most prompt tokens one candidate caches.
+    best_cached: u32,
+    /// The least [`Candidate::load`] of all candidates.
+    least_load: u32,
+}
+
 /// Runs the hard filters (the error names the first one that emptied the set), then the
 /// soft filters.
+///
+/// When the prompt's context is held by some pod, stickiness will most likely leave only
+/// the pods caching half of the best holder's share, so the first pass keeps records of
+/// those alone and only counts the others (which compete, if at all, as their flags say).
+/// On a fleet where every pod holds the system prompt that skips the record, the trust,
+/// the queued prefill and the later passes of thousands of pods. Should stickiness end
+/// lower (the best holder is unhealthy or cannot serve the model) or not apply (the
+/// holders carry too much more load), the fleet is read again in full: the result is the
+/// same either way.
 pub(super) fn filter(
     request: &RouteRequest<'_>,
     fleet: &Fleet,
     demand: &Demand<'_>,
     config: &SchedulerConfig,
 ) -> Result<Filtered, PickError> {
-    if fleet.snapshot().pods().is_empty() {
-        return Err(PickError::NoEndpoints);
+    filter_recording(request, fleet, demand, config, likely_sticky_floor(demand))
+}
+
+/// [`filter`], whose first pass records the candidates caching at least `likely_floor`
+/// prompt tokens (0: all of them).
+fn filter_recording(
+    request: &RouteRequest<'_>,
+    fleet: &Fleet,
+    demand: &Demand<'_>,
+    config: &SchedulerConfig,
+    likely_floor: u32,
+) -> Result<Filtered, PickError> {
+    let mut pass = read_pods(request, fleet, demand, config, likely_floor)?;
+    let mut sticky_floor = sticky_floor(&pass, demand.prompt);
+    if sticky_floor < likely_floor {
+        pass = read_pods(request, fleet, demand, config, 0)?;
+        sticky_floor = self::sticky_floor(&pass, demand.prompt);
     }
-    let mut serves = request
-        .model()
-        .map(|model| ServesModel::new(model, fleet.snapshot(), config));
-    let (mut in_subset, mut serving, mut unlisted) = (0usize, 0usize, 0usize);
-    let mut present = [false; COMBINATIONS];
-    let mut candidates = Vec::with_capacity(fleet.snapshot().pods().len());
-    let mut could_fit = false;
-    let pods = fleet.snapshot().pods();
-    let reading = Reading::new(demand, config);
-    for (index, (row, load)) in fleet.rows().enumerate() {
-        if request
-            .subset
-            .is_some_and(|subset| !subset.contains(pods[index].endpoint))
-        {
-            continue;
-        }
-        in_subset += 1;
-        match serves
-            .as_mut()
-            .map_or(Serves::Yes, |serves| serves.check(row, index))
-        {
-            Serves::Yes => {}
-            Serves::No => continue,
-            Serves::Unlisted => {
-                unlisted += 1;
-                continue;
-            }
-        }
-        serving += 1;
-        if row.healthy {
-            let candidate = Candidate::read(index, row, load, &reading);
-            present[usize::from(candidate.flags)] = true;
-            could_fit |= row.capacity == 0 || row.capacity >= demand.needed(candidate.cached);
-            candidates.push(candidate);
-        }
-    }
-    if in_subset == 0 {
-        return Err(PickError::NoneInSubset);
-    }
-    if serving == 0 {
-        let model = request.model().unwrap_or_default().to_owned();
-        return Err(match unlisted {
-            0 => PickError::UnknownModel(model),
-            unlisted => PickError::ModelsNotListed { model, unlisted },
-        });
-    }
-    if candidates.is_empty() {
-        return Err(PickError::NoReadyEndpoint);
-    }
-    let (accepted, mut relaxed) = soft_filters(&present);
-    let sticky_floor = sticky_floor(&candidates, demand.prompt);
-    // Once, so that the passes that score and rank read only the pods that compete.
+    let (accepted, mut relaxed) = soft_filters(&pass.present);
+    let Pass {
+        recorded: mut candidates,
+        others,
+        could_fit,
+        ..
+    } = pass;
+    // The pods not recorded cache less than the floor: their flags alone decide.
     let (mut accepted_count, mut max_inflight) = (0, 0);
+    for (flags, &(count, most_inflight)) in others.iter().enumerate() {
+        if accepted & (1 << flags) != 0 {
+            accepted_count += count;
+            max_inflight = max_inflight.max(most_inflight);
+        }
+    }
+    // Once, so that the passes that score and rank read only the pods that compete.
     candidates.retain(|candidate| {
         if !accepts(candidate, accepted, sticky_floor) {
             return false;
@@ -317,30 +336,161 @@ pub(super) fn filter(
     })
 }
 
+/// The prefix matches of a request without any, for fleets up to this size (larger
+/// ones allocate theirs): most requests, spared an allocation per pick.
+static NO_BLOCKS: [u32; 4096] = [0; 4096];
+
+/// One pass over the fleet: the hard filters, then each remaining pod read into its
+/// [`Candidate`], recorded when it caches at least `record_floor` prompt tokens and
+/// counted in [`Pass::others`] otherwise.
+fn read_pods(
+    request: &RouteRequest<'_>,
+    fleet: &Fleet,
+    demand: &Demand<'_>,
+    config: &SchedulerConfig,
+    record_floor: u32,
+) -> Result<Pass, PickError> {
+    if fleet.snapshot().pods().is_empty() {
+        return Err(PickError::NoEndpoints);
+    }
+    let mut serves = request
+        .model()
+        .map(|model| ServesModel::new(model, fleet.snapshot(), config));
+    // Counted by what they exclude, so that a pod that passes costs no counter.
+    let (mut outside_subset, mut not_serving, mut unlisted) = (0usize, 0usize, 0usize);
+    let pods = fleet.snapshot().pods();
+    let mut recorded = if record_floor == 0 {
+        Vec::with_capacity(pods.len())
+    } else {
+        Vec::new()
+    };
+    let mut others = [(0usize, 0u32); COMBINATIONS];
+    let (mut could_fit, mut best_cached, mut least_load) = (false, 0u32, u32::MAX);
+    let reading = Reading::new(demand, config);
+    let block_tokens = demand
+        .prefix
+        .map_or(0, |prefix| u64::from(prefix.block_tokens));
+    // The prefix matches walked beside the rows, without an index check per pod: one
+    // entry a pod (zeros where nothing matches).
+    let blocks = demand.prefix.map_or(&[][..], PrefixMatches::blocks_by_pod);
+    let blocks: Cow<'_, [u32]> = if blocks.len() == pods.len() {
+        Cow::Borrowed(blocks)
+    } else if blocks.is_empty() && pods.len() <= NO_BLOCKS.len() {
+        Cow::Borrowed(&NO_BLOCKS[..pods.len()])
+    } else {
+        let mut padded = vec![0; pods.len()];
+        let known = blocks.len().min(pods.len());
+        padded[..known].copy_from_slice(&blocks[..known]);
+        Cow::Owned(padded)
+    };
+    for ((index, (row, load)), &blocks) in fleet.rows().enumerate().zip(blocks.iter()) {
+        if request
+            .subset
+            .is_some_and(|subset| !subset.contains(pods[index].endpoint))
+        {
+            outside_subset += 1;
+            continue;
+        }
+        match serves
+            .as_mut()
+            .map_or(Serves::Yes, |serves| serves.check(row, index))
+        {
+            Serves::Yes => {}
+            Serves::No => {
+                not_serving += 1;
+                continue;
+            }
+            Serves::Unlisted => {
+                unlisted += 1;
+                continue;
+            }
+        }
+        if !row.healthy {
+            continue;
+        }
+        let cached = demand.cached(blocks, block_tokens);
+        could_fit = could_fit || row.capacity == 0 || row.capacity >= demand.needed(cached);
+        best_cached = best_cached.max(cached);
+        if cached >= record_floor {
+            let candidate = Candidate::read(index, row, load, cached, &reading);
+            least_load = least_load.min(candidate.load());
+            recorded.push(candidate);
+        } else {
+            // Only what the counts need: fewer values live across the loop.
+            let (flags, _) = reading.flags(row, load, cached);
+            let inflight = load.inflight();
+            let waiting = if row.has_metrics { row.waiting } else { 0 };
+            least_load = least_load.min(inflight.max(waiting));
+            let (count, most_inflight) = &mut others[usize::from(flags)];
+            *count += 1;
+            *most_inflight = (*most_inflight).max(inflight);
+        }
+    }
+    let in_subset = pods.len() - outside_subset;
+    if in_subset == 0 {
+        return Err(PickError::NoneInSubset);
+    }
+    if in_subset == not_serving + unlisted {
+        let model = request.model().unwrap_or_default().to_owned();
+        return Err(match unlisted {
+            0 => PickError::UnknownModel(model),
+            unlisted => PickError::ModelsNotListed { model, unlisted },
+        });
+    }
+    let mut present = others.map(|(count, _)| count > 0);
+    for candidate in &recorded {
+        present[usize::from(candidate.flags)] = true;
+    }
+    let healthy = recorded.len() + others.iter().map(|(count, _)| count).sum::<usize>();
+    if healthy == 0 {
+        return Err(PickError::NoReadyEndpoint);
+    }
+    Ok(Pass {
+        recorded,
+        others,
+        present,
+        could_fit,
+        best_cached,
+        least_load,
+    })
+}
+
+/// The sticky floor ([`sticky_floor`]) if the pod caching the most of the prompt is a
+/// candidate and stickiness applies: half of what that pod caches. The true floor is
+/// never higher.
+fn likely_sticky_floor(demand: &Demand<'_>) -> u32 {
+    let Some(prefix) = demand.prefix else {
+        return 0;
+    };
+    let most = prefix.most_tokens().min(demand.prompt);
+    if demand.prompt == 0 || most * 2 < demand.prompt {
+        return 0;
+    }
+    u32::try_from(most).unwrap_or(u32::MAX) / 2
+}
+
 /// Prefix stickiness: when a candidate caches at least half of the prompt, only
 /// candidates caching at least half as much compete, unless even the least loaded of them
 /// carries [`STICKY_SLACK`] more requests ([`Candidate::load`]) than the least loaded
 /// candidate of all.
 /// Copying a long context to another pod costs KV the whole fleet shares, so the context
 /// moves only for a real imbalance, as with the cache-aware peers. Returns the cached
-/// tokens a candidate needs to compete (0: everyone).
-fn sticky_floor(candidates: &[Candidate], prompt: u64) -> u32 {
-    let (mut best, mut least) = (0u32, u32::MAX);
-    for c in candidates {
-        best = best.max(c.cached);
-        least = least.min(c.load());
-    }
+/// tokens a candidate needs to compete (0: everyone). Valid when the pass recorded every
+/// candidate caching that much (the caller reads the fleet again when it did not).
+fn sticky_floor(pass: &Pass, prompt: u64) -> u32 {
+    let best = pass.best_cached;
     if prompt == 0 || u64::from(best) * 2 < prompt {
         return 0;
     }
     let floor = best / 2;
-    let holders_least = candidates
+    let holders_least = pass
+        .recorded
         .iter()
         .filter(|c| c.cached >= floor)
         .map(Candidate::load)
         .min()
         .unwrap_or(u32::MAX);
-    if holders_least > least.saturating_add(STICKY_SLACK) {
+    if holders_least > pass.least_load.saturating_add(STICKY_SLACK) {
         0
     } else {
         floor
@@ -401,18 +551,32 @@ fn is_saturated(
     let shares_its_context = cached > 0 && cached * 2 >= prompt;
     row.waiting >= config.saturation.queue_depth
         || (!shares_its_context
-            && kv_usage_now(row, unscraped, config.replicas) >= config.saturation.kv_usage)
+            && kv_usage_reaches(row, unscraped, config.replicas, config.saturation.kv_usage))
 }
 
-/// The pod's reported KV use plus the share of its capacity that the requests kvroute sent
-/// it since that report will need (`replicas` times: each replica sees its own).
-fn kv_usage_now(row: &PodRow, unscraped: u64, replicas: u32) -> f64 {
+/// `tokens` as a float, through a signed conversion (one instruction on x86-64, where an
+/// unsigned one takes several); token counts never approach 2⁶³.
+fn as_f64(tokens: u64) -> f64 {
+    tokens.min(i64::MAX as u64) as i64 as f64
+}
+
+/// Whether the pod's reported KV use plus the share of its capacity that the requests
+/// kvroute sent it since that report will need (`replicas` times: each replica sees its
+/// own) reaches `threshold`. Compared as `unscraped × replicas ≥ (threshold − reported) ×
+/// capacity`, without the division by capacity: the pick over thousands of pods is bound
+/// by the divider as much as by anything.
+fn kv_usage_reaches(row: &PodRow, unscraped: u64, replicas: u32, threshold: f64) -> bool {
     let reported = f64::from(row.kv_usage);
-    // Nothing unscraped (most pods between bursts): the report alone, without a division.
+    if reported >= threshold {
+        return true;
+    }
     match (row.capacity, unscraped) {
-        (0, _) | (_, 0) => reported,
+        (0, _) | (_, 0) => false,
         (capacity, unscraped) => {
-            reported + unscraped as f64 * f64::from(replicas) / capacity as f64
+            as_f64(unscraped) * f64::from(replicas) >= (threshold - reported) * as_f64(capacity)
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

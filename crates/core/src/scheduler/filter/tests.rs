@@ -1,0 +1,191 @@
+//! The filter's first pass records only the pods stickiness will likely keep; whatever
+//! the fleet, the outcome must be the one a pass recording every pod gives.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::fleet::{PodMetrics, PodView, ServedModels};
+use crate::request::InferenceRequest;
+use crate::testing::config;
+
+/// One pod as the property varies it.
+#[derive(Debug, Clone)]
+struct Pod {
+    healthy: bool,
+    scraped: bool,
+    kv_usage: f64,
+    waiting: u32,
+    capacity: Option<u64>,
+    inflight: u32,
+    unscraped: u64,
+    /// Leading blocks of the prompt the pod holds.
+    blocks: u32,
+}
+
+fn pod() -> impl Strategy<Value = Pod> {
+    (
+        prop::bool::weighted(0.9),
+        prop::bool::weighted(0.9),
+        0.0..1.0f64,
+        0..20u32,
+        prop::option::weighted(0.9, 1_000..60_000u64),
+        0..40u32,
+        prop_oneof![Just(0u64), 0..20_000u64],
+        prop_oneof![Just(0u32), 0..=REQUEST_BLOCKS],
+    )
+        .prop_map(
+            |(healthy, scraped, kv_usage, waiting, capacity, inflight, unscraped, blocks)| Pod {
+                healthy,
+                scraped,
+                kv_usage,
+                waiting,
+                capacity,
+                inflight,
+                unscraped,
+                blocks,
+            },
+        )
+}
+
+const REQUEST_BLOCKS: u32 = 40;
+
+fn fleet_of(pods: &[Pod]) -> Fleet {
+    let served = Arc::new(ServedModels {
+        base: vec!["base".to_owned()],
+        adapters: HashMap::new(),
+    });
+    let pods = pods
+        .iter()
+        .enumerate()
+        .map(|(n, pod)| {
+            let metrics = pod.scraped.then(|| {
+                Arc::new(PodMetrics {
+                    kv_usage: pod.kv_usage,
+                    waiting: pod.waiting,
+                    kv_capacity_tokens: pod.capacity,
+                    ..PodMetrics::default()
+                })
+            });
+            let view = PodView::new(
+                endpoint(n),
+                pod.healthy,
+                metrics,
+                pod.scraped.then_some(Duration::from_millis(10)),
+                Some(Arc::clone(&served)),
+            );
+            (
+                view,
+                Arc::new(PodLoad::with_values(pod.inflight, pod.unscraped)),
+            )
+        })
+        .collect();
+    Fleet::new(pods, 1, 1)
+}
+
+fn endpoint(n: usize) -> SocketAddr {
+    SocketAddr::from(([10, 1, (n / 250) as u8, (n % 250) as u8], 8000))
+}
+
+proptest! {
+    #![proptest_config(config(300))]
+
+    #[test]
+    fn recording_only_the_likely_holders_filters_as_recording_every_pod(
+        pods in prop::collection::vec(pod(), 1..24),
+        prompt in 0..1_000u32,
+        output in 0..300u32,
+    ) {
+        let fleet = fleet_of(&pods);
+        let held: Vec<(SocketAddr, u32)> = pods
+            .iter()
+            .enumerate()
+            .map(|(n, pod)| (endpoint(n), pod.blocks))
+            .collect();
+        let prefix = PrefixMatches::new(REQUEST_BLOCKS, fleet.snapshot(), &held);
+        let inference = InferenceRequest {
+            model: "base".to_owned(),
+            prompt_tokens: prompt,
+            max_output_tokens: Some(output),
+            stream: false,
+            prompt_prefix: Vec::new(),
+            prefix_context: 0,
+        };
+        let request = RouteRequest { inference: Some(&inference), subset: None };
+        let demand = Demand {
+            prompt: u64::from(prompt),
+            tokens: u64::from(prompt) + u64::from(output),
+            prefix: Some(&prefix),
+        };
+        let scheduler = SchedulerConfig::default();
+        let quick = filter(&request, &fleet, &demand, &scheduler);
+        let full = filter_recording(&request, &fleet, &demand, &scheduler, 0);
+        prop_assert_eq!(quick, full);
+    }
+}
+
+/// The pod caching the most is unhealthy: stickiness ends at half of what the next best
+/// holder caches, below what the first pass recorded, and the pod between the two floors
+/// must still compete.
+#[test]
+fn a_holder_below_the_likely_floor_competes_when_the_best_holder_is_unhealthy() {
+    let idle = Pod {
+        healthy: true,
+        scraped: true,
+        kv_usage: 0.1,
+        waiting: 0,
+        capacity: Some(50_000),
+        inflight: 0,
+        unscraped: 0,
+        blocks: 0,
+    };
+    let pods = [
+        Pod {
+            healthy: false,
+            blocks: 40,
+            ..idle.clone()
+        },
+        Pod {
+            blocks: 24,
+            ..idle.clone()
+        },
+        Pod {
+            blocks: 14,
+            ..idle.clone()
+        },
+        idle,
+    ];
+    let fleet = fleet_of(&pods);
+    let held: Vec<(SocketAddr, u32)> = pods
+        .iter()
+        .enumerate()
+        .map(|(n, pod)| (endpoint(n), pod.blocks))
+        .collect();
+    let prefix = PrefixMatches::new(REQUEST_BLOCKS, fleet.snapshot(), &held);
+    let prompt = u64::from(REQUEST_BLOCKS) * u64::from(prefix.block_tokens);
+    let inference = InferenceRequest {
+        model: "base".to_owned(),
+        prompt_tokens: u32::try_from(prompt).expect("small"),
+        max_output_tokens: Some(100),
+        stream: false,
+        prompt_prefix: Vec::new(),
+        prefix_context: 0,
+    };
+    let request = RouteRequest {
+        inference: Some(&inference),
+        subset: None,
+    };
+    let demand = Demand {
+        prompt,
+        tokens: prompt + 100,
+        prefix: Some(&prefix),
+    };
+    let filtered = filter(&request, &fleet, &demand, &SchedulerConfig::default()).expect("some");
+    let competing: Vec<u32> = filtered.candidates.iter().map(|c| c.index).collect();
+    assert_eq!(competing, [1, 2], "{filtered:?}");
+    assert_eq!(filtered.accepted, 3);
+}
