@@ -307,6 +307,8 @@ fn pod_from_args(args: &SimArgs) -> Result<PodConfig, ConfigError> {
             jitter: args.jitter,
             enable_prefix_caching: !args.no_prefix_caching,
             seed: 0,
+            // The server's `/metrics` shows them.
+            histograms: true,
         },
         profile,
         lora_adapters: args.lora_adapters.clone(),

@@ -238,7 +238,7 @@ fn accepts(candidate: &Candidate, accepted: u16, sticky_floor: u32) -> bool {
 /// What one pass over the fleet found of the pods that passed the hard filters.
 struct Pass {
     /// The candidates caching at least the pass's `record_floor` prompt tokens, read in
-    /// full ([`Candidate::complete`]), in snapshot order.
+    /// full ([`Candidate::read`]), in snapshot order.
     recorded: Vec<Candidate>,
     /// The other candidates by flag combination: how many, and the most requests in
     /// flight on one of them.

@@ -206,6 +206,8 @@ impl<'s> World<'s> {
                 let mut cfg = pod.engine.clone();
                 // As `SimFleet::start` seeds pod i.
                 cfg.seed = mix(setup.seed, i as u64);
+                // No pod's page is read: the requests are measured here.
+                cfg.histograms = false;
                 Pod {
                     engine: Engine::new(cfg, pod.profile.clone()),
                     slots: Vec::new(),

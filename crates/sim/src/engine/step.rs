@@ -180,16 +180,20 @@ impl Engine {
             seq.tokens.push(token_id);
             seq.output_len += 1;
             self.stats.generation_tokens += 1;
+            let histograms = self.cfg.histograms;
             match seq.last_token {
                 None => {
                     seq.first_token = Some(t);
                     self.stats.prompt_tokens += u64::from(seq.prompt_len);
-                    self.stats.ttft.observe((t - seq.arrival).as_secs_f64());
-                    if let Some(s) = seq.first_scheduled {
-                        self.stats.prefill.observe((t - s).as_secs_f64());
+                    if histograms {
+                        self.stats.ttft.observe((t - seq.arrival).as_secs_f64());
+                        if let Some(s) = seq.first_scheduled {
+                            self.stats.prefill.observe((t - s).as_secs_f64());
+                        }
                     }
                 }
-                Some(last) => self.stats.itl.observe((t - last).as_secs_f64()),
+                Some(last) if histograms => self.stats.itl.observe((t - last).as_secs_f64()),
+                Some(_) => {}
             }
             seq.last_token = Some(t);
             self.events.push(Event {
@@ -219,13 +223,15 @@ impl Engine {
             FinishReason::Stop => s.success_stop += 1,
             FinishReason::Length => s.success_length += 1,
         }
-        s.e2e.observe((t - seq.arrival).as_secs_f64());
-        s.queue
-            .observe((first_scheduled - seq.arrival).as_secs_f64());
-        s.decode.observe((t - first_token).as_secs_f64());
-        s.inference.observe((t - first_scheduled).as_secs_f64());
-        s.prompt_len.observe(f64::from(seq.prompt_len));
-        s.generation_len.observe(f64::from(seq.output_len));
+        if self.cfg.histograms {
+            s.e2e.observe((t - seq.arrival).as_secs_f64());
+            s.queue
+                .observe((first_scheduled - seq.arrival).as_secs_f64());
+            s.decode.observe((t - first_token).as_secs_f64());
+            s.inference.observe((t - first_scheduled).as_secs_f64());
+            s.prompt_len.observe(f64::from(seq.prompt_len));
+            s.generation_len.observe(f64::from(seq.output_len));
+        }
         self.events.push(Event {
             id,
             at: t,
