@@ -170,6 +170,11 @@ impl PodSubscriber {
             self.reset();
             self.last_live = None;
         }
+        // The event index keeps blocks only for pods of a snapshot it follows: a batch
+        // applied before the store has published this pod would be dropped, its sequence
+        // number taken and never replayed (seen as a new subscriber's first blocks missing
+        // for good when the machine was busy).
+        self.wait_until_published().await;
         // What was published before this connection: everything the replay buffer still
         // has after the last batch applied (from the start for a new subscriber).
         self.catch_up(self.state.next_seq().unwrap_or(0)).await;
@@ -193,6 +198,15 @@ impl PodSubscriber {
                 },
             }
         }
+    }
+
+    /// Waits until the store's published fleet holds this pod: at once, but for a pod
+    /// just discovered, which the store publishes within milliseconds.
+    async fn wait_until_published(&self) {
+        let endpoint = self.endpoint;
+        let mut fleets = self.store.subscribe();
+        // An error means the store is gone, and with it anything to wait for.
+        let _ = fleets.wait_for(|fleet| fleet.pod(endpoint).is_some()).await;
     }
 
     /// A batch from the live stream.
@@ -356,5 +370,71 @@ impl PodSubscriber {
                 payload,
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use kvroute_core::fleet::HealthPolicy;
+    use kvroute_core::kvevents::{BlockStored, KvEvent};
+
+    use super::*;
+
+    /// One batch storing `blocks` consecutive blocks of 16 tokens from hash `first` on.
+    fn stored(first: u64, blocks: u64) -> EventBatch {
+        let tokens = u32::try_from(blocks * 16).expect("small");
+        EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: (first..first + blocks).collect(),
+                token_ids: (0..tokens).collect(),
+                block_size: 16,
+                ..BlockStored::default()
+            })],
+            data_parallel_rank: None,
+        }
+    }
+
+    /// The event index keeps blocks only for pods of a snapshot it follows: a batch applied
+    /// before the store publishes its pod is lost with its sequence number. So a
+    /// subscriber waits for the publish before it catches up (a busy CI machine once ran
+    /// the replay first, and the pod's first blocks never reached the index).
+    #[tokio::test(start_paused = true)]
+    async fn a_subscriber_waits_until_the_store_has_published_its_pod() {
+        let pod = SocketAddr::from(([127, 0, 0, 1], 8000));
+        let store = Arc::new(PodStore::new(HealthPolicy::default()));
+        store.set_endpoints(&[pod]);
+        let precise = Arc::new(PreciseIndex::with_budget(1 << 20));
+        let config = KvEventsConfig::default();
+        let mut subscriber = PodSubscriber::new(
+            pod,
+            0,
+            &config,
+            Arc::clone(&store),
+            Arc::clone(&precise),
+            None,
+        )
+        .expect("valid templates");
+
+        // What applying before the publish does: the blocks are dropped.
+        subscriber.apply(0, &stored(100, 4));
+        assert_eq!(precise.index().entries(), 0);
+
+        // The wait holds while the pod is unpublished (the paused clock runs the minute
+        // out at once) and ends with the publish.
+        let minute = Duration::from_secs(60);
+        assert!(
+            timeout(minute, subscriber.wait_until_published())
+                .await
+                .is_err()
+        );
+        store.publish(Instant::now());
+        timeout(minute, subscriber.wait_until_published())
+            .await
+            .expect("the pod is published");
+        subscriber.apply(1, &stored(200, 4));
+        assert_eq!(precise.index().entries(), 4);
     }
 }
