@@ -87,6 +87,28 @@ fn fleet_of(pods: &[Pod]) -> Fleet {
     Fleet::new(pods, 1, 1)
 }
 
+/// The prefix matches the pods' `blocks` make in `fleet`.
+fn matches_of(pods: &[Pod], fleet: &Fleet) -> PrefixMatches {
+    let held: Vec<(SocketAddr, u32)> = pods
+        .iter()
+        .enumerate()
+        .map(|(n, pod)| (endpoint(n), pod.blocks))
+        .collect();
+    PrefixMatches::new(REQUEST_BLOCKS, fleet.snapshot(), &held)
+}
+
+/// A request for the base model with `prompt` tokens and at most `output` out.
+fn inference(prompt: u32, output: u32) -> InferenceRequest {
+    InferenceRequest {
+        model: "base".to_owned(),
+        prompt_tokens: prompt,
+        max_output_tokens: Some(output),
+        stream: false,
+        prompt_prefix: Vec::new(),
+        prefix_context: 0,
+    }
+}
+
 fn endpoint(n: usize) -> SocketAddr {
     SocketAddr::from(([10, 1, (n / 250) as u8, (n % 250) as u8], 8000))
 }
@@ -101,20 +123,8 @@ proptest! {
         output in 0..300u32,
     ) {
         let fleet = fleet_of(&pods);
-        let held: Vec<(SocketAddr, u32)> = pods
-            .iter()
-            .enumerate()
-            .map(|(n, pod)| (endpoint(n), pod.blocks))
-            .collect();
-        let prefix = PrefixMatches::new(REQUEST_BLOCKS, fleet.snapshot(), &held);
-        let inference = InferenceRequest {
-            model: "base".to_owned(),
-            prompt_tokens: prompt,
-            max_output_tokens: Some(output),
-            stream: false,
-            prompt_prefix: Vec::new(),
-            prefix_context: 0,
-        };
+        let prefix = matches_of(&pods, &fleet);
+        let inference = inference(prompt, output);
         let request = RouteRequest { inference: Some(&inference), subset: None };
         let demand = Demand {
             prompt: u64::from(prompt),
@@ -160,21 +170,9 @@ fn a_holder_below_the_likely_floor_competes_when_the_best_holder_is_unhealthy() 
         idle,
     ];
     let fleet = fleet_of(&pods);
-    let held: Vec<(SocketAddr, u32)> = pods
-        .iter()
-        .enumerate()
-        .map(|(n, pod)| (endpoint(n), pod.blocks))
-        .collect();
-    let prefix = PrefixMatches::new(REQUEST_BLOCKS, fleet.snapshot(), &held);
+    let prefix = matches_of(&pods, &fleet);
     let prompt = u64::from(REQUEST_BLOCKS) * u64::from(prefix.block_tokens);
-    let inference = InferenceRequest {
-        model: "base".to_owned(),
-        prompt_tokens: u32::try_from(prompt).expect("small"),
-        max_output_tokens: Some(100),
-        stream: false,
-        prompt_prefix: Vec::new(),
-        prefix_context: 0,
-    };
+    let inference = inference(u32::try_from(prompt).expect("small"), 100);
     let request = RouteRequest {
         inference: Some(&inference),
         subset: None,
