@@ -166,7 +166,7 @@ fn bench_model_index(c: &mut Criterion) {
     let mut group = c.benchmark_group("model_index");
     group.measurement_time(Duration::from_secs(3));
     group.warm_up_time(Duration::from_secs(1));
-    for size in [64usize, 4096] {
+    for size in [64usize, 1000, 4096] {
         let fleet = fleet(size, &mut SmallRng::seed_from_u64(42));
         let pods = fleet.snapshot().pods();
         group.bench_with_input(BenchmarkId::new("build", size), pods, |b, pods| {
@@ -177,6 +177,15 @@ fn bench_model_index(c: &mut Criterion) {
             pods,
             |b, pods| b.iter(|| AdapterIndex::build(black_box(pods))),
         );
+        // A whole publish, as the store makes it: the snapshot of every pod with its
+        // dense rows and both indexes.
+        let pods: Vec<(PodView, Arc<PodLoad>)> = fleet
+            .pods()
+            .map(|(pod, load)| (pod.clone(), Arc::clone(load)))
+            .collect();
+        group.bench_with_input(BenchmarkId::new("publish", size), &pods, |b, pods| {
+            b.iter(|| Fleet::new(black_box(pods.clone()), 2, 1))
+        });
     }
     group.finish();
 }

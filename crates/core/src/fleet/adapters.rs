@@ -7,7 +7,9 @@
 //! at 4,096 pods. Here a pick looks the adapter up once and reads 8 bytes per pod.
 
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 
+use super::prefix::IdentityHasher;
 use super::{LoraStatus, PodView, adapter_key};
 
 /// What a pod's LoRA report says about its adapter slots.
@@ -25,21 +27,35 @@ pub struct LoraSlots {
 
 impl LoraSlots {
     pub fn of(lora: Option<&LoraStatus>) -> Self {
-        LoraSlots::counted(lora, &mut Vec::new())
+        LoraSlots::counted(lora, &mut Vec::new(), |_, _| {})
     }
 
-    /// [`LoraSlots::of`], counting in `keys` (a buffer reused across pods).
-    fn counted(lora: Option<&LoraStatus>, keys: &mut Vec<u64>) -> Self {
+    /// [`LoraSlots::of`], counting in `keys` (a buffer reused across pods) and handing
+    /// each name's [`adapter_key`] to `each` (with whether it runs or waits), so that the
+    /// index hashes every name once.
+    fn counted(
+        lora: Option<&LoraStatus>,
+        keys: &mut Vec<u64>,
+        mut each: impl FnMut(Side, u64),
+    ) -> Self {
         let Some(lora) = lora else {
             return LoraSlots::default();
         };
         let clamp = |n: usize| u16::try_from(n).unwrap_or(u16::MAX);
         keys.clear();
-        keys.extend(lora.running.iter().map(|a| adapter_key(a)));
+        for name in &lora.running {
+            let key = adapter_key(name);
+            each(Side::Running, key);
+            keys.push(key);
+        }
         keys.sort_unstable();
         keys.dedup();
         let running = keys.len();
-        keys.extend(lora.waiting.iter().map(|a| adapter_key(a)));
+        for name in &lora.waiting {
+            let key = adapter_key(name);
+            each(Side::Waiting, key);
+            keys.push(key);
+        }
         keys.sort_unstable();
         keys.dedup();
         LoraSlots {
@@ -51,13 +67,23 @@ impl LoraSlots {
     }
 }
 
+/// Whether a name of a pod's LoRA report has running requests or waiting ones.
+#[derive(Debug, Clone, Copy)]
+enum Side {
+    Running,
+    Waiting,
+}
+
+/// Positions of pods by [`adapter_key`]: the keys are FNV hashes already, used as they are.
+type ByKey = HashMap<u64, Vec<u32>, BuildHasherDefault<IdentityHasher>>;
+
 /// Per snapshot: each pod's [`LoraSlots`] by position, and the pods running or queueing
 /// each adapter (by [`adapter_key`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct AdapterIndex {
     slots: Vec<LoraSlots>,
-    running: HashMap<u64, Vec<u32>>,
-    waiting: HashMap<u64, Vec<u32>>,
+    running: ByKey,
+    waiting: ByKey,
 }
 
 impl AdapterIndex {
@@ -70,20 +96,19 @@ impl AdapterIndex {
         for (position, pod) in pods.iter().enumerate() {
             let position = u32::try_from(position).unwrap_or(u32::MAX);
             let lora = pod.metrics().and_then(|m| m.lora.as_ref());
-            index.slots.push(LoraSlots::counted(lora, &mut keys));
-            let Some(lora) = lora else { continue };
-            for (names, map) in [
-                (&lora.running, &mut index.running),
-                (&lora.waiting, &mut index.waiting),
-            ] {
-                for name in names {
-                    let list = map.entry(adapter_key(name)).or_default();
-                    // A name listed twice on one pod counts once.
-                    if list.last() != Some(&position) {
-                        list.push(position);
-                    }
+            let (running, waiting) = (&mut index.running, &mut index.waiting);
+            let slots = LoraSlots::counted(lora, &mut keys, |side, key| {
+                let map = match side {
+                    Side::Running => &mut *running,
+                    Side::Waiting => &mut *waiting,
+                };
+                let list = map.entry(key).or_default();
+                // A name listed twice on one pod counts once.
+                if list.last() != Some(&position) {
+                    list.push(position);
                 }
-            }
+            });
+            index.slots.push(slots);
         }
         index
     }

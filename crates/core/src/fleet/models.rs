@@ -7,9 +7,11 @@
 //! on discovery updates for the same reason).
 
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::sync::Arc;
 
-use super::PodView;
+use super::prefix::IdentityHasher;
+use super::{PodView, adapter_key};
 
 /// How the fleet knows a model name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,11 +59,20 @@ impl ModelIndex {
                 classes.entry(base.clone()).or_insert(ModelClass::Base);
             }
         }
+        // Every pod reports a few of the same adapters: each name is looked up once, found
+        // again by its cheap FNV key (and compared, so that two names sharing a key are
+        // both looked up).
+        let mut seen: HashMap<u64, &str, BuildHasherDefault<IdentityHasher>> = HashMap::default();
         for lora in pods
             .iter()
             .filter_map(|pod| pod.metrics().and_then(|m| m.lora.as_ref()))
         {
             for adapter in lora.running.iter().chain(lora.waiting.iter()) {
+                let key = adapter_key(adapter);
+                if seen.get(&key) == Some(&adapter.as_str()) {
+                    continue;
+                }
+                seen.insert(key, adapter);
                 // Looked up before inserting: most running adapters are listed ones, and
                 // the entry API would copy the name for every lookup.
                 if !classes.contains_key(adapter.as_str()) {
