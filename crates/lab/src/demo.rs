@@ -59,6 +59,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         kvroute_scrape_interval: None,
         python: None,
         observe_responses: false,
+        repeat: 1,
     })
     .await
 }

@@ -11,6 +11,7 @@
 
 pub mod columns;
 pub mod fleet_stats;
+pub mod repeats;
 pub mod report;
 pub mod routers;
 pub mod summary;
@@ -82,6 +83,13 @@ pub struct CompareArgs {
     /// chunk, which the latencies then include.
     #[arg(long, env = "KVROUTE_COMPARE_OBSERVE_RESPONSES")]
     pub observe_responses: bool,
+    /// Run the whole comparison this many times, each into OUTPUT_DIR/repeat-K, and write
+    /// repeats.md: every router's p90 TTFT at each rate over the repeats, its median and
+    /// range, and each repeat's ratio to the first router named. Near a knee one run's p90
+    /// jumps between a low and a several times higher value for any router, so one run
+    /// cannot tell two routers within 10 % apart.
+    #[arg(long, env = "KVROUTE_COMPARE_REPEAT", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeat: u32,
 }
 
 /// Wall period of the fleet sampler.
@@ -326,7 +334,37 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
         w.fleet_config()
             .with_context(|| format!("workload {}: fleet", w.name))?;
     }
-    let out = &args.output_dir;
+    let wall = Instant::now();
+    if args.repeat == 1 {
+        run_once(&args, &workloads, &kinds, &args.output_dir).await?;
+    } else {
+        let mut repeats = Vec::new();
+        for repeat in 1..=args.repeat {
+            eprintln!("kvroute-lab compare: repeat {repeat} of {}", args.repeat);
+            let out = args.output_dir.join(format!("repeat-{repeat}"));
+            repeats.push(run_once(&args, &workloads, &kinds, &out).await?);
+        }
+        let path = args.output_dir.join("repeats.md");
+        let md = repeats::markdown(&repeats);
+        std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
+        print!("{md}");
+        eprintln!(
+            "kvroute-lab compare: {} repeats in {:.0} s; {}",
+            args.repeat,
+            wall.elapsed().as_secs_f64(),
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// One whole comparison into `out`; returns its results.
+async fn run_once(
+    args: &CompareArgs,
+    workloads: &[(PathBuf, Workload)],
+    kinds: &[RouterKind],
+    out: &Path,
+) -> anyhow::Result<Vec<WorkloadResult>> {
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let tools = Tools {
         envoy: args.envoy.clone().unwrap_or_else(envoy_binary),
@@ -335,7 +373,7 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
             .python
             .clone()
             .unwrap_or_else(|| PathBuf::from(".venv/bin/python")),
-        log_dir: out.clone(),
+        log_dir: out.to_path_buf(),
         kvroute_scrape_interval: args.kvroute_scrape_interval,
         observe_responses: args.observe_responses,
     };
@@ -349,8 +387,8 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
         out.display()
     );
     let mut results = Vec::new();
-    for (file, w) in &workloads {
-        let (w, step) = ladder(&args, w)?;
+    for (file, w) in workloads {
+        let (w, step) = ladder(args, w)?;
         let w = &w;
         let rates = w.rates.clone();
         let mut result = WorkloadResult {
@@ -365,7 +403,7 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
             runs: Vec::new(),
             failures: Vec::new(),
         };
-        for &kind in &kinds {
+        for &kind in kinds {
             eprintln!(
                 "  {} / {}: rates {:?} req/s, steps of {:?} simulated",
                 w.name,
@@ -401,14 +439,14 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
         }
         results.push(result);
     }
-    let plots = write_report(&args, &results, out, wall.elapsed())?;
+    let plots = write_report(args, &results, out, wall.elapsed())?;
     print!("{}", summary::terminal(&results, &plots, out));
     eprintln!(
         "kvroute-lab compare: {:.0} s; report {}",
         wall.elapsed().as_secs_f64(),
         out.join("report.md").display()
     );
-    Ok(())
+    Ok(results)
 }
 
 /// Writes report.md, the plots and results.json; returns each workload's plot files.
@@ -529,6 +567,7 @@ mod tests {
             kvroute_scrape_interval: None,
             python: None,
             observe_responses: false,
+            repeat: 1,
         }
     }
 
