@@ -133,7 +133,9 @@ where
         let shortened = self
             .deadlines
             .iter()
-            .find(|&&(_, id, priority)| self.standing_bound_applies(id, priority, &waits_for_pods))
+            .find(|&&(_, id, priority)| {
+                standing_bound_applies(&self.queue, id, priority, &waits_for_pods)
+            })
             .map(|&(at, _, _)| (at - (self.max_wait - standing.wait)).max(since + standing.after));
         Some(shortened.map_or(deadline, |at| at.min(deadline)))
     }
@@ -169,12 +171,9 @@ where
             let mut kept = Vec::new();
             for entry in self.deadlines.drain(..prefix) {
                 let (_, id, priority) = entry;
-                // Still waiting, and the standing bound does not apply to it
-                // ([`WaitingRoom::standing_bound_applies`]).
-                let stays = self
-                    .queue
-                    .get(id)
-                    .is_some_and(|item| priority > 0 || waits_for_pods(item));
+                // Still waiting, and the standing bound does not apply to it.
+                let stays = self.queue.contains(id)
+                    && !standing_bound_applies(&self.queue, id, priority, &waits_for_pods);
                 if stays {
                     kept.push(entry);
                 } else if let Some(item) = self.queue.remove(id) {
@@ -188,22 +187,23 @@ where
         expired
     }
 
-    /// Whether the standing bound's shorter wait applies to the waiting request `id` of
-    /// `priority`: it is at or below the default priority ([`WaitingRoom::wait_bound`])
-    /// and not waiting for a pod to come up (`waits_for_pods`). False once it left.
-    fn standing_bound_applies(
-        &self,
-        id: EntryId,
-        priority: Priority,
-        waits_for_pods: impl Fn(&T) -> bool,
-    ) -> bool {
-        priority <= 0 && self.queue.get(id).is_some_and(|item| !waits_for_pods(item))
-    }
-
     /// Takes a request out before its deadline (its client left).
     pub fn remove(&mut self, id: EntryId) -> Option<T> {
         self.queue.remove(id)
     }
+}
+
+/// Whether the standing bound's shorter wait applies to the request `id` of `priority`
+/// waiting in `queue`: it is at or below the default priority ([`WaitingRoom::wait_bound`])
+/// and not waiting for a pod to come up (`waits_for_pods`). False once it left. A function
+/// of the queue alone, so that [`WaitingRoom::expire`] asks it while draining the deadlines.
+fn standing_bound_applies<T>(
+    queue: &FlowQueue<T>,
+    id: EntryId,
+    priority: Priority,
+    waits_for_pods: impl Fn(&T) -> bool,
+) -> bool {
+    priority <= 0 && queue.get(id).is_some_and(|item| !waits_for_pods(item))
 }
 
 #[cfg(test)]

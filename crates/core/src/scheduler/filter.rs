@@ -162,6 +162,17 @@ impl Reading<'_> {
     }
 }
 
+/// Requests on a pod by what is known now: kvroute's own `inflight`, or the queue the pod
+/// reported (`waiting`) when other gateways' requests make it the longer.
+fn load(inflight: u32, waiting: u32) -> u32 {
+    inflight.max(waiting)
+}
+
+/// The queue the pod in `row` reported; none for a pod never scraped.
+fn reported_waiting(row: &PodRow) -> u32 {
+    if row.has_metrics { row.waiting } else { 0 }
+}
+
 impl Candidate {
     /// The pod at `index` in the snapshot, caching `cached` of the prompt's tokens.
     fn read(
@@ -176,7 +187,7 @@ impl Candidate {
             index: index as u32,
             flags,
             trust: reading.trust(row),
-            waiting: if row.has_metrics { row.waiting } else { 0 },
+            waiting: reported_waiting(row),
             inflight: load.inflight(),
             prefill: load.prefill_tokens(),
             cached,
@@ -184,10 +195,9 @@ impl Candidate {
         }
     }
 
-    /// Requests on the pod by what is known now: kvroute's own in flight, or the queue
-    /// the pod reported when other gateways' requests make it the longer.
+    /// Requests on the pod by what is known now ([`load`]).
     pub(super) fn load(&self) -> u32 {
-        self.inflight.max(self.waiting)
+        load(self.inflight, self.waiting)
     }
 
     pub(super) fn free_kv(&self) -> Option<u64> {
@@ -419,8 +429,7 @@ fn read_pods(
             // Only what the counts need: fewer values live across the loop.
             let (flags, _) = reading.flags(row, load, cached);
             let inflight = load.inflight();
-            let waiting = if row.has_metrics { row.waiting } else { 0 };
-            least_load = least_load.min(inflight.max(waiting));
+            least_load = least_load.min(self::load(inflight, reported_waiting(row)));
             let (count, most_inflight) = &mut others[usize::from(flags)];
             *count += 1;
             *most_inflight = (*most_inflight).max(inflight);
@@ -463,10 +472,18 @@ fn likely_sticky_floor(demand: &Demand<'_>) -> u32 {
         return 0;
     };
     let most = prefix.most_tokens().min(demand.prompt);
-    if demand.prompt == 0 || most * 2 < demand.prompt {
-        return 0;
+    holders_floor(u32::try_from(most).unwrap_or(u32::MAX), demand.prompt)
+}
+
+/// The cached prompt tokens a candidate needs to stay among the holders when the best
+/// holder caches `best` of a `prompt`-token prompt: half of `best` once it caches at least
+/// half the prompt, else 0 (no stickiness).
+fn holders_floor(best: u32, prompt: u64) -> u32 {
+    if prompt == 0 || u64::from(best) * 2 < prompt {
+        0
+    } else {
+        best / 2
     }
-    u32::try_from(most).unwrap_or(u32::MAX) / 2
 }
 
 /// Prefix stickiness: when a candidate caches at least half of the prompt, only
@@ -478,11 +495,10 @@ fn likely_sticky_floor(demand: &Demand<'_>) -> u32 {
 /// tokens a candidate needs to compete (0: everyone). Valid when the pass recorded every
 /// candidate caching that much (the caller reads the fleet again when it did not).
 fn sticky_floor(pass: &Pass, prompt: u64) -> u32 {
-    let best = pass.best_cached;
-    if prompt == 0 || u64::from(best) * 2 < prompt {
+    let floor = holders_floor(pass.best_cached, prompt);
+    if floor == 0 {
         return 0;
     }
-    let floor = best / 2;
     let holders_least = pass
         .recorded
         .iter()
