@@ -114,6 +114,7 @@ impl AdapterIndex {
     }
 
     /// The slot counts of the pod at `position`.
+    #[inline]
     pub fn slots(&self, position: usize) -> LoraSlots {
         self.slots.get(position).copied().unwrap_or_default()
     }
@@ -144,6 +145,7 @@ impl PositionSet {
         PositionSet(words)
     }
 
+    #[inline]
     pub fn contains(&self, position: usize) -> bool {
         self.0
             .get(position / 64)

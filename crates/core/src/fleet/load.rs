@@ -233,6 +233,7 @@ impl PodLoad {
     /// [`PodLoad::adapter_recency`], and how many distinct adapters kvroute sent here
     /// lately (at most [`RECENT_ADAPTERS`]), in one pass: remembered adapters fill the
     /// list from its start.
+    #[inline]
     pub fn adapter_standing(&self, key: u64) -> (Option<usize>, usize) {
         let mut rank = None;
         for (position, slot) in self.recent_adapters.iter().enumerate() {

@@ -2,20 +2,21 @@
 //! empty the set; soft filters apply only when someone passes them.
 //!
 //! Each pod is read from its row of the snapshot's dense table ([`PodRow`]) and its live
-//! counters, once. The pods that may compete become compact [`Candidate`]s; where the
-//! prompt's context is held, the others (most of a fleet that shares a system prompt) are
-//! only counted by flag combination ([`filter`] says when the fleet is read again). The
-//! soft filters and stickiness then leave only the candidates that compete, so the passes
-//! that score and rank read no others. Soft-filter outcomes are bits of `flags`; the
-//! filters are applied to the flag combinations present (at most 8) rather than to each
-//! pod.
+//! counters, once. The pods that may compete become compact [`Candidate`]s; the others
+//! are only counted by flag combination ([`filter`] says when the fleet is read again).
+//! Where the prompt's context is held, the pods that may compete are its holders (most of
+//! a fleet that shares a system prompt is not recorded); where it is not, they are the
+//! pods that pass every soft filter, scored but for the in-flight term as they are read
+//! ([`Scorer::partial`]). Soft-filter outcomes are bits of `flags`; the filters are
+//! applied to the flag combinations present (at most 8) rather than to each pod.
 
 use std::borrow::Cow;
 use std::time::Duration;
 
 use super::lora::{Serves, ServesModel};
+use super::score::{Partial, Scorer};
 use super::{PickError, Relaxed, SchedulerConfig, free_kv_tokens_of};
-use crate::fleet::{Fleet, PodLoad, PodRow, PrefixMatches};
+use crate::fleet::{Fleet, PodLoad, PodRow, PodView, PrefixMatches};
 use crate::request::RouteRequest;
 
 /// Soft-filter outcomes of one pod, as bits: a pod passes a filter when its bit is set.
@@ -23,8 +24,12 @@ pub(super) const NOT_SATURATED: u8 = 1;
 pub(super) const FITS: u8 = 2;
 /// Not a filter: the pod has metrics at all.
 pub(super) const HAS_METRICS: u8 = 4;
+/// The flags of a pod that passes every soft filter.
+const PASSES: u8 = NOT_SATURATED | FITS;
 /// Flag combinations: `flags` takes values below this.
 const COMBINATIONS: usize = 8;
+/// [`Filtered::competes`] when every candidate kept competes.
+const ALL_COMPETE: u16 = (1 << COMBINATIONS) - 1;
 /// [`Candidate::trust`] of metrics no older than `max_metrics_age`.
 const FULL_TRUST: u8 = u8::MAX;
 /// Sentinel for "capacity not reported" in [`Candidate::free_kv`].
@@ -183,6 +188,20 @@ impl Candidate {
         reading: &Reading<'_>,
     ) -> Self {
         let (flags, free_kv) = reading.flags(row, load, cached);
+        Candidate::with_flags(index, row, load, cached, reading, flags, free_kv)
+    }
+
+    /// [`Candidate::read`] of a pod whose flags and free KV are known.
+    #[inline(always)]
+    fn with_flags(
+        index: usize,
+        row: &PodRow,
+        load: &PodLoad,
+        cached: u32,
+        reading: &Reading<'_>,
+        flags: u8,
+        free_kv: u64,
+    ) -> Self {
         Candidate {
             index: index as u32,
             flags,
@@ -221,12 +240,21 @@ impl Candidate {
 }
 
 /// The pods that passed the hard filters and compete for the request.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq)]
 pub(super) struct Filtered {
-    /// Healthy pods that may serve the request, that the soft filters accept (see
-    /// [`accepts`]) and that hold enough of the prompt's prefix ([`sticky_floor`]), in
-    /// snapshot order.
+    /// Healthy pods that may serve the request, in snapshot order: those whose flags are
+    /// in `competes` compete ([`Filtered::competing`]). Where stickiness applies, only
+    /// the ones that the soft filters accept (see [`accepts`]) and that hold enough of the
+    /// prompt's prefix ([`sticky_floor`]) are kept, and all of them compete.
     pub(super) candidates: Vec<Candidate>,
+    /// The flag combinations that compete, as a bitmap over flag values: without
+    /// stickiness, the soft filters' verdict (the candidates are not copied again to drop
+    /// the others: on a fleet of thousands that copy cost as much as a tenth of the pick).
+    pub(super) competes: u16,
+    /// When the first pass kept only the pods that pass every soft filter, each one's
+    /// terms but the in-flight one, computed as it was read ([`Scorer::partial`]); else
+    /// empty, and the ranking scores the competing candidates itself.
+    pub(super) partials: Vec<Partial>,
     /// How many pods the soft filters accepted, before prefix stickiness.
     pub(super) accepted: usize,
     /// The most requests in flight on one accepted pod (the in-flight score's scale).
@@ -234,6 +262,17 @@ pub(super) struct Filtered {
     pub(super) relaxed: Relaxed,
     /// Some candidate's whole KV pool could hold the request, or does not report its size.
     pub(super) could_fit: bool,
+}
+
+impl Filtered {
+    /// The candidates that compete, with their positions in `candidates`.
+    pub(super) fn competing(&self) -> impl Iterator<Item = (usize, &Candidate)> {
+        let competes = self.competes;
+        self.candidates
+            .iter()
+            .enumerate()
+            .filter(move |(_, candidate)| competes & (1 << candidate.flags) != 0)
+    }
 }
 
 /// Whether `candidate` competes: the soft filters accept its flags (`accepted`, a bitmap
@@ -245,16 +284,28 @@ fn accepts(candidate: &Candidate, accepted: u16, sticky_floor: u32) -> bool {
     accepted & (1 << candidate.flags) != 0 || (sticky_floor > 0 && candidate.cached >= sticky_floor)
 }
 
+/// Which candidates a pass over the fleet reads in full ([`Candidate::read`]) and
+/// keeps; it counts the others by flag combination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Record {
+    /// Those caching at least this many prompt tokens (0: every candidate).
+    Caching(u32),
+    /// Those that pass every soft filter, scored as they are read (but for the in-flight
+    /// term): when some pod does, the soft filters keep exactly those.
+    Passing,
+}
+
 /// What one pass over the fleet found of the pods that passed the hard filters.
 struct Pass {
-    /// The candidates caching at least the pass's `record_floor` prompt tokens, read in
-    /// full ([`Candidate::read`]), in snapshot order.
+    /// The candidates the pass's [`Record`] keeps, read in full, in snapshot order.
     recorded: Vec<Candidate>,
-    /// The other candidates by flag combination: how many, and the most requests in
-    /// flight on one of them.
+    /// [`Scorer::partial`] of each recorded candidate, in [`Record::Passing`].
+    partials: Vec<Partial>,
+    /// The candidates not recorded by flag combination: how many, and the most requests
+    /// in flight on one of them.
     others: [(usize, u32); COMBINATIONS],
-    /// `present[f]`: some candidate has flags `f`.
-    present: [bool; COMBINATIONS],
+    /// The same of the recorded candidates.
+    recorded_by_flags: [(usize, u32); COMBINATIONS],
     could_fit: bool,
     /// The most prompt tokens one candidate caches.
     best_cached: u32,
@@ -273,44 +324,88 @@ struct Pass {
 /// lower (the best holder is unhealthy or cannot serve the model) or not apply (the
 /// holders carry too much more load), the fleet is read again in full: the result is the
 /// same either way.
+///
+/// Where no pod holds half the prompt, stickiness cannot apply: the first pass then keeps
+/// only the pods that pass every soft filter, scoring each while it is at hand, and only
+/// counts the rest. Should no pod pass them all, the fleet is read again recording every
+/// pod, and the soft filters relax as they must.
 pub(super) fn filter(
     request: &RouteRequest<'_>,
     fleet: &Fleet,
     demand: &Demand<'_>,
     config: &SchedulerConfig,
+    scorer: &Scorer<'_>,
 ) -> Result<Filtered, PickError> {
-    filter_recording(request, fleet, demand, config, likely_sticky_floor(demand))
+    let likely_floor = likely_sticky_floor(demand);
+    let first = if likely_floor == 0 {
+        Record::Passing
+    } else {
+        Record::Caching(likely_floor)
+    };
+    filter_reading(request, fleet, demand, config, scorer, first)
 }
 
-/// [`filter`], whose first pass records the candidates caching at least `likely_floor`
-/// prompt tokens (0: all of them).
-fn filter_recording(
+/// [`filter`], whose first pass records as `first` says.
+fn filter_reading(
     request: &RouteRequest<'_>,
     fleet: &Fleet,
     demand: &Demand<'_>,
     config: &SchedulerConfig,
-    likely_floor: u32,
+    scorer: &Scorer<'_>,
+    first: Record,
 ) -> Result<Filtered, PickError> {
-    let mut pass = read_pods(request, fleet, demand, config, likely_floor)?;
+    let read = |record| match record {
+        Record::Caching(floor) => read_pods(request, fleet, demand, config, floor),
+        // A request without matches caches nothing anywhere: that loop needs no matches.
+        Record::Passing if demand.prefix.is_some_and(PrefixMatches::any) => {
+            read_passing::<true>(request, fleet, demand, config, scorer)
+        }
+        Record::Passing => read_passing::<false>(request, fleet, demand, config, scorer),
+    };
+    let mut pass = read(first)?;
     let mut sticky_floor = sticky_floor(&pass, demand.prompt);
-    if sticky_floor < likely_floor {
-        pass = read_pods(request, fleet, demand, config, 0)?;
+    let likely_floor = match first {
+        Record::Caching(floor) => floor,
+        Record::Passing => 0,
+    };
+    if sticky_floor < likely_floor || (first == Record::Passing && pass.recorded.is_empty()) {
+        pass = read(Record::Caching(0))?;
         sticky_floor = self::sticky_floor(&pass, demand.prompt);
     }
-    let (accepted, mut relaxed) = soft_filters(&pass.present);
+    let present =
+        std::array::from_fn(|flags| pass.others[flags].0 + pass.recorded_by_flags[flags].0 > 0);
+    let (accepted, mut relaxed) = soft_filters(&present);
     let Pass {
         recorded: mut candidates,
+        partials,
         others,
+        recorded_by_flags,
         could_fit,
         ..
     } = pass;
     // The pods not recorded cache less than the floor: their flags alone decide.
     let (mut accepted_count, mut max_inflight) = (0, 0);
-    for (flags, &(count, most_inflight)) in others.iter().enumerate() {
-        if accepted & (1 << flags) != 0 {
-            accepted_count += count;
-            max_inflight = max_inflight.max(most_inflight);
+    let mut count_accepted = |by_flags: &[(usize, u32); COMBINATIONS]| {
+        for (flags, &(count, most_inflight)) in by_flags.iter().enumerate() {
+            if accepted & (1 << flags) != 0 {
+                accepted_count += count;
+                max_inflight = max_inflight.max(most_inflight);
+            }
         }
+    };
+    count_accepted(&others);
+    if sticky_floor == 0 {
+        // Every candidate was recorded, and its flags alone decide too.
+        count_accepted(&recorded_by_flags);
+        return Ok(Filtered {
+            candidates,
+            competes: accepted,
+            partials,
+            accepted: accepted_count,
+            max_inflight,
+            relaxed,
+            could_fit,
+        });
     }
     // Once, so that the passes that score and rank read only the pods that compete.
     candidates.retain(|candidate| {
@@ -339,6 +434,8 @@ fn filter_recording(
     }
     Ok(Filtered {
         candidates,
+        competes: ALL_COMPETE,
+        partials: Vec::new(),
         accepted: accepted_count,
         max_inflight,
         relaxed,
@@ -350,9 +447,107 @@ fn filter_recording(
 /// ones allocate theirs): most requests, spared an allocation per pick.
 static NO_BLOCKS: [u32; 4096] = [0; 4096];
 
+/// The hard filters of one pass, counting the pods each excludes (so that a pod that
+/// passes costs no counter), and the error that names the first to empty the set.
+struct HardFilters<'a> {
+    request: &'a RouteRequest<'a>,
+    pods: &'a [PodView],
+    serves: Option<ServesModel<'a>>,
+    outside_subset: usize,
+    not_serving: usize,
+    unlisted: usize,
+}
+
+impl<'a> HardFilters<'a> {
+    fn new(
+        request: &'a RouteRequest<'a>,
+        fleet: &'a Fleet,
+        config: &'a SchedulerConfig,
+    ) -> Result<Self, PickError> {
+        if fleet.snapshot().pods().is_empty() {
+            return Err(PickError::NoEndpoints);
+        }
+        Ok(HardFilters {
+            request,
+            pods: fleet.snapshot().pods(),
+            serves: request
+                .model()
+                .map(|model| ServesModel::new(model, fleet.snapshot(), config)),
+            outside_subset: 0,
+            not_serving: 0,
+            unlisted: 0,
+        })
+    }
+
+    /// Whether the pod at `index`, whose row is `row`, may take the request: inside the
+    /// subset, serving the model, healthy.
+    #[inline(always)]
+    fn admit(&mut self, index: usize, row: &PodRow) -> bool {
+        if self
+            .request
+            .subset
+            .is_some_and(|subset| !subset.contains(self.pods[index].endpoint))
+        {
+            self.outside_subset += 1;
+            return false;
+        }
+        let serves = match self.serves.as_mut() {
+            Some(serves) => serves.check(row, index),
+            None => Serves::Yes,
+        };
+        match serves {
+            Serves::Yes => row.healthy,
+            Serves::No => {
+                self.not_serving += 1;
+                false
+            }
+            Serves::Unlisted => {
+                self.unlisted += 1;
+                false
+            }
+        }
+    }
+
+    /// The error of a pass that admitted `healthy` pods, if it admitted none.
+    fn verdict(&self, healthy: usize) -> Result<(), PickError> {
+        let in_subset = self.pods.len() - self.outside_subset;
+        if in_subset == 0 {
+            return Err(PickError::NoneInSubset);
+        }
+        if in_subset == self.not_serving + self.unlisted {
+            let model = self.request.model().unwrap_or_default().to_owned();
+            return Err(match self.unlisted {
+                0 => PickError::UnknownModel(model),
+                unlisted => PickError::ModelsNotListed { model, unlisted },
+            });
+        }
+        if healthy == 0 {
+            return Err(PickError::NoReadyEndpoint);
+        }
+        Ok(())
+    }
+}
+
+/// The prefix matches walked beside the rows of `pods` pods, without an index check per
+/// pod: one entry a pod (zeros where nothing matches).
+fn blocks_by_pod<'a>(demand: &Demand<'a>, pods: usize) -> Cow<'a, [u32]> {
+    let blocks = demand.prefix.map_or(&[][..], PrefixMatches::blocks_by_pod);
+    if blocks.len() == pods {
+        Cow::Borrowed(blocks)
+    } else if blocks.is_empty() && pods <= NO_BLOCKS.len() {
+        Cow::Borrowed(&NO_BLOCKS[..pods])
+    } else {
+        let mut padded = vec![0; pods];
+        let known = blocks.len().min(pods);
+        padded[..known].copy_from_slice(&blocks[..known]);
+        Cow::Owned(padded)
+    }
+}
+
 /// One pass over the fleet: the hard filters, then each remaining pod read into its
 /// [`Candidate`], recorded when it caches at least `record_floor` prompt tokens and
 /// counted in [`Pass::others`] otherwise.
+#[inline(never)]
 fn read_pods(
     request: &RouteRequest<'_>,
     fleet: &Fleet,
@@ -360,62 +555,23 @@ fn read_pods(
     config: &SchedulerConfig,
     record_floor: u32,
 ) -> Result<Pass, PickError> {
-    if fleet.snapshot().pods().is_empty() {
-        return Err(PickError::NoEndpoints);
-    }
-    let mut serves = request
-        .model()
-        .map(|model| ServesModel::new(model, fleet.snapshot(), config));
-    // Counted by what they exclude, so that a pod that passes costs no counter.
-    let (mut outside_subset, mut not_serving, mut unlisted) = (0usize, 0usize, 0usize);
-    let pods = fleet.snapshot().pods();
+    let mut hard = HardFilters::new(request, fleet, config)?;
+    let pods = fleet.snapshot().pods().len();
     let mut recorded = if record_floor == 0 {
-        Vec::with_capacity(pods.len())
+        Vec::with_capacity(pods)
     } else {
         Vec::new()
     };
     let mut others = [(0usize, 0u32); COMBINATIONS];
+    let mut recorded_by_flags = [(0usize, 0u32); COMBINATIONS];
     let (mut could_fit, mut best_cached, mut least_load) = (false, 0u32, u32::MAX);
     let reading = Reading::new(demand, config);
     let block_tokens = demand
         .prefix
         .map_or(0, |prefix| u64::from(prefix.block_tokens));
-    // The prefix matches walked beside the rows, without an index check per pod: one
-    // entry a pod (zeros where nothing matches).
-    let blocks = demand.prefix.map_or(&[][..], PrefixMatches::blocks_by_pod);
-    let blocks: Cow<'_, [u32]> = if blocks.len() == pods.len() {
-        Cow::Borrowed(blocks)
-    } else if blocks.is_empty() && pods.len() <= NO_BLOCKS.len() {
-        Cow::Borrowed(&NO_BLOCKS[..pods.len()])
-    } else {
-        let mut padded = vec![0; pods.len()];
-        let known = blocks.len().min(pods.len());
-        padded[..known].copy_from_slice(&blocks[..known]);
-        Cow::Owned(padded)
-    };
+    let blocks = blocks_by_pod(demand, pods);
     for ((index, (row, load)), &blocks) in fleet.rows().enumerate().zip(blocks.iter()) {
-        if request
-            .subset
-            .is_some_and(|subset| !subset.contains(pods[index].endpoint))
-        {
-            outside_subset += 1;
-            continue;
-        }
-        match serves
-            .as_mut()
-            .map_or(Serves::Yes, |serves| serves.check(row, index))
-        {
-            Serves::Yes => {}
-            Serves::No => {
-                not_serving += 1;
-                continue;
-            }
-            Serves::Unlisted => {
-                unlisted += 1;
-                continue;
-            }
-        }
-        if !row.healthy {
+        if !hard.admit(index, row) {
             continue;
         }
         let cached = demand.cached(blocks, block_tokens);
@@ -424,6 +580,9 @@ fn read_pods(
         if cached >= record_floor {
             let candidate = Candidate::read(index, row, load, cached, &reading);
             least_load = least_load.min(candidate.load());
+            let (count, most_inflight) = &mut recorded_by_flags[usize::from(candidate.flags)];
+            *count += 1;
+            *most_inflight = (*most_inflight).max(candidate.inflight);
             recorded.push(candidate);
         } else {
             // Only what the counts need: fewer values live across the loop.
@@ -435,32 +594,77 @@ fn read_pods(
             *most_inflight = (*most_inflight).max(inflight);
         }
     }
-    let in_subset = pods.len() - outside_subset;
-    if in_subset == 0 {
-        return Err(PickError::NoneInSubset);
-    }
-    if in_subset == not_serving + unlisted {
-        let model = request.model().unwrap_or_default().to_owned();
-        return Err(match unlisted {
-            0 => PickError::UnknownModel(model),
-            unlisted => PickError::ModelsNotListed { model, unlisted },
-        });
-    }
-    let mut present = others.map(|(count, _)| count > 0);
-    for candidate in &recorded {
-        present[usize::from(candidate.flags)] = true;
-    }
-    let healthy = recorded.len() + others.iter().map(|(count, _)| count).sum::<usize>();
-    if healthy == 0 {
-        return Err(PickError::NoReadyEndpoint);
-    }
+    hard.verdict(recorded.len() + others.iter().map(|(count, _)| count).sum::<usize>())?;
     Ok(Pass {
         recorded,
+        partials: Vec::new(),
         others,
-        present,
+        recorded_by_flags,
         could_fit,
         best_cached,
         least_load,
+    })
+}
+
+/// [`read_pods`] recording only the candidates that pass every soft filter
+/// ([`Record::Passing`]), each scored by `scorer` as it is read; the others are counted.
+/// For requests no pod holds half the prompt of (where [`Pass::best_cached`] and
+/// [`Pass::least_load`], read by stickiness alone, are not kept), and only when some pod
+/// passes: the pass is then read again with [`read_pods`].
+#[inline(never)]
+fn read_passing<const MATCHES: bool>(
+    request: &RouteRequest<'_>,
+    fleet: &Fleet,
+    demand: &Demand<'_>,
+    config: &SchedulerConfig,
+    scorer: &Scorer<'_>,
+) -> Result<Pass, PickError> {
+    let mut hard = HardFilters::new(request, fleet, config)?;
+    let pods = fleet.snapshot().pods().len();
+    let (mut recorded, mut partials) = (Vec::with_capacity(pods), Vec::with_capacity(pods));
+    let mut by_flags = [(0usize, 0u32); COMBINATIONS];
+    let reading = Reading::new(demand, config);
+    let block_tokens = demand
+        .prefix
+        .map_or(0, |prefix| u64::from(prefix.block_tokens));
+    let blocks = blocks_by_pod(demand, pods);
+    for ((index, (row, load)), &blocks) in fleet.rows().enumerate().zip(blocks.iter()) {
+        if !hard.admit(index, row) {
+            continue;
+        }
+        // Neither whether some pod could fit the request nor the least load is needed:
+        // a pod that passes every filter fits it, and without a holder of half the
+        // prompt stickiness, which compares loads, cannot apply.
+        let cached = if MATCHES {
+            demand.cached(blocks, block_tokens)
+        } else {
+            0
+        };
+        let (flags, free_kv) = reading.flags(row, load, cached);
+        let inflight = load.inflight();
+        let (count, most_inflight) = &mut by_flags[usize::from(flags)];
+        *count += 1;
+        *most_inflight = (*most_inflight).max(inflight);
+        if flags & PASSES == PASSES {
+            let candidate =
+                Candidate::with_flags(index, row, load, cached, &reading, flags, free_kv);
+            partials.push(scorer.partial(&candidate, row));
+            recorded.push(candidate);
+        }
+    }
+    let (mut others, mut recorded_by_flags) = (by_flags, [(0usize, 0u32); COMBINATIONS]);
+    for flags in (0..COMBINATIONS).filter(|flags| *flags as u8 & PASSES == PASSES) {
+        recorded_by_flags[flags] = std::mem::take(&mut others[flags]);
+    }
+    hard.verdict(by_flags.iter().map(|(count, _)| count).sum::<usize>())?;
+    Ok(Pass {
+        could_fit: !recorded.is_empty(),
+        recorded,
+        partials,
+        others,
+        recorded_by_flags,
+        best_cached: 0,
+        least_load: 0,
     })
 }
 
@@ -572,7 +776,7 @@ fn is_saturated(
 
 /// `tokens` as a float, through a signed conversion (one instruction on x86-64, where an
 /// unsigned one takes several); token counts never approach 2⁶³.
-fn as_f64(tokens: u64) -> f64 {
+pub(super) fn as_f64(tokens: u64) -> f64 {
     tokens.min(i64::MAX as u64) as i64 as f64
 }
 

@@ -61,6 +61,7 @@ impl LoraTier {
     /// requests include the adapter; `recency` says where the adapter stands among those
     /// kvroute sent the pod lately (0: the last one) and how many distinct adapters it
     /// sent there lately, asked only when it matters.
+    #[inline]
     pub fn decide(
         slots: LoraSlots,
         running: bool,
@@ -187,7 +188,7 @@ impl<'a> ServesModel<'a> {
     }
 
     /// Whether the pod at `index` in the snapshot, whose row is `row`, serves the model.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn check(&mut self, row: &PodRow, index: usize) -> Serves {
         if row.models == PodRow::UNLISTED {
             return Serves::Unlisted;

@@ -209,11 +209,12 @@ pub fn pick<R: Rng + ?Sized>(
         tokens: tokens_needed,
         prefix,
     };
-    let filtered = filter::filter(request, fleet, &demand, config)?;
     let adapter = request
         .model()
         .filter(|model| lora::is_adapter(model, fleet.snapshot(), config));
-    let scorer = score::Scorer::new(&filtered, fleet, prefix, demand, adapter, config);
+    let scorer = score::Scorer::new(fleet, prefix, demand, adapter, config);
+    let filtered = filter::filter(request, fleet, &demand, config, &scorer)?;
+    let scorer = scorer.with_max_inflight(filtered.max_inflight);
     let ranking = rank::rank(&filtered, &scorer, config, rng);
     Ok(decide(request, &filtered, ranking, tokens_needed, config))
 }
@@ -296,7 +297,9 @@ pub fn free_kv_tokens(pod: &PodView, load: &PodLoad, replicas: u32) -> Option<u6
 }
 
 /// [`free_kv_tokens`] of a pod whose capacity, reported use and unscraped tokens the
-/// caller has in hand.
+/// caller has in hand (inlined: the filter's pass over thousands of pods calls it for
+/// each).
+#[inline(always)]
 fn free_kv_tokens_of(
     capacity: u64,
     reported: u64,

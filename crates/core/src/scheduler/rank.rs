@@ -32,23 +32,29 @@ pub(super) fn rank<R: Rng + ?Sized>(
     let runners_up = config
         .fallbacks
         .max(config.trace_candidates.saturating_sub(1));
-    let mut totals: Vec<(f64, u32)> = Vec::with_capacity(filtered.candidates.len());
-    let mut best = f64::NEG_INFINITY;
-    let mut tied = 0usize;
     // One more than the runners-up, in case the winner drawn from a tie is among them.
-    let mut top = TopK::new(runners_up + 2);
-    for (position, candidate) in filtered.candidates.iter().enumerate() {
-        let position = position as u32;
-        let total = scorer.total(candidate);
-        if total > best + TIE_EPSILON {
-            best = total;
-            tied = 1;
-        } else if total >= best - TIE_EPSILON {
-            tied += 1;
+    let mut scan = Scan::new(filtered.candidates.len(), runners_up + 2);
+    if filtered.partials.is_empty() {
+        for (position, candidate) in filtered.competing() {
+            scan.offer(position, scorer.total(candidate));
         }
-        totals.push((total, position));
-        top.offer(total, position);
+    } else {
+        // Scored in the filter's pass but for the in-flight term; every candidate competes.
+        for (position, (candidate, partial)) in filtered
+            .candidates
+            .iter()
+            .zip(&filtered.partials)
+            .enumerate()
+        {
+            scan.offer(position, scorer.complete(partial, candidate.inflight));
+        }
     }
+    let Scan {
+        totals,
+        best,
+        tied,
+        top,
+    } = scan;
     let nth = rng.random_range(0..tied.max(1));
     // The soft filters never empty the set, so some candidate is always accepted.
     let winner = totals
@@ -67,6 +73,40 @@ pub(super) fn rank<R: Rng + ?Sized>(
             .map(breakdown)
             .collect(),
         accepted: filtered.accepted,
+    }
+}
+
+/// What ranking keeps of the totals, offered in candidate order.
+struct Scan {
+    /// Every total with its candidate's position (for the tie-break).
+    totals: Vec<(f64, u32)>,
+    best: f64,
+    /// How many totals lie within [`TIE_EPSILON`] of `best`.
+    tied: usize,
+    top: TopK,
+}
+
+impl Scan {
+    fn new(candidates: usize, k: usize) -> Self {
+        Scan {
+            totals: Vec::with_capacity(candidates),
+            best: f64::NEG_INFINITY,
+            tied: 0,
+            top: TopK::new(k),
+        }
+    }
+
+    #[inline(always)]
+    fn offer(&mut self, position: usize, total: f64) {
+        let position = position as u32;
+        if total > self.best + TIE_EPSILON {
+            self.best = total;
+            self.tied = 1;
+        } else if total >= self.best - TIE_EPSILON {
+            self.tied += 1;
+        }
+        self.totals.push((total, position));
+        self.top.offer(total, position);
     }
 }
 

@@ -1,10 +1,10 @@
 //! Stage 2: the score of each accepted pod, a weighted sum of terms that each lie in
 //! 0..=1 (the formula is in the module docs of [`super`]).
 
-use super::filter::{Candidate, Demand, Filtered};
+use super::filter::{Candidate, Demand, as_f64};
 use super::lora::LoraTier;
 use super::{CandidateScore, SchedulerConfig, WeightedTerms};
-use crate::fleet::{Fleet, PodView, PositionSet, PrefixMatches, adapter_key};
+use crate::fleet::{Fleet, PodRow, PodView, PositionSet, PrefixMatches, adapter_key};
 
 /// The scores of one request against the candidates.
 pub(super) struct Scorer<'a> {
@@ -33,16 +33,29 @@ pub(super) struct Scorer<'a> {
 /// Queue lengths whose queue term [`Scorer`] computes once per pick.
 const QUEUE_TERMS: usize = 16;
 
+/// A candidate's weighted terms but the in-flight one, whose scale (the most requests in
+/// flight on one competing candidate) is known only once the filters are done: the
+/// filter's pass scores the pods it keeps while they are at hand, the ranking completes
+/// the sum ([`Scorer::complete`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Partial {
+    /// The KV headroom and queue terms, summed.
+    head: f64,
+    lora: f64,
+    prefix: f64,
+    prefill_queue: f64,
+}
+
 impl<'a> Scorer<'a> {
+    /// The scorer of one request; [`Scorer::with_max_inflight`] completes it once the
+    /// filters are done.
     pub(super) fn new(
-        filtered: &Filtered,
         fleet: &'a Fleet,
         prefix: Option<&'a PrefixMatches>,
         demand: Demand<'a>,
         adapter: Option<&'a str>,
         config: &'a SchedulerConfig,
     ) -> Self {
-        let max_inflight = filtered.max_inflight;
         let key = adapter.map_or(0, adapter_key);
         let pods = fleet.snapshot().pods().len();
         let index = &fleet.snapshot().adapters;
@@ -64,16 +77,24 @@ impl<'a> Scorer<'a> {
             adapter_key: key,
             adapter_running,
             adapter_waiting,
-            max_inflight,
-            inverse_max_inflight: if max_inflight == 0 {
-                0.0
-            } else {
-                1.0 / f64::from(max_inflight)
-            },
+            max_inflight: 0,
+            inverse_max_inflight: 0.0,
             inverse_request_blocks: prefix.map_or(0.0, |p| 1.0 / f64::from(p.request_blocks)),
             queue_terms: std::array::from_fn(|waiting| limit / (limit + waiting as f64)),
             config,
         }
+    }
+
+    /// The scorer with the most requests in flight on one competing candidate (the
+    /// in-flight term's scale).
+    pub(super) fn with_max_inflight(mut self, max_inflight: u32) -> Self {
+        self.max_inflight = max_inflight;
+        self.inverse_max_inflight = if max_inflight == 0 {
+            0.0
+        } else {
+            1.0 / f64::from(max_inflight)
+        };
+        self
     }
 
     fn pod(&self, c: &Candidate) -> &PodView {
@@ -81,13 +102,14 @@ impl<'a> Scorer<'a> {
     }
 
     /// Weakened as the pod's metrics age (see `filter::Reading::trust`).
-    fn kv_headroom(&self, c: &Candidate) -> f64 {
+    /// `row` is the candidate's row in the snapshot.
+    #[inline]
+    fn kv_headroom(&self, c: &Candidate, row: &PodRow) -> f64 {
         let headroom = match (c.has_metrics(), c.free_kv()) {
             (true, Some(free)) => {
-                let capacity = self.fleet.row(c.index as usize).capacity;
-                kv_headroom_score(free, self.demand.needed(c.cached), capacity)
+                kv_headroom_score(free, self.demand.needed(c.cached), row.capacity)
             }
-            (true, None) => 1.0 - f64::from(self.fleet.row(c.index as usize).kv_usage),
+            (true, None) => 1.0 - f64::from(row.kv_usage),
             (false, _) => 0.0,
         };
         c.trust() * headroom
@@ -111,10 +133,15 @@ impl<'a> Scorer<'a> {
     }
 
     fn inflight(&self, c: &Candidate) -> f64 {
+        self.inflight_term(c.inflight)
+    }
+
+    #[inline]
+    fn inflight_term(&self, inflight: u32) -> f64 {
         if self.max_inflight == 0 {
             1.0
         } else {
-            1.0 - f64::from(c.inflight) * self.inverse_max_inflight
+            1.0 - f64::from(inflight) * self.inverse_max_inflight
         }
     }
 
@@ -123,9 +150,10 @@ impl<'a> Scorer<'a> {
     /// the prompt is worth the prefill it saves, not just the share of blocks it holds.
     fn prefill_queue(&self, c: &Candidate) -> f64 {
         let scale = f64::from(self.config.prefill_queue_tokens);
-        scale / (scale + (c.prefill + self.demand.uncached_prompt(c.cached)) as f64)
+        scale / (scale + as_f64(c.prefill + self.demand.uncached_prompt(c.cached)))
     }
 
+    #[inline]
     fn lora_tier(&self, c: &Candidate) -> Option<LoraTier> {
         let index = c.index as usize;
         self.adapter.map(|_| {
@@ -145,31 +173,52 @@ impl<'a> Scorer<'a> {
         })
     }
 
-    pub(super) fn total(&self, c: &Candidate) -> f64 {
+    /// Every weighted term of `c`, whose row in the snapshot is `row`, but the in-flight
+    /// one.
+    #[inline(always)]
+    pub(super) fn partial(&self, c: &Candidate, row: &PodRow) -> Partial {
         let weights = &self.config.weights;
-        weights.kv_headroom * self.kv_headroom(c)
-            + weights.queue * self.queue(c)
-            + weights.inflight * self.inflight(c)
-            + weights.lora_affinity * self.lora_tier(c).map_or(1.0, LoraTier::score)
-            + weights.prefix_affinity * self.prefix(c)
-            + weights.prefill_queue * self.prefill_queue(c)
+        Partial {
+            head: weights.kv_headroom * self.kv_headroom(c, row) + weights.queue * self.queue(c),
+            lora: weights.lora_affinity * self.lora_tier(c).map_or(1.0, LoraTier::score),
+            prefix: weights.prefix_affinity * self.prefix(c),
+            prefill_queue: weights.prefill_queue * self.prefill_queue(c),
+        }
+    }
+
+    /// The total of a candidate with `inflight` requests in flight whose other terms are
+    /// `partial`: the terms summed in the order of the module docs' formula, so that a
+    /// total completed from a partial equals [`Scorer::total`] to the bit.
+    #[inline]
+    pub(super) fn complete(&self, partial: &Partial, inflight: u32) -> f64 {
+        partial.head
+            + self.config.weights.inflight * self.inflight_term(inflight)
+            + partial.lora
+            + partial.prefix
+            + partial.prefill_queue
+    }
+
+    pub(super) fn total(&self, c: &Candidate) -> f64 {
+        let row = self.fleet.row(c.index as usize);
+        self.complete(&self.partial(c, row), c.inflight)
     }
 
     pub(super) fn breakdown(&self, c: &Candidate) -> CandidateScore {
+        let row = self.fleet.row(c.index as usize);
         let lora_tier = self.lora_tier(c);
         let weights = &self.config.weights;
         CandidateScore {
             endpoint: self.pod(c).endpoint,
             total: self.total(c),
             weighted: WeightedTerms {
-                kv_headroom: weights.kv_headroom * self.kv_headroom(c),
+                kv_headroom: weights.kv_headroom * self.kv_headroom(c, row),
                 queue: weights.queue * self.queue(c),
                 inflight: weights.inflight * self.inflight(c),
                 lora: weights.lora_affinity * lora_tier.map_or(1.0, LoraTier::score),
                 prefix: weights.prefix_affinity * self.prefix(c),
                 prefill_queue: weights.prefill_queue * self.prefill_queue(c),
             },
-            kv_headroom: self.kv_headroom(c),
+            kv_headroom: self.kv_headroom(c, row),
             queue: self.queue(c),
             inflight: self.inflight(c),
             lora: lora_tier.map_or(1.0, LoraTier::score),
@@ -190,8 +239,8 @@ fn kv_headroom_score(free: u64, needed: u64, capacity: u64) -> f64 {
         return 0.0;
     }
     if free >= needed {
-        0.5 + 0.5 * ((free - needed) as f64 / capacity as f64).min(1.0)
+        0.5 + 0.5 * (as_f64(free - needed) / as_f64(capacity)).min(1.0)
     } else {
-        0.5 * free as f64 / needed as f64
+        0.5 * as_f64(free) / as_f64(needed)
     }
 }

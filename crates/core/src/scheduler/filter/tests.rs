@@ -1,5 +1,7 @@
-//! The filter's first pass records only the pods stickiness will likely keep; whatever
-//! the fleet, the outcome must be the one a pass recording every pod gives.
+//! The filter's first pass records only the pods stickiness will likely keep, or, where
+//! stickiness cannot apply, only the pods that pass every soft filter (scoring them as it
+//! reads them); whatever the fleet, the outcome must be the one a pass recording every pod
+//! gives.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -117,10 +119,11 @@ proptest! {
     #![proptest_config(config(300))]
 
     #[test]
-    fn recording_only_the_likely_holders_filters_as_recording_every_pod(
+    fn recording_only_the_likely_competitors_filters_as_recording_every_pod(
         pods in prop::collection::vec(pod(), 1..24),
         prompt in 0..1_000u32,
         output in 0..300u32,
+        with_matches in prop::bool::weighted(0.7),
     ) {
         let fleet = fleet_of(&pods);
         let prefix = matches_of(&pods, &fleet);
@@ -129,13 +132,104 @@ proptest! {
         let demand = Demand {
             prompt: u64::from(prompt),
             tokens: u64::from(prompt) + u64::from(output),
-            prefix: Some(&prefix),
+            prefix: with_matches.then_some(&prefix),
         };
         let scheduler = SchedulerConfig::default();
-        let quick = filter(&request, &fleet, &demand, &scheduler);
-        let full = filter_recording(&request, &fleet, &demand, &scheduler, 0);
-        prop_assert_eq!(quick, full);
+        let scorer = Scorer::new(&fleet, demand.prefix, demand, None, &scheduler);
+        let quick = filter(&request, &fleet, &demand, &scheduler, &scorer);
+        let full = filter_reading(
+            &request, &fleet, &demand, &scheduler, &scorer, Record::Caching(0),
+        );
+        prop_assert_eq!(quick.as_ref().map(competing), full.as_ref().map(competing));
+        if let Ok(quick) = &quick && !quick.partials.is_empty() {
+            // Scored as read: the terms scoring the record afterwards gives.
+            prop_assert_eq!(quick.partials.len(), quick.candidates.len());
+            for (candidate, partial) in quick.candidates.iter().zip(&quick.partials) {
+                let row = fleet.row(candidate.index as usize);
+                prop_assert_eq!(*partial, scorer.partial(candidate, row));
+            }
+        }
     }
+}
+
+/// What the ranking reads of a filter's outcome: the competing candidates, how many the
+/// soft filters accepted, the in-flight scale, what was relaxed, whether some pod could
+/// fit the request.
+fn competing(filtered: &Filtered) -> (Vec<Candidate>, usize, u32, Relaxed, bool) {
+    (
+        filtered.competing().map(|(_, c)| *c).collect(),
+        filtered.accepted,
+        filtered.max_inflight,
+        filtered.relaxed,
+        filtered.could_fit,
+    )
+}
+
+/// Where no pod holds half the prompt, the first pass keeps only the pods that pass every
+/// soft filter; when none does, the fleet is read again and the filters relax.
+#[test]
+fn when_no_pod_passes_every_soft_filter_the_least_bad_still_compete() {
+    let saturated = Pod {
+        healthy: true,
+        scraped: true,
+        kv_usage: 0.5,
+        waiting: 50,
+        capacity: Some(50_000),
+        inflight: 0,
+        unscraped: 0,
+        blocks: 0,
+    };
+    let pods = [
+        saturated.clone(),
+        Pod {
+            waiting: 60,
+            ..saturated.clone()
+        },
+        Pod {
+            healthy: false,
+            waiting: 0,
+            ..saturated
+        },
+    ];
+    let fleet = fleet_of(&pods);
+    let inference = inference(400, 100);
+    let request = RouteRequest {
+        inference: Some(&inference),
+        subset: None,
+    };
+    let demand = Demand {
+        prompt: 400,
+        tokens: 500,
+        prefix: None,
+    };
+    let config = SchedulerConfig::default();
+    let scorer = Scorer::new(&fleet, demand.prefix, demand, None, &config);
+    let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
+    let competing: Vec<u32> = filtered.competing().map(|(_, c)| c.index).collect();
+    assert_eq!(competing, [0, 1], "{filtered:?}");
+    assert!(filtered.relaxed.saturation);
+    assert_eq!(
+        filtered.candidates.len(),
+        2,
+        "read again, every pod recorded"
+    );
+    assert!(filtered.partials.is_empty(), "scored by the ranking");
+    let scored = Pod {
+        waiting: 0,
+        ..pods[0].clone()
+    };
+    let fleet = fleet_of(&[pods[0].clone(), scored]);
+    let scorer = Scorer::new(&fleet, demand.prefix, demand, None, &config);
+    let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
+    let competing: Vec<u32> = filtered.competing().map(|(_, c)| c.index).collect();
+    assert_eq!(competing, [1], "only the pod passing every filter");
+    assert!(!filtered.relaxed.any());
+    assert_eq!(
+        filtered.candidates.len(),
+        1,
+        "only the passing pod recorded"
+    );
+    assert_eq!(filtered.partials.len(), 1, "scored as read");
 }
 
 /// The pod caching the most is unhealthy: stickiness ends at half of what the next best
@@ -182,8 +276,10 @@ fn a_holder_below_the_likely_floor_competes_when_the_best_holder_is_unhealthy() 
         tokens: prompt + 100,
         prefix: Some(&prefix),
     };
-    let filtered = filter(&request, &fleet, &demand, &SchedulerConfig::default()).expect("some");
-    let competing: Vec<u32> = filtered.candidates.iter().map(|c| c.index).collect();
+    let config = SchedulerConfig::default();
+    let scorer = Scorer::new(&fleet, demand.prefix, demand, None, &config);
+    let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
+    let competing: Vec<u32> = filtered.competing().map(|(_, c)| c.index).collect();
     assert_eq!(competing, [1, 2], "{filtered:?}");
     assert_eq!(filtered.accepted, 3);
 }
