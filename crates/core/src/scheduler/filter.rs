@@ -24,14 +24,23 @@ pub(super) const NOT_SATURATED: u8 = 1;
 pub(super) const FITS: u8 = 2;
 /// Not a filter: the pod has metrics at all.
 pub(super) const HAS_METRICS: u8 = 4;
-/// The flags of a pod that passes every soft filter.
-const PASSES: u8 = NOT_SATURATED | FITS;
 /// Flag combinations: `flags` takes values below this.
 const COMBINATIONS: usize = 8;
 /// [`Filtered::competes`] when every candidate kept competes.
 const ALL_COMPETE: u16 = (1 << COMBINATIONS) - 1;
 /// [`Candidate::trust`] of metrics no older than `max_metrics_age`.
 const FULL_TRUST: u8 = u8::MAX;
+/// [`Candidate::trust`] by its byte: `trust / 255`, computed once at compile time (the
+/// same division, so the same values), as a pick reads it twice per candidate.
+static TRUST_WEIGHTS: [f64; 256] = {
+    let mut weights = [0.0; 256];
+    let mut trust = 0;
+    while trust < weights.len() {
+        weights[trust] = trust as f64 / FULL_TRUST as f64;
+        trust += 1;
+    }
+    weights
+};
 /// Sentinel for "capacity not reported" in [`Candidate::free_kv`].
 const UNKNOWN: u64 = u64::MAX;
 
@@ -153,6 +162,19 @@ impl Reading<'_> {
         // What must stay free besides: `keep_free` of the pool rounded up, or
         // `keep_free_tokens` when more, though never more than half the pool (a quieter
         // tenant's one huge request must not take half of every pod from a busier one).
+        if !self.fits(row, free, cached) {
+            flags &= !FITS;
+        }
+        (flags, free)
+    }
+
+    /// Whether `free` KV tokens of the pod in `row` hold the request's need besides what
+    /// must stay free: `keep_free` of the pool rounded up, or `keep_free_tokens` when
+    /// more, though never more than half the pool (a quieter tenant's one huge request
+    /// must not take half of every pod from a busier one).
+    #[inline(always)]
+    fn fits(&self, row: &PodRow, free: u64, cached: u32) -> bool {
+        let config = self.config;
         let keep = if self.keeps {
             let capacity = row.capacity;
             ((capacity as f64 * config.keep_free).ceil() as u64)
@@ -160,10 +182,33 @@ impl Reading<'_> {
         } else {
             0
         };
-        if free < demand.needed(cached).saturating_add(keep) {
-            flags &= !FITS;
+        free >= self.demand.needed(cached).saturating_add(keep)
+    }
+
+    /// [`Reading::flags`] of a pod that passes every soft filter, `None` for one that
+    /// fails one: the pass that keeps only the passing pods stops at the first filter
+    /// that fails (most failing pods are saturated, and skip the free-KV arithmetic).
+    #[inline(always)]
+    fn passing_flags(&self, row: &PodRow, load: &PodLoad, cached: u32) -> Option<(u8, u64)> {
+        if !row.has_metrics {
+            return Some((NOT_SATURATED | FITS, UNKNOWN));
         }
-        (flags, free)
+        let config = self.config;
+        let unscraped = load.unscraped_tokens();
+        if is_saturated(
+            row,
+            unscraped,
+            u64::from(cached),
+            self.demand.prompt,
+            config,
+        ) {
+            return None;
+        }
+        let flags = NOT_SATURATED | FITS | HAS_METRICS;
+        match free_kv_tokens_of(row.capacity, row.used, unscraped, load, config.replicas) {
+            None => Some((flags, UNKNOWN)),
+            Some(free) => self.fits(row, free, cached).then_some((flags, free)),
+        }
     }
 }
 
@@ -227,15 +272,10 @@ impl Candidate {
         self.flags & HAS_METRICS != 0
     }
 
-    /// The weight (0..=1) of what the pod reported, by its age. Fresh pods (most of them)
-    /// weigh 1 without a division: a pick over thousands of candidates is bound by the
-    /// divider as much as by anything.
+    /// The weight (0..=1) of what the pod reported, by its age, looked up: a pick over
+    /// thousands of candidates is bound by the divider as much as by anything.
     pub(super) fn trust(&self) -> f64 {
-        if self.trust == FULL_TRUST {
-            1.0
-        } else {
-            f64::from(self.trust) / f64::from(FULL_TRUST)
-        }
+        TRUST_WEIGHTS[usize::from(self.trust)]
     }
 }
 
@@ -607,10 +647,10 @@ fn read_pods(
 }
 
 /// [`read_pods`] recording only the candidates that pass every soft filter
-/// ([`Record::Passing`]), each scored by `scorer` as it is read; the others are counted.
-/// For requests no pod holds half the prompt of (where [`Pass::best_cached`] and
-/// [`Pass::least_load`], read by stickiness alone, are not kept), and only when some pod
-/// passes: the pass is then read again with [`read_pods`].
+/// ([`Record::Passing`]), each scored by `scorer` as it is read. For requests no pod
+/// holds half the prompt of, and only when some pod passes: a pass that recorded none
+/// (and counted nothing, nor found the hard filters' verdict) is read again with
+/// [`read_pods`].
 #[inline(never)]
 fn read_passing<const MATCHES: bool>(
     request: &RouteRequest<'_>,
@@ -622,46 +662,42 @@ fn read_passing<const MATCHES: bool>(
     let mut hard = HardFilters::new(request, fleet, config)?;
     let pods = fleet.snapshot().pods().len();
     let (mut recorded, mut partials) = (Vec::with_capacity(pods), Vec::with_capacity(pods));
-    let mut by_flags = [(0usize, 0u32); COMBINATIONS];
+    let mut recorded_by_flags = [(0usize, 0u32); COMBINATIONS];
     let reading = Reading::new(demand, config);
     let block_tokens = demand
         .prefix
         .map_or(0, |prefix| u64::from(prefix.block_tokens));
     let blocks = blocks_by_pod(demand, pods);
+    // Of a pod that fails a soft filter nothing is kept: when some pod passes them all,
+    // the filters keep exactly the pods that do, and the pods that fail one count
+    // nowhere (neither among the accepted nor in the in-flight scale). Neither is
+    // whether some pod could fit the request (a pod that passes fits it), nor the least
+    // load (without a holder of half the prompt stickiness, which compares loads,
+    // cannot apply). When no pod passes, the caller reads the fleet again.
     for ((index, (row, load)), &blocks) in fleet.rows().enumerate().zip(blocks.iter()) {
         if !hard.admit(index, row) {
             continue;
         }
-        // Neither whether some pod could fit the request nor the least load is needed:
-        // a pod that passes every filter fits it, and without a holder of half the
-        // prompt stickiness, which compares loads, cannot apply.
         let cached = if MATCHES {
             demand.cached(blocks, block_tokens)
         } else {
             0
         };
-        let (flags, free_kv) = reading.flags(row, load, cached);
-        let inflight = load.inflight();
-        let (count, most_inflight) = &mut by_flags[usize::from(flags)];
-        *count += 1;
-        *most_inflight = (*most_inflight).max(inflight);
-        if flags & PASSES == PASSES {
+        if let Some((flags, free_kv)) = reading.passing_flags(row, load, cached) {
             let candidate =
                 Candidate::with_flags(index, row, load, cached, &reading, flags, free_kv);
+            let (count, most_inflight) = &mut recorded_by_flags[usize::from(flags)];
+            *count += 1;
+            *most_inflight = (*most_inflight).max(candidate.inflight);
             partials.push(scorer.partial(&candidate, row));
             recorded.push(candidate);
         }
     }
-    let (mut others, mut recorded_by_flags) = (by_flags, [(0usize, 0u32); COMBINATIONS]);
-    for flags in (0..COMBINATIONS).filter(|flags| *flags as u8 & PASSES == PASSES) {
-        recorded_by_flags[flags] = std::mem::take(&mut others[flags]);
-    }
-    hard.verdict(by_flags.iter().map(|(count, _)| count).sum::<usize>())?;
     Ok(Pass {
         could_fit: !recorded.is_empty(),
         recorded,
         partials,
-        others,
+        others: [(0, 0); COMBINATIONS],
         recorded_by_flags,
         best_cached: 0,
         least_load: 0,

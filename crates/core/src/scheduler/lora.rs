@@ -173,8 +173,9 @@ pub struct ServesModel<'a> {
     model: &'a str,
     config: &'a SchedulerConfig,
     snapshot: &'a Snapshot,
-    /// The last list asked about, and its answer.
-    last: Option<(u32, bool)>,
+    /// The last list asked about, and its answer; none yet while the list is
+    /// [`PodRow::UNLISTED`], which never reaches the comparison.
+    last: (u32, bool),
 }
 
 impl<'a> ServesModel<'a> {
@@ -183,7 +184,7 @@ impl<'a> ServesModel<'a> {
             model,
             config,
             snapshot,
-            last: None,
+            last: (PodRow::UNLISTED, false),
         }
     }
 
@@ -194,7 +195,7 @@ impl<'a> ServesModel<'a> {
             return Serves::Unlisted;
         }
         let listed = match self.last {
-            Some((last, answer)) if last == row.models => answer,
+            (last, answer) if last == row.models => answer,
             _ => {
                 let answer = self.snapshot.model_list(row.models).is_some_and(|models| {
                     models.serves(self.model)
@@ -204,7 +205,7 @@ impl<'a> ServesModel<'a> {
                             .get(self.model)
                             .is_some_and(|base| models.base.iter().any(|b| b == base))
                 });
-                self.last = Some((row.models, answer));
+                self.last = (row.models, answer);
                 answer
             }
         };

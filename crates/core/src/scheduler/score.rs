@@ -153,17 +153,22 @@ impl<'a> Scorer<'a> {
         scale / (scale + as_f64(c.prefill + self.demand.uncached_prompt(c.cached)))
     }
 
-    #[inline]
+    /// The test inlined, the tier out of line: in the filter's pass over thousands of
+    /// pods, a base-model request pays one branch and an adapter request a call.
+    #[inline(always)]
     fn lora_tier(&self, c: &Candidate) -> Option<LoraTier> {
-        let index = c.index as usize;
-        self.adapter.map(|_| {
-            LoraTier::decide(
-                self.fleet.snapshot().adapters.slots(index),
-                self.adapter_running.contains(index),
-                self.adapter_waiting.contains(index),
-                || self.fleet.load(index).adapter_standing(self.adapter_key),
-            )
-        })
+        self.adapter?;
+        Some(self.adapter_tier(c.index as usize))
+    }
+
+    #[inline(never)]
+    fn adapter_tier(&self, index: usize) -> LoraTier {
+        LoraTier::decide(
+            self.fleet.snapshot().adapters.slots(index),
+            self.adapter_running.contains(index),
+            self.adapter_waiting.contains(index),
+            || self.fleet.load(index).adapter_standing(self.adapter_key),
+        )
     }
 
     /// Share of the prompt's leading blocks the pod holds.
