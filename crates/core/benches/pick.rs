@@ -1,7 +1,9 @@
 //! Cost of one scheduling decision, `scheduler::pick`, by fleet size.
 //! Run: `cargo bench -p kvroute-core --bench pick`. Targets: ≤ 2 µs at 8 pods, ≤ 20 µs at
 //! 1,000 and ≤ 50 µs at 4,096, with LoRA affinity and a shared-prefix match (every pod
-//! holds the request's 2 KiB system prompt, one pod its whole prompt). Also the
+//! holds the request's 2 KiB system prompt, one pod its whole prompt), with LoRA
+//! affinity alone and for the base model, on a fleet about half of whose pods are
+//! saturated; `base_model_light` on a fleet where every pod passes every filter. Also the
 //! per-snapshot model index build.
 
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
@@ -26,9 +28,27 @@ use kvroute_core::scheduler::{SchedulerConfig, pick};
 
 const ADAPTERS: usize = 16;
 
-/// A fleet with varied load: KV use 0–95 %, queues 0–7, two of 16 adapters running
-/// per pod, some in-flight accounting.
+/// A fleet with varied load: KV use 0–95 %, queues 0–7 (about half the pods saturated
+/// by one or the other), two of 16 adapters running per pod, some in-flight accounting.
 fn fleet(pods: usize, rng: &mut SmallRng) -> Fleet {
+    fleet_loaded(pods, rng, Load::Varied)
+}
+
+/// How loaded a benchmark fleet's pods are.
+#[derive(Clone, Copy, PartialEq)]
+enum Load {
+    /// KV use 0–95 %, queues 0–7: about half the pods fail a soft filter.
+    Varied,
+    /// KV use 0–60 %, queues 0–2: every pod passes every filter, so every pod is read
+    /// in full and scored (the pick's most expensive fleet of a given size).
+    Light,
+}
+
+fn fleet_loaded(pods: usize, rng: &mut SmallRng, load: Load) -> Fleet {
+    let (waiting, kv_usage) = match load {
+        Load::Varied => (8, 0.95),
+        Load::Light => (3, 0.6),
+    };
     let adapter_names: Vec<String> = (0..ADAPTERS).map(|a| format!("adapter-{a}")).collect();
     let served = Arc::new(ServedModels {
         base: vec!["llama".into()],
@@ -48,9 +68,9 @@ fn fleet(pods: usize, rng: &mut SmallRng) -> Fleet {
                 endpoint,
                 true,
                 Some(Arc::new(PodMetrics {
-                    waiting: rng.random_range(0..8),
+                    waiting: rng.random_range(0..waiting),
                     running: rng.random_range(0..64),
-                    kv_usage: rng.random_range(0.0..0.95),
+                    kv_usage: rng.random_range(0.0..kv_usage),
                     kv_capacity_tokens: Some(400_000),
                     num_gpu_blocks: Some(25_000),
                     block_size: Some(16),
@@ -72,8 +92,24 @@ fn fleet(pods: usize, rng: &mut SmallRng) -> Fleet {
     Fleet::new(pods, 1, 1)
 }
 
-/// The requests each fleet size is picked for, by case name.
-const CASES: [&str; 3] = ["base_model", "lora_adapter", "lora_adapter_shared_prefix"];
+/// The requests each fleet size is picked for, by case name (`base_model_light`: the
+/// base-model request against a [`Load::Light`] fleet).
+const CASES: [&str; 4] = [
+    "base_model",
+    "lora_adapter",
+    "lora_adapter_shared_prefix",
+    "base_model_light",
+];
+
+/// The fleet a case is picked against.
+fn fleet_of(case: &str, pods: usize, rng: &mut SmallRng) -> Fleet {
+    let load = if case == "base_model_light" {
+        Load::Light
+    } else {
+        Load::Varied
+    };
+    fleet_loaded(pods, rng, load)
+}
 
 /// Runs `f` with the request (and prefix matches) of `case` against `snapshot`.
 fn with_case<T>(
@@ -90,7 +126,7 @@ fn with_case<T>(
         prefix_context: 0,
     };
     let body = match case {
-        "base_model" => base_body,
+        "base_model" | "base_model_light" => base_body,
         _ => InferenceRequest {
             model: "adapter-3".into(),
             ..base_body
@@ -123,9 +159,9 @@ fn bench_pick(c: &mut Criterion) {
     group.warm_up_time(Duration::from_secs(1));
     let config = SchedulerConfig::default();
     for size in [8usize, 64, 512, 1000, 4096] {
-        let mut rng = SmallRng::seed_from_u64(42);
-        let snapshot = fleet(size, &mut rng);
         for case in CASES {
+            let mut rng = SmallRng::seed_from_u64(42);
+            let snapshot = fleet_of(case, size, &mut rng);
             with_case(case, &snapshot, |request, prefix| {
                 group.bench_with_input(BenchmarkId::new(case, size), &snapshot, |b, snapshot| {
                     b.iter(|| pick(black_box(request), prefix, snapshot, &config, &mut rng))
@@ -147,7 +183,7 @@ fn count_picks(spec: &str) {
     assert!(CASES.contains(&case), "unknown case {case}");
     let (pods, picks): (usize, usize) = (pods.parse().unwrap(), picks.parse().unwrap());
     let mut rng = SmallRng::seed_from_u64(42);
-    let snapshot = fleet(pods, &mut rng);
+    let snapshot = fleet_of(case, pods, &mut rng);
     let config = SchedulerConfig::default();
     with_case(case, &snapshot, |request, prefix| {
         for _ in 0..picks {
