@@ -568,9 +568,16 @@ impl<'a> HardFilters<'a> {
     }
 }
 
-/// The prefix matches walked beside the rows of `pods` pods, without an index check per
-/// pod: one entry a pod (zeros where nothing matches).
-fn blocks_by_pod<'a>(demand: &Demand<'a>, pods: usize) -> Cow<'a, [u32]> {
+/// The tokens of a prompt block, and the prefix matches walked beside the rows of `pods`
+/// pods, without an index check per pod: one entry a pod (zeros where nothing matches).
+fn blocks_by_pod<'a>(demand: &Demand<'a>, pods: usize) -> (u64, Cow<'a, [u32]>) {
+    let block_tokens = demand
+        .prefix
+        .map_or(0, |prefix| u64::from(prefix.block_tokens));
+    (block_tokens, matches_by_pod(demand, pods))
+}
+
+fn matches_by_pod<'a>(demand: &Demand<'a>, pods: usize) -> Cow<'a, [u32]> {
     let blocks = demand.prefix.map_or(&[][..], PrefixMatches::blocks_by_pod);
     if blocks.len() == pods {
         Cow::Borrowed(blocks)
@@ -606,10 +613,7 @@ fn read_pods(
     let mut recorded_by_flags = [(0usize, 0u32); COMBINATIONS];
     let (mut could_fit, mut best_cached, mut least_load) = (false, 0u32, u32::MAX);
     let reading = Reading::new(demand, config);
-    let block_tokens = demand
-        .prefix
-        .map_or(0, |prefix| u64::from(prefix.block_tokens));
-    let blocks = blocks_by_pod(demand, pods);
+    let (block_tokens, blocks) = blocks_by_pod(demand, pods);
     for ((index, (row, load)), &blocks) in fleet.rows().enumerate().zip(blocks.iter()) {
         if !hard.admit(index, row) {
             continue;
@@ -664,10 +668,7 @@ fn read_passing<const MATCHES: bool>(
     let (mut recorded, mut partials) = (Vec::with_capacity(pods), Vec::with_capacity(pods));
     let mut recorded_by_flags = [(0usize, 0u32); COMBINATIONS];
     let reading = Reading::new(demand, config);
-    let block_tokens = demand
-        .prefix
-        .map_or(0, |prefix| u64::from(prefix.block_tokens));
-    let blocks = blocks_by_pod(demand, pods);
+    let (block_tokens, blocks) = blocks_by_pod(demand, pods);
     // Of a pod that fails a soft filter nothing is kept: when some pod passes them all,
     // the filters keep exactly the pods that do, and the pods that fail one count
     // nowhere (neither among the accepted nor in the in-flight scale). Neither is
