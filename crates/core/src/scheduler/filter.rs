@@ -14,6 +14,7 @@ use std::borrow::Cow;
 use std::time::Duration;
 
 use super::lora::{Serves, ServesModel};
+use super::rank::{TIE_EPSILON, kept};
 use super::score::{Partial, Scorer};
 use super::{PickError, Relaxed, SchedulerConfig, free_kv_tokens_of};
 use crate::fleet::{Fleet, PodLoad, PodRow, PodView, PrefixMatches};
@@ -398,9 +399,9 @@ fn filter_reading(
         Record::Caching(floor) => read_pods(request, fleet, demand, config, floor),
         // A request without matches caches nothing anywhere: that loop needs no matches.
         Record::Passing if demand.prefix.is_some_and(PrefixMatches::any) => {
-            read_passing::<true>(request, fleet, demand, config, scorer)
+            read_passing::<true>(request, fleet, demand, config, scorer, true)
         }
-        Record::Passing => read_passing::<false>(request, fleet, demand, config, scorer),
+        Record::Passing => read_passing::<false>(request, fleet, demand, config, scorer, true),
     };
     let mut pass = read(first)?;
     let mut sticky_floor = sticky_floor(&pass, demand.prompt);
@@ -655,6 +656,9 @@ fn read_pods(
 /// holds half the prompt of, and only when some pod passes: a pass that recorded none
 /// (and counted nothing, nor found the hard filters' verdict) is read again with
 /// [`read_pods`].
+///
+/// With `prune`, a passing pod whose total cannot reach the ranking's kept few is counted
+/// but not recorded ([`Prune`]); the ranking comes out the same.
 #[inline(never)]
 fn read_passing<const MATCHES: bool>(
     request: &RouteRequest<'_>,
@@ -662,6 +666,7 @@ fn read_passing<const MATCHES: bool>(
     demand: &Demand<'_>,
     config: &SchedulerConfig,
     scorer: &Scorer<'_>,
+    prune: bool,
 ) -> Result<Pass, PickError> {
     let mut hard = HardFilters::new(request, fleet, config)?;
     let pods = fleet.snapshot().pods().len();
@@ -669,6 +674,7 @@ fn read_passing<const MATCHES: bool>(
     let mut recorded_by_flags = [(0usize, 0u32); COMBINATIONS];
     let reading = Reading::new(demand, config);
     let (block_tokens, blocks) = blocks_by_pod(demand, pods);
+    let mut pruning = prune.then(|| Prune::new(fleet, config));
     // Of a pod that fails a soft filter nothing is kept: when some pod passes them all,
     // the filters keep exactly the pods that do, and the pods that fail one count
     // nowhere (neither among the accepted nor in the in-flight scale). Neither is
@@ -690,9 +696,23 @@ fn read_passing<const MATCHES: bool>(
             let (count, most_inflight) = &mut recorded_by_flags[usize::from(flags)];
             *count += 1;
             *most_inflight = (*most_inflight).max(candidate.inflight);
-            partials.push(scorer.partial(&candidate, row));
+            let partial = scorer.partial(&candidate, row);
+            if let Some(pruning) = pruning.as_mut()
+                && pruning.drops(scorer, &partial, candidate.inflight)
+            {
+                continue;
+            }
+            partials.push(partial);
             recorded.push(candidate);
         }
+    }
+    if pruning.is_some_and(|pruning| {
+        let most = recorded_by_flags.iter().map(|(_, most)| *most).max();
+        most.is_some_and(|most| most > pruning.most_anywhere)
+    }) {
+        // A request arrived at some pod between the two reads of the counters: the bound
+        // did not hold, so nothing is dropped.
+        return read_passing::<MATCHES>(request, fleet, demand, config, scorer, false);
     }
     Ok(Pass {
         could_fit: !recorded.is_empty(),
@@ -703,6 +723,92 @@ fn read_passing<const MATCHES: bool>(
         best_cached: 0,
         least_load: 0,
     })
+}
+
+/// How far below the ranking's kept few a candidate's highest possible total must lie to
+/// be dropped: far more than the tie distance plus any rounding of the bounds (scores sum
+/// a few terms of at most a few units each).
+const PRUNE_MARGIN: f64 = 1e-6;
+
+/// Drops passing pods that cannot reach the ranking's kept few ([`kept`]), so that they
+/// are neither recorded nor ranked. A candidate's total is its partial score plus the
+/// weighted in-flight term `1 − inflight / most`, where `most` (the most requests in
+/// flight on one passing pod) is known only once every pod is read; it lies between the
+/// most seen so far and the most on any pod at all (read before the pass), which bounds
+/// each total from below and above. Once `kept` candidates are recorded whose lower
+/// bounds reach some value, a candidate whose upper bound falls short of it by more than
+/// the tie distance ranks below all of them, so it is neither among the kept few nor tied
+/// with the best: the ranking is the same without it. On a fleet where every pod passes,
+/// most pods go unrecorded, and the ranking reads only the rest.
+struct Prune {
+    /// The most requests in flight on any pod, read before the pass (a live counter: the
+    /// caller checks that no passing pod read more).
+    most_anywhere: u32,
+    /// `1 / most_anywhere` (0 when no request is in flight anywhere).
+    inverse_most_anywhere: f64,
+    /// The most requests in flight on one passing pod seen so far, and its inverse.
+    most_seen: u32,
+    inverse_most_seen: f64,
+    /// The lower bounds of the recorded candidates with the highest ones, highest first,
+    /// at most `kept` of them.
+    best_lower: Vec<f64>,
+    kept: usize,
+}
+
+impl Prune {
+    fn new(fleet: &Fleet, config: &SchedulerConfig) -> Self {
+        let most_anywhere = fleet
+            .rows()
+            .map(|(_, load)| load.inflight())
+            .max()
+            .unwrap_or(0);
+        let kept = kept(config);
+        Prune {
+            most_anywhere,
+            inverse_most_anywhere: inverse(most_anywhere),
+            most_seen: 0,
+            inverse_most_seen: 0.0,
+            best_lower: Vec::with_capacity(kept + 1),
+            kept,
+        }
+    }
+
+    /// Whether the passing candidate with `inflight` requests in flight and `partial`
+    /// scores can be dropped; if not, its lower bound is counted.
+    #[inline(always)]
+    fn drops(&mut self, scorer: &Scorer<'_>, partial: &Partial, inflight: u32) -> bool {
+        if inflight > self.most_seen {
+            self.most_seen = inflight;
+            self.inverse_most_seen = inverse(inflight);
+        }
+        // The term `1 − inflight / most` with `most` at its least and its greatest.
+        let lowest = 1.0 - f64::from(inflight) * self.inverse_most_seen;
+        let highest = 1.0 - f64::from(inflight) * self.inverse_most_anywhere;
+        let (lower, upper) = scorer.bounds(partial, lowest, highest);
+        let floor = if self.best_lower.len() == self.kept {
+            self.best_lower[self.kept - 1]
+        } else {
+            f64::NEG_INFINITY
+        };
+        if upper < floor - TIE_EPSILON - PRUNE_MARGIN {
+            return true;
+        }
+        if lower > floor {
+            let at = self.best_lower.partition_point(|&kept| kept >= lower);
+            self.best_lower.insert(at, lower);
+            self.best_lower.truncate(self.kept);
+        }
+        false
+    }
+}
+
+/// `1 / count`, or 0 for none.
+fn inverse(count: u32) -> f64 {
+    if count == 0 {
+        0.0
+    } else {
+        1.0 / f64::from(count)
+    }
 }
 
 /// The sticky floor ([`sticky_floor`]) if the pod caching the most of the prompt is a

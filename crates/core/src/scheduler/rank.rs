@@ -9,7 +9,7 @@ use super::score::Scorer;
 use super::{CandidateScore, SchedulerConfig};
 
 /// Scores within this distance count as a tie, broken at random.
-const TIE_EPSILON: f64 = 1e-9;
+pub(super) const TIE_EPSILON: f64 = 1e-9;
 
 /// The outcome of ranking.
 pub(super) struct Ranking {
@@ -29,11 +29,8 @@ pub(super) fn rank<R: Rng + ?Sized>(
     config: &SchedulerConfig,
     rng: &mut R,
 ) -> Ranking {
-    let runners_up = config
-        .fallbacks
-        .max(config.trace_candidates.saturating_sub(1));
-    // One more than the runners-up, in case the winner drawn from a tie is among them.
-    let mut scan = Scan::new(filtered.candidates.len(), runners_up + 2);
+    let runners_up = runners_up(config);
+    let mut scan = Scan::new(filtered.candidates.len(), kept(config));
     if filtered.partials.is_empty() {
         for (position, candidate) in filtered.competing() {
             scan.offer(position, scorer.total(candidate));
@@ -74,6 +71,21 @@ pub(super) fn rank<R: Rng + ?Sized>(
             .collect(),
         accepted: filtered.accepted,
     }
+}
+
+/// The runners-up a decision names: its fallbacks, and the trace's candidates but the
+/// winner.
+fn runners_up(config: &SchedulerConfig) -> usize {
+    config
+        .fallbacks
+        .max(config.trace_candidates.saturating_sub(1))
+}
+
+/// How many of the best totals the ranking keeps in order: one more than the runners-up,
+/// in case the winner drawn from a tie is among them. A candidate whose total falls
+/// below this many others' by more than [`TIE_EPSILON`] changes nothing in the ranking.
+pub(super) fn kept(config: &SchedulerConfig) -> usize {
+    runners_up(config) + 2
 }
 
 /// What ranking keeps of the totals, offered in candidate order.

@@ -191,6 +191,19 @@ impl<'a> Scorer<'a> {
         }
     }
 
+    /// Bounds on the total of a candidate whose other terms are `partial`, with an
+    /// in-flight term between `lowest` and `highest` (the term before its weight).
+    /// Computed with the total's own additions, so rounding moves them as it moves it.
+    #[inline(always)]
+    pub(super) fn bounds(&self, partial: &Partial, lowest: f64, highest: f64) -> (f64, f64) {
+        let weight = self.config.weights.inflight;
+        let sum = |term: f64| {
+            partial.head + weight * term + partial.lora + partial.prefix + partial.prefill_queue
+        };
+        let (a, b) = (sum(lowest), sum(highest));
+        (a.min(b), a.max(b))
+    }
+
     /// The total of a candidate with `inflight` requests in flight whose other terms are
     /// `partial`: the terms summed in the order of the module docs' formula, so that a
     /// total completed from a partial equals [`Scorer::total`] to the bit.

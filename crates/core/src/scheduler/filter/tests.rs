@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proptest::prelude::*;
+use rand::SeedableRng;
 
 use super::*;
 use crate::fleet::{PodMetrics, PodView, ServedModels};
@@ -140,29 +141,113 @@ proptest! {
         let full = filter_reading(
             &request, &fleet, &demand, &scheduler, &scorer, Record::Caching(0),
         );
-        prop_assert_eq!(quick.as_ref().map(competing), full.as_ref().map(competing));
-        if let Ok(quick) = &quick && !quick.partials.is_empty() {
+        prop_assert_eq!(quick.as_ref().map(counts), full.as_ref().map(counts));
+        if let (Ok(quick), Ok(full)) = (&quick, &full) {
+            // Every candidate kept competes in the full pass too (pruning drops some).
+            let competing: Vec<Candidate> = full.competing().map(|(_, c)| *c).collect();
+            for (_, candidate) in quick.competing() {
+                prop_assert!(competing.contains(candidate), "{candidate:?}");
+            }
+            if quick.partials.is_empty() {
+                prop_assert_eq!(quick.competing().count(), competing.len());
+            }
             // Scored as read: the terms scoring the record afterwards gives.
-            prop_assert_eq!(quick.partials.len(), quick.candidates.len());
             for (candidate, partial) in quick.candidates.iter().zip(&quick.partials) {
                 let row = fleet.row(candidate.index as usize);
                 prop_assert_eq!(*partial, scorer.partial(candidate, row));
+            }
+            // And the same decision, whatever the tie-break draws.
+            for seed in 0..3 {
+                prop_assert_eq!(
+                    decision(&request, &fleet, demand, quick, &scheduler, seed),
+                    decision(&request, &fleet, demand, full, &scheduler, seed)
+                );
             }
         }
     }
 }
 
-/// What the ranking reads of a filter's outcome: the competing candidates, how many the
-/// soft filters accepted, the in-flight scale, what was relaxed, whether some pod could
-/// fit the request.
-fn competing(filtered: &Filtered) -> (Vec<Candidate>, usize, u32, Relaxed, bool) {
+/// What a filter's outcome says beside its candidates: how many the soft filters
+/// accepted, the in-flight scale, what was relaxed, whether some pod could fit the
+/// request.
+fn counts(filtered: &Filtered) -> (usize, u32, Relaxed, bool) {
     (
-        filtered.competing().map(|(_, c)| *c).collect(),
         filtered.accepted,
         filtered.max_inflight,
         filtered.relaxed,
         filtered.could_fit,
     )
+}
+
+/// The decision ranking `filtered` makes, its ties broken by an RNG seeded with `seed`.
+fn decision(
+    request: &RouteRequest<'_>,
+    fleet: &Fleet,
+    demand: Demand<'_>,
+    filtered: &Filtered,
+    config: &SchedulerConfig,
+    seed: u64,
+) -> crate::scheduler::Decision {
+    let scorer = Scorer::new(fleet, demand.prefix, demand, None, config)
+        .with_max_inflight(filtered.max_inflight);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let ranking = crate::scheduler::rank::rank(filtered, &scorer, config, &mut rng);
+    crate::scheduler::decide(request, filtered, ranking, demand.tokens, config)
+}
+
+/// On a fleet where every pod passes every filter, the pass records only the pods whose
+/// total may reach the ranking's kept few, and the decision is the one recording every
+/// pod makes.
+#[test]
+fn pods_that_cannot_rank_are_counted_but_not_recorded() {
+    let pods: Vec<Pod> = (0..200u32)
+        .map(|n| Pod {
+            healthy: true,
+            scraped: true,
+            kv_usage: f64::from(n % 50) / 100.0,
+            waiting: n % 3,
+            capacity: Some(50_000),
+            inflight: n % 17,
+            unscraped: 0,
+            blocks: 0,
+        })
+        .collect();
+    let fleet = fleet_of(&pods);
+    let inference = inference(400, 100);
+    let request = RouteRequest {
+        inference: Some(&inference),
+        subset: None,
+    };
+    let demand = Demand {
+        prompt: 400,
+        tokens: 500,
+        prefix: None,
+    };
+    let config = SchedulerConfig::default();
+    let scorer = Scorer::new(&fleet, None, demand, None, &config);
+    let quick = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
+    let full = filter_reading(
+        &request,
+        &fleet,
+        &demand,
+        &config,
+        &scorer,
+        Record::Caching(0),
+    )
+    .expect("some");
+    assert_eq!(quick.accepted, 200);
+    assert_eq!(quick.max_inflight, 16);
+    assert!(
+        quick.candidates.len() < 100,
+        "recorded {} of 200",
+        quick.candidates.len()
+    );
+    for seed in 0..5 {
+        assert_eq!(
+            decision(&request, &fleet, demand, &quick, &config, seed),
+            decision(&request, &fleet, demand, &full, &config, seed)
+        );
+    }
 }
 
 /// Where no pod holds half the prompt, the first pass keeps only the pods that pass every
@@ -282,4 +367,50 @@ fn a_holder_below_the_likely_floor_competes_when_the_best_holder_is_unhealthy() 
     let competing: Vec<u32> = filtered.competing().map(|(_, c)| c.index).collect();
     assert_eq!(competing, [1, 2], "{filtered:?}");
     assert_eq!(filtered.accepted, 3);
+}
+
+/// The in-flight scale is the most requests on one passing pod, known only once every pod
+/// is read: a pod read early, with more in flight than any before it, must not be dropped
+/// as if its in-flight term were already final. Here the last pod raises the scale from 10
+/// to 40, and the pod with 10 in flight and the most KV headroom wins.
+#[test]
+fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() {
+    let usual = Pod {
+        healthy: true,
+        scraped: true,
+        kv_usage: 0.5,
+        waiting: 0,
+        capacity: Some(50_000),
+        inflight: 0,
+        unscraped: 0,
+        blocks: 0,
+    };
+    let mut pods = vec![usual.clone(); 6];
+    pods.push(Pod {
+        kv_usage: 0.0,
+        inflight: 10,
+        ..usual.clone()
+    });
+    pods.push(Pod {
+        kv_usage: 0.7,
+        inflight: 40,
+        ..usual
+    });
+    let fleet = fleet_of(&pods);
+    let inference = inference(400, 100);
+    let request = RouteRequest {
+        inference: Some(&inference),
+        subset: None,
+    };
+    let demand = Demand {
+        prompt: 400,
+        tokens: 500,
+        prefix: None,
+    };
+    let config = SchedulerConfig::default();
+    let scorer = Scorer::new(&fleet, None, demand, None, &config);
+    let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
+    let decision = decision(&request, &fleet, demand, &filtered, &config, 0);
+    assert_eq!(decision.endpoint, endpoint(6), "{decision:?}");
+    assert_eq!(filtered.max_inflight, 40);
 }
