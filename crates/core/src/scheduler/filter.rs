@@ -674,7 +674,7 @@ fn read_passing<const MATCHES: bool>(
     let mut recorded_by_flags = [(0usize, 0u32); COMBINATIONS];
     let reading = Reading::new(demand, config);
     let (block_tokens, blocks) = blocks_by_pod(demand, pods);
-    let mut pruning = prune.then(|| Prune::new(fleet, config));
+    let mut pruning = (prune && pods >= PRUNE_FROM_PODS).then(|| Prune::new(fleet, config));
     // Of a pod that fails a soft filter nothing is kept: when some pod passes them all,
     // the filters keep exactly the pods that do, and the pods that fail one count
     // nowhere (neither among the accepted nor in the in-flight scale). Neither is
@@ -724,6 +724,10 @@ fn read_passing<const MATCHES: bool>(
         least_load: 0,
     })
 }
+
+/// The fleet size from which [`Prune`] pays for its read of every pod's in-flight count
+/// and its bookkeeping.
+const PRUNE_FROM_PODS: usize = 32;
 
 /// How far below the ranking's kept few a candidate's highest possible total must lie to
 /// be dropped: far more than the tie distance plus any rounding of the bounds (scores sum

@@ -121,7 +121,7 @@ proptest! {
 
     #[test]
     fn recording_only_the_likely_competitors_filters_as_recording_every_pod(
-        pods in prop::collection::vec(pod(), 1..24),
+        pods in prop::collection::vec(pod(), 1..64),
         prompt in 0..1_000u32,
         output in 0..300u32,
         with_matches in prop::bool::weighted(0.7),
@@ -375,6 +375,7 @@ fn a_holder_below_the_likely_floor_competes_when_the_best_holder_is_unhealthy() 
 /// to 40, and the pod with 10 in flight and the most KV headroom wins.
 #[test]
 fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() {
+    const USUAL: usize = 40;
     let usual = Pod {
         healthy: true,
         scraped: true,
@@ -385,7 +386,7 @@ fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() 
         unscraped: 0,
         blocks: 0,
     };
-    let mut pods = vec![usual.clone(); 6];
+    let mut pods = vec![usual.clone(); USUAL];
     pods.push(Pod {
         kv_usage: 0.0,
         inflight: 10,
@@ -411,6 +412,6 @@ fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() 
     let scorer = Scorer::new(&fleet, None, demand, None, &config);
     let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
     let decision = decision(&request, &fleet, demand, &filtered, &config, 0);
-    assert_eq!(decision.endpoint, endpoint(6), "{decision:?}");
+    assert_eq!(decision.endpoint, endpoint(USUAL), "{decision:?}");
     assert_eq!(filtered.max_inflight, 40);
 }
