@@ -25,6 +25,12 @@
 //!    metrics count less, they do not exclude the pod.
 //! 3. [`rank`]. The winner (random among ties), the next best as fallbacks, and the few
 //!    best with their score breakdowns for the decision trace.
+//!
+//! Where no pod holds half the prompt (most requests), the filter's one pass over the fleet
+//! also scores each pod that passes every filter, all but the in-flight term (whose scale
+//! is the most in flight on one competitor, known at the end), and leaves out the pods
+//! whose total cannot reach the ranking's few; the ranking completes the totals. The
+//! outcome is the one the three stages make apart (`filter`'s docs).
 
 mod config;
 mod filter;
