@@ -399,9 +399,11 @@ fn filter_reading(
         Record::Caching(floor) => read_pods(request, fleet, demand, config, floor),
         // A request without matches caches nothing anywhere: that loop needs no matches.
         Record::Passing if demand.prefix.is_some_and(PrefixMatches::any) => {
-            read_passing::<true>(request, fleet, demand, config, scorer, true)
+            read_passing::<true>(request, fleet, demand, config, scorer, Pruning::Bounded)
         }
-        Record::Passing => read_passing::<false>(request, fleet, demand, config, scorer, true),
+        Record::Passing => {
+            read_passing::<false>(request, fleet, demand, config, scorer, Pruning::Bounded)
+        }
     };
     let mut pass = read(first)?;
     let mut sticky_floor = sticky_floor(&pass, demand.prompt);
@@ -657,8 +659,8 @@ fn read_pods(
 /// (and counted nothing, nor found the hard filters' verdict) is read again with
 /// [`read_pods`].
 ///
-/// With `prune`, a passing pod whose total cannot reach the ranking's kept few is counted
-/// but not recorded ([`Prune`]); the ranking comes out the same.
+/// As `pruning` says, a passing pod whose total cannot reach the ranking's kept few is
+/// counted but not recorded ([`Prune`]); the ranking comes out the same.
 #[inline(never)]
 fn read_passing<const MATCHES: bool>(
     request: &RouteRequest<'_>,
@@ -666,7 +668,7 @@ fn read_passing<const MATCHES: bool>(
     demand: &Demand<'_>,
     config: &SchedulerConfig,
     scorer: &Scorer<'_>,
-    prune: bool,
+    pruning: Pruning,
 ) -> Result<Pass, PickError> {
     let mut hard = HardFilters::new(request, fleet, config)?;
     let pods = fleet.snapshot().pods().len();
@@ -674,7 +676,14 @@ fn read_passing<const MATCHES: bool>(
     let mut recorded_by_flags = [(0usize, 0u32); COMBINATIONS];
     let reading = Reading::new(demand, config);
     let (block_tokens, blocks) = blocks_by_pod(demand, pods);
-    let mut pruning = (prune && pods >= PRUNE_FROM_PODS).then(|| Prune::new(fleet, config));
+    let most_anywhere = match pruning {
+        Pruning::Off => None,
+        _ if pods < PRUNE_FROM_PODS => None,
+        Pruning::Bounded => Some(most_inflight_anywhere(fleet)),
+        #[cfg(test)]
+        Pruning::AssumingAtMost(most) => Some(most),
+    };
+    let mut pruning = most_anywhere.map(|most| Prune::new(most, kept(config)));
     // Of a pod that fails a soft filter nothing is kept: when some pod passes them all,
     // the filters keep exactly the pods that do, and the pods that fail one count
     // nowhere (neither among the accepted nor in the in-flight scale). Neither is
@@ -712,7 +721,7 @@ fn read_passing<const MATCHES: bool>(
     }) {
         // A request arrived at some pod between the two reads of the counters: the bound
         // did not hold, so nothing is dropped.
-        return read_passing::<MATCHES>(request, fleet, demand, config, scorer, false);
+        return read_passing::<MATCHES>(request, fleet, demand, config, scorer, Pruning::Off);
     }
     Ok(Pass {
         could_fit: !recorded.is_empty(),
@@ -760,13 +769,9 @@ struct Prune {
 }
 
 impl Prune {
-    fn new(fleet: &Fleet, config: &SchedulerConfig) -> Self {
-        let most_anywhere = fleet
-            .rows()
-            .map(|(_, load)| load.inflight())
-            .max()
-            .unwrap_or(0);
-        let kept = kept(config);
+    /// Pruning for a ranking that keeps `kept` totals, with at most `most_anywhere`
+    /// requests in flight on any pod.
+    fn new(most_anywhere: u32, kept: usize) -> Self {
         Prune {
             most_anywhere,
             inverse_most_anywhere: inverse(most_anywhere),
@@ -804,6 +809,27 @@ impl Prune {
         }
         false
     }
+}
+
+/// Whether a pass over passing pods prunes ([`Prune`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pruning {
+    /// From [`PRUNE_FROM_PODS`] pods, bounded by the most in flight anywhere, read first.
+    Bounded,
+    Off,
+    /// As if no pod had more than this in flight when the pass began: a request that
+    /// arrived at a pod between the two reads of its counter.
+    #[cfg(test)]
+    AssumingAtMost(u32),
+}
+
+/// The most requests in flight on any pod.
+fn most_inflight_anywhere(fleet: &Fleet) -> u32 {
+    fleet
+        .rows()
+        .map(|(_, load)| load.inflight())
+        .max()
+        .unwrap_or(0)
 }
 
 /// `1 / count`, or 0 for none.

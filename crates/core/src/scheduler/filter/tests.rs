@@ -415,3 +415,46 @@ fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() 
     assert_eq!(decision.endpoint, endpoint(USUAL), "{decision:?}");
     assert_eq!(filtered.max_inflight, 40);
 }
+
+/// A request may reach a pod between the pass's first read of the in-flight counts and its
+/// read of that pod: the scale bound then does not hold, and the pass must not prune by it.
+/// Here the pass is told that no pod had more than 1 in flight while they have up to 16.
+#[test]
+fn a_count_that_outgrew_the_first_read_turns_pruning_off() {
+    let pods: Vec<Pod> = (0..200u32)
+        .map(|n| Pod {
+            healthy: true,
+            scraped: true,
+            kv_usage: f64::from(n % 50) / 100.0,
+            waiting: n % 3,
+            capacity: Some(50_000),
+            inflight: n % 17,
+            unscraped: 0,
+            blocks: 0,
+        })
+        .collect();
+    let fleet = fleet_of(&pods);
+    let inference = inference(400, 100);
+    let request = RouteRequest {
+        inference: Some(&inference),
+        subset: None,
+    };
+    let demand = Demand {
+        prompt: 400,
+        tokens: 500,
+        prefix: None,
+    };
+    let config = SchedulerConfig::default();
+    let scorer = Scorer::new(&fleet, None, demand, None, &config);
+    let read = |pruning| {
+        read_passing::<false>(&request, &fleet, &demand, &config, &scorer, pruning).expect("some")
+    };
+    let raced = read(Pruning::AssumingAtMost(1));
+    let unpruned = read(Pruning::Off);
+    assert_eq!(raced.recorded.len(), 200, "every passing pod recorded");
+    assert_eq!(raced.recorded, unpruned.recorded);
+    assert!(
+        read(Pruning::Bounded).recorded.len() < 100,
+        "pruned when the bound holds"
+    );
+}
