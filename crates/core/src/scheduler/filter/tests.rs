@@ -195,12 +195,29 @@ fn decision(
     crate::scheduler::decide(request, filtered, ranking, demand.tokens, config)
 }
 
-/// On a fleet where every pod passes every filter, the pass records only the pods whose
-/// total may reach the ranking's kept few, and the decision is the one recording every
-/// pod makes.
-#[test]
-fn pods_that_cannot_rank_are_counted_but_not_recorded() {
-    let pods: Vec<Pod> = (0..200u32)
+/// The prompt and output of the unit tests' request, which matches nothing.
+const PROMPT: u32 = 400;
+const OUTPUT: u32 = 100;
+
+fn request_for(inference: &InferenceRequest) -> RouteRequest<'_> {
+    RouteRequest {
+        inference: Some(inference),
+        subset: None,
+    }
+}
+
+fn demand_without_matches() -> Demand<'static> {
+    Demand {
+        prompt: u64::from(PROMPT),
+        tokens: u64::from(PROMPT + OUTPUT),
+        prefix: None,
+    }
+}
+
+/// `pods` pods that each pass every filter for that request, with varied KV use, queues
+/// and requests in flight (up to 16).
+fn every_pod_passes(pods: u32) -> Vec<Pod> {
+    (0..pods)
         .map(|n| Pod {
             healthy: true,
             scraped: true,
@@ -211,18 +228,19 @@ fn pods_that_cannot_rank_are_counted_but_not_recorded() {
             unscraped: 0,
             blocks: 0,
         })
-        .collect();
+        .collect()
+}
+
+/// On a fleet where every pod passes every filter, the pass records only the pods whose
+/// total may reach the ranking's kept few, and the decision is the one recording every
+/// pod makes.
+#[test]
+fn pods_that_cannot_rank_are_counted_but_not_recorded() {
+    let pods = every_pod_passes(200);
     let fleet = fleet_of(&pods);
-    let inference = inference(400, 100);
-    let request = RouteRequest {
-        inference: Some(&inference),
-        subset: None,
-    };
-    let demand = Demand {
-        prompt: 400,
-        tokens: 500,
-        prefix: None,
-    };
+    let inference = inference(PROMPT, OUTPUT);
+    let request = request_for(&inference);
+    let demand = demand_without_matches();
     let config = SchedulerConfig::default();
     let scorer = Scorer::new(&fleet, None, demand, None, &config);
     let quick = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
@@ -277,16 +295,9 @@ fn when_no_pod_passes_every_soft_filter_the_least_bad_still_compete() {
         },
     ];
     let fleet = fleet_of(&pods);
-    let inference = inference(400, 100);
-    let request = RouteRequest {
-        inference: Some(&inference),
-        subset: None,
-    };
-    let demand = Demand {
-        prompt: 400,
-        tokens: 500,
-        prefix: None,
-    };
+    let inference = inference(PROMPT, OUTPUT);
+    let request = request_for(&inference);
+    let demand = demand_without_matches();
     let config = SchedulerConfig::default();
     let scorer = Scorer::new(&fleet, demand.prefix, demand, None, &config);
     let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
@@ -398,16 +409,9 @@ fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() 
         ..usual
     });
     let fleet = fleet_of(&pods);
-    let inference = inference(400, 100);
-    let request = RouteRequest {
-        inference: Some(&inference),
-        subset: None,
-    };
-    let demand = Demand {
-        prompt: 400,
-        tokens: 500,
-        prefix: None,
-    };
+    let inference = inference(PROMPT, OUTPUT);
+    let request = request_for(&inference);
+    let demand = demand_without_matches();
     let config = SchedulerConfig::default();
     let scorer = Scorer::new(&fleet, None, demand, None, &config);
     let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
@@ -421,29 +425,11 @@ fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() 
 /// Here the pass is told that no pod had more than 1 in flight while they have up to 16.
 #[test]
 fn a_count_that_outgrew_the_first_read_turns_pruning_off() {
-    let pods: Vec<Pod> = (0..200u32)
-        .map(|n| Pod {
-            healthy: true,
-            scraped: true,
-            kv_usage: f64::from(n % 50) / 100.0,
-            waiting: n % 3,
-            capacity: Some(50_000),
-            inflight: n % 17,
-            unscraped: 0,
-            blocks: 0,
-        })
-        .collect();
+    let pods = every_pod_passes(200);
     let fleet = fleet_of(&pods);
-    let inference = inference(400, 100);
-    let request = RouteRequest {
-        inference: Some(&inference),
-        subset: None,
-    };
-    let demand = Demand {
-        prompt: 400,
-        tokens: 500,
-        prefix: None,
-    };
+    let inference = inference(PROMPT, OUTPUT);
+    let request = request_for(&inference);
+    let demand = demand_without_matches();
     let config = SchedulerConfig::default();
     let scorer = Scorer::new(&fleet, None, demand, None, &config);
     let read = |pruning| {
