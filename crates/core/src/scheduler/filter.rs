@@ -161,9 +161,6 @@ impl Reading<'_> {
         else {
             return (flags, UNKNOWN);
         };
-        // What must stay free besides: `keep_free` of the pool rounded up, or
-        // `keep_free_tokens` when more, though never more than half the pool (a quieter
-        // tenant's one huge request must not take half of every pod from a busier one).
         if !self.fits(row, free, cached) {
             flags &= !FITS;
         }
@@ -578,12 +575,8 @@ fn blocks_by_pod<'a>(demand: &Demand<'a>, pods: usize) -> (u64, Cow<'a, [u32]>) 
     let block_tokens = demand
         .prefix
         .map_or(0, |prefix| u64::from(prefix.block_tokens));
-    (block_tokens, matches_by_pod(demand, pods))
-}
-
-fn matches_by_pod<'a>(demand: &Demand<'a>, pods: usize) -> Cow<'a, [u32]> {
     let blocks = demand.prefix.map_or(&[][..], PrefixMatches::blocks_by_pod);
-    if blocks.len() == pods {
+    let blocks = if blocks.len() == pods {
         Cow::Borrowed(blocks)
     } else if blocks.is_empty() && pods <= NO_BLOCKS.len() {
         Cow::Borrowed(&NO_BLOCKS[..pods])
@@ -592,7 +585,8 @@ fn matches_by_pod<'a>(demand: &Demand<'a>, pods: usize) -> Cow<'a, [u32]> {
         let known = blocks.len().min(pods);
         padded[..known].copy_from_slice(&blocks[..known]);
         Cow::Owned(padded)
-    }
+    };
+    (block_tokens, blocks)
 }
 
 /// One pass over the fleet: the hard filters, then each remaining pod read into its
@@ -716,10 +710,7 @@ fn read_passing<const MATCHES: bool>(
             recorded.push(candidate);
         }
     }
-    if pruning.is_some_and(|pruning| {
-        let most = recorded_by_flags.iter().map(|(_, most)| *most).max();
-        most.is_some_and(|most| most > pruning.most_anywhere)
-    }) {
+    if pruning.is_some_and(|pruning| !pruning.bound_held()) {
         // A request arrived at some pod between the two reads of the counters: the bound
         // did not hold, so nothing is dropped.
         return read_passing::<MATCHES>(request, fleet, demand, config, scorer, Pruning::Off);

@@ -196,11 +196,7 @@ impl<'a> Scorer<'a> {
     /// Computed with the total's own additions, so rounding moves them as it moves it.
     #[inline(always)]
     pub(super) fn bounds(&self, partial: &Partial, lowest: f64, highest: f64) -> (f64, f64) {
-        let weight = self.config.weights.inflight;
-        let sum = |term: f64| {
-            partial.head + weight * term + partial.lora + partial.prefix + partial.prefill_queue
-        };
-        let (a, b) = (sum(lowest), sum(highest));
+        let (a, b) = (self.sum(partial, lowest), self.sum(partial, highest));
         (a.min(b), a.max(b))
     }
 
@@ -209,8 +205,15 @@ impl<'a> Scorer<'a> {
     /// total completed from a partial equals [`Scorer::total`] to the bit.
     #[inline]
     pub(super) fn complete(&self, partial: &Partial, inflight: u32) -> f64 {
+        self.sum(partial, self.inflight_term(inflight))
+    }
+
+    /// The terms of `partial` and the in-flight `term`, weighted, summed in the order of
+    /// the module docs' formula: one spelling for totals and their bounds alike.
+    #[inline(always)]
+    fn sum(&self, partial: &Partial, term: f64) -> f64 {
         partial.head
-            + self.config.weights.inflight * self.inflight_term(inflight)
+            + self.config.weights.inflight * term
             + partial.lora
             + partial.prefix
             + partial.prefill_queue

@@ -27,7 +27,7 @@ const PRUNE_MARGIN: f64 = 1e-6;
 pub(super) struct Prune {
     /// The most requests in flight on any pod, read before the pass (a live counter: the
     /// caller checks that no passing pod read more).
-    pub(super) most_anywhere: u32,
+    most_anywhere: u32,
     /// `1 / most_anywhere` (0 when no request is in flight anywhere).
     inverse_most_anywhere: f64,
     /// The most requests in flight on one passing pod seen so far, and its inverse.
@@ -51,6 +51,13 @@ impl Prune {
             best_lower: Vec::with_capacity(kept + 1),
             kept,
         }
+    }
+
+    /// Whether no passing pod had more in flight than the first read found anywhere (each
+    /// one went through [`Prune::drops`]): else the upper bounds did not hold, and what was
+    /// dropped must be read again.
+    pub(super) fn bound_held(&self) -> bool {
+        self.most_seen <= self.most_anywhere
     }
 
     /// Whether the passing candidate with `inflight` requests in flight and `partial`
