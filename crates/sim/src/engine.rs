@@ -17,7 +17,9 @@
 //!
 //! Layout: `types` holds the public configuration, request and event types, `step` one
 //! scheduler step, `blocks` KV block growth, preemption and admission, `adapters` the LoRA
-//! bookkeeping, `kv_events` the KV cache events. The engine's state and its public clock-driven API live here.
+//! bookkeeping, `kv_events` the KV cache events, `forecast` reading ahead to the next
+//! finish (for a caller that wakes the engine only when something outside it can tell).
+//! The engine's state and its public clock-driven API live here.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -32,6 +34,7 @@ use super::stats::EngineStats;
 
 mod adapters;
 mod blocks;
+mod forecast;
 mod kv_events;
 mod step;
 mod types;
@@ -111,6 +114,8 @@ pub struct Engine {
     events: Vec<Event>,
     kv_events: Option<kv_events::KvEventLog>,
     stats: EngineStats,
+    /// Scratch of [`Engine::next_finish_bound`].
+    ahead: Vec<forecast::Ahead>,
 }
 
 impl Engine {
@@ -142,6 +147,7 @@ impl Engine {
             events: Vec::new(),
             kv_events: None,
             stats: EngineStats::default(),
+            ahead: Vec::new(),
         };
         if engine.lora_enabled() {
             engine.lora_history.push(LoraInfo {

@@ -72,6 +72,17 @@ pub struct StepShape {
     pub attention_pairs: f64,
 }
 
+impl StepShape {
+    /// Counts a sequence whose KV holds `done` tokens computing `n` more this step.
+    pub fn add(&mut self, done: u32, n: u32) {
+        let done = u64::from(done);
+        let n = u64::from(n);
+        self.new_tokens += n;
+        self.kv_tokens_read += done + n;
+        self.attention_pairs += n as f64 * (done as f64 + (n as f64 + 1.0) / 2.0);
+    }
+}
+
 /// Memory reserved for activations and CUDA graphs besides weights and KV.
 const ACTIVATION_RESERVE_BYTES: f64 = 1.5e9;
 /// vLLM's default `--gpu-memory-utilization`.

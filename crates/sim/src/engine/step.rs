@@ -2,13 +2,31 @@
 //! timing it from the profile with jitter, and emitting its tokens and completions when it ends.
 
 use rand::Rng;
+use rand::rngs::SmallRng;
 
 use crate::lora::AdapterId;
-use crate::profile::StepShape;
+use crate::profile::{Profile, StepShape};
 use crate::tokens::output_token;
 
 use super::kv_events::{self, StoredLora};
 use super::{Engine, Event, EventKind, FinishReason, InFlight, Place, RequestId, SimTime, Summary};
+
+/// How long a step of `shape` takes: the profile's roofline, scaled by a seeded Gaussian
+/// jitter drawn from `rng` (shared with [`Engine::next_finish_bound`], which must draw the
+/// same durations from a copy of the engine's generator).
+pub(super) fn step_duration(
+    profile: &Profile,
+    jitter: f64,
+    rng: &mut SmallRng,
+    shape: &StepShape,
+) -> SimTime {
+    let base = profile.step_time(shape);
+    // Box-Muller.
+    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+    let u2: f64 = rng.random::<f64>();
+    let gaussian = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+    base.mul_f64((1.0 + jitter * gaussian).clamp(0.5, 1.5))
+}
 
 impl Engine {
     /// Builds the next batch at `t` and starts it, if there is any work.
@@ -106,11 +124,10 @@ impl Engine {
             return;
         }
         let shape = self.shape(&batch);
-        let base = self.profile.step_time(&shape);
-        let factor = (1.0 + self.cfg.jitter * self.gaussian()).clamp(0.5, 1.5);
+        let duration = step_duration(&self.profile, self.cfg.jitter, &mut self.rng, &shape);
         self.stats.steps += 1;
         self.inflight = Some(InFlight {
-            end: t + base.mul_f64(factor),
+            end: t + duration,
             batch,
         });
     }
@@ -119,21 +136,10 @@ impl Engine {
         let mut shape = StepShape::default();
         for &(id, n) in batch {
             if let Some(seq) = self.seqs.get(&id) {
-                let done = u64::from(seq.num_computed);
-                let n = u64::from(n);
-                shape.new_tokens += n;
-                shape.kv_tokens_read += done + n;
-                shape.attention_pairs += n as f64 * (done as f64 + (n as f64 + 1.0) / 2.0);
+                shape.add(seq.num_computed, n);
             }
         }
         shape
-    }
-
-    fn gaussian(&mut self) -> f64 {
-        // Box-Muller.
-        let u1: f64 = self.rng.random::<f64>().max(f64::MIN_POSITIVE);
-        let u2: f64 = self.rng.random::<f64>();
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
     }
 
     pub(super) fn finish_step(&mut self, step: InFlight) {

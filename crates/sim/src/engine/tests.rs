@@ -216,4 +216,5 @@ fn an_aborted_request_releases_its_blocks() {
     run_to_end(&mut e);
 }
 
+mod forecast;
 mod kv_events;

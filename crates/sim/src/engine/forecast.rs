@@ -1,0 +1,147 @@
+//! Reading ahead to an engine's next finish without stepping it.
+//!
+//! An offline simulation of a thousand pods need not wake a pod at every step: between a
+//! request's arrival and the next request's end, nothing a pod does is seen outside it but
+//! its tokens, which can be collected later. What the caller must not miss is a finish (it
+//! frees the router's accounting). [`Engine::next_finish_bound`] says how far the engine may
+//! be left alone: it replays the scheduler's decisions on a copy of the few numbers they
+//! read (each running sequence's length, computed tokens, output and blocks; the free
+//! blocks; the jitter generator's state) for as long as those decisions are certain, which
+//! is while nothing waits, no adapter loads and no step can run short of blocks.
+
+use crate::profile::StepShape;
+
+use super::step::step_duration;
+use super::{Engine, SimTime};
+
+/// The most steps read ahead: beyond them the caller wakes the engine and asks again.
+const MAX_STEPS_AHEAD: usize = 1024;
+
+/// A running sequence as the scheduler sees it, read ahead.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Ahead {
+    tokens: u32,
+    computed: u32,
+    output: u32,
+    max_output: u32,
+    blocks: u32,
+    /// Tokens scheduled in the step being read.
+    scheduled: u32,
+}
+
+impl Ahead {
+    /// The step computed `n` more tokens; true if that sampled the sequence's last token.
+    fn computed(&mut self, n: u32) -> bool {
+        self.computed += n;
+        if self.computed < self.tokens {
+            return false; // a prefill chunk: no token yet
+        }
+        self.tokens += 1;
+        self.output += 1;
+        self.output >= self.max_output
+    }
+}
+
+impl Engine {
+    /// A time up to which the engine can be advanced without any request finishing, as
+    /// long as no request is added or aborted meanwhile; `None` when it has nothing to do.
+    ///
+    /// It is the end of the step in which a request first finishes when that is certain;
+    /// otherwise an earlier step's end (at the latest [`Engine::next_event_time`]) from
+    /// which the engine's course is not certain without stepping it: a step that may have
+    /// to preempt, requests waiting for admission, an adapter load, KV events being
+    /// recorded (each step's events are then visible), or [`MAX_STEPS_AHEAD`] steps.
+    /// Advancing to it emits exactly what stepping to it one event at a time emits.
+    pub fn next_finish_bound(&mut self) -> Option<SimTime> {
+        let next = self.next_event_time();
+        let certain =
+            self.waiting.is_empty() && self.lora.next_ready().is_none() && self.kv_events.is_none();
+        let Some(step) = self.inflight.as_ref().filter(|_| certain) else {
+            return next;
+        };
+        let mut ahead = std::mem::take(&mut self.ahead);
+        ahead.clear();
+        for id in &self.running {
+            let Some(seq) = self.seqs.get(id) else {
+                self.ahead = ahead;
+                return next;
+            };
+            ahead.push(Ahead {
+                tokens: seq.tokens.len() as u32,
+                computed: seq.num_computed,
+                output: seq.output_len,
+                max_output: seq.max_output,
+                blocks: seq.blocks.len() as u32,
+                scheduled: 0,
+            });
+        }
+        let bound = self.read_ahead(step.end, &step.batch, &mut ahead);
+        self.ahead = ahead;
+        bound
+    }
+
+    /// [`Engine::next_finish_bound`] from the step in flight (`batch`, ending at `end`),
+    /// with `ahead` holding the running sequences in order.
+    fn read_ahead(
+        &self,
+        end: SimTime,
+        batch: &[(u64, u32)],
+        ahead: &mut [Ahead],
+    ) -> Option<SimTime> {
+        // The batch in flight lists running sequences in their order (those still running:
+        // an aborted one has left `running`), possibly skipping some the budget left out.
+        let mut k = 0;
+        for &(id, n) in batch {
+            let Some(at) = self.running[k..].iter().position(|&r| r == id) else {
+                continue;
+            };
+            k += at;
+            if ahead[k].computed(n) {
+                return Some(end);
+            }
+            k += 1;
+        }
+        let mut t = end;
+        let mut free = self.pool.num_free();
+        let mut rng = self.rng.clone();
+        let bs = self.cfg.block_size;
+        for _ in 0..MAX_STEPS_AHEAD {
+            // The scheduler's first pass (`start_step`): running sequences oldest first,
+            // each its remaining prefill or one decode token, while the budget lasts.
+            let mut budget = self.cfg.max_num_batched_tokens;
+            let mut shape = StepShape::default();
+            let mut any = false;
+            for a in ahead.iter_mut() {
+                a.scheduled = 0;
+                if budget == 0 {
+                    continue;
+                }
+                let n = (a.tokens - a.computed).min(budget);
+                let need = (a.computed + n).div_ceil(bs).saturating_sub(a.blocks);
+                if need > free {
+                    // It may preempt: only stepping it tells.
+                    return Some(t);
+                }
+                free -= need;
+                a.blocks += need;
+                a.scheduled = n;
+                budget -= n;
+                shape.add(a.computed, n);
+                any = true;
+            }
+            if !any {
+                // Nothing left running: the engine idles once the step in flight ends.
+                return None;
+            }
+            t += step_duration(&self.profile, self.cfg.jitter, &mut rng, &shape);
+            let mut finished = false;
+            for a in ahead.iter_mut().filter(|a| a.scheduled > 0) {
+                finished |= a.computed(a.scheduled);
+            }
+            if finished {
+                return Some(t);
+            }
+        }
+        Some(t)
+    }
+}
