@@ -234,8 +234,14 @@ impl PodStore {
             .collect();
         let endpoints_version = self.endpoints_version.load(Ordering::Relaxed);
         drop(records);
-        let generation = self.published.borrow().snapshot().generation + 1;
-        let fleet = Arc::new(Fleet::new(pods, generation, endpoints_version));
+        let previous = Arc::clone(&self.published.borrow());
+        let generation = previous.snapshot().generation + 1;
+        let fleet = Arc::new(Fleet::new_after(
+            &previous,
+            pods,
+            generation,
+            endpoints_version,
+        ));
         self.published.send_replace(Arc::clone(&fleet));
         fleet
     }

@@ -222,6 +222,11 @@ fn bench_model_index(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("publish", size), &pods, |b, pods| {
             b.iter(|| Fleet::new(black_box(pods.clone()), 2, 1))
         });
+        // The store's publish every scrape interval: after a fleet whose pods listed the
+        // same models (what the model index read of the lists is reused).
+        group.bench_with_input(BenchmarkId::new("republish", size), &pods, |b, pods| {
+            b.iter(|| Fleet::new_after(&fleet, black_box(pods.clone()), 2, 1))
+        });
     }
     group.finish();
 }

@@ -284,12 +284,18 @@ impl Snapshot {
     /// A snapshot of `pods` (sorted here by endpoint), with its model index.
     pub fn new(mut pods: Vec<PodView>, generation: u64, endpoints_version: u64) -> Self {
         pods.sort_by_key(|pod| pod.endpoint);
-        Snapshot::from_sorted(pods, generation, endpoints_version)
+        Snapshot::from_sorted(pods, generation, endpoints_version, None)
     }
 
-    /// [`Snapshot::new`] for pods already sorted by endpoint.
-    fn from_sorted(pods: Vec<PodView>, generation: u64, endpoints_version: u64) -> Self {
-        let models = ModelIndex::build(&pods);
+    /// [`Snapshot::new`] for pods already sorted by endpoint; what the model index read of
+    /// the pods' model lists is reused from `previous` where they are the same lists.
+    fn from_sorted(
+        pods: Vec<PodView>,
+        generation: u64,
+        endpoints_version: u64,
+        previous: Option<&Snapshot>,
+    ) -> Self {
+        let models = ModelIndex::build_after(&pods, previous.map(|p| &p.models));
         let adapters = AdapterIndex::build(&pods);
         let (rows, model_lists) = rows_of(&pods);
         Snapshot {
@@ -345,14 +351,39 @@ pub struct Fleet {
 impl Fleet {
     /// Pairs each pod with its counters; sorted by endpoint like [`Snapshot::new`].
     pub fn new(
+        pods: Vec<(PodView, Arc<PodLoad>)>,
+        generation: u64,
+        endpoints_version: u64,
+    ) -> Self {
+        Fleet::build(pods, generation, endpoints_version, None)
+    }
+
+    /// [`Fleet::new`] for the fleet published after `previous`: the same fleet, built
+    /// faster where the pods' model lists have not changed since.
+    pub fn new_after(
+        previous: &Fleet,
+        pods: Vec<(PodView, Arc<PodLoad>)>,
+        generation: u64,
+        endpoints_version: u64,
+    ) -> Self {
+        Fleet::build(
+            pods,
+            generation,
+            endpoints_version,
+            Some(&previous.snapshot),
+        )
+    }
+
+    fn build(
         mut pods: Vec<(PodView, Arc<PodLoad>)>,
         generation: u64,
         endpoints_version: u64,
+        previous: Option<&Snapshot>,
     ) -> Self {
         pods.sort_by_key(|(pod, _)| pod.endpoint);
         let (views, loads): (Vec<PodView>, Vec<Arc<PodLoad>>) = pods.into_iter().unzip();
         Fleet {
-            snapshot: Snapshot::from_sorted(views, generation, endpoints_version),
+            snapshot: Snapshot::from_sorted(views, generation, endpoints_version, previous),
             loads,
         }
     }

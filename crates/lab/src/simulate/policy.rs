@@ -269,7 +269,7 @@ impl Replica {
                 (view, Arc::clone(load))
             })
             .collect();
-        self.fleet = Fleet::new(pods, self.generation, 1);
+        self.fleet = Fleet::new_after(&self.fleet, pods, self.generation, 1);
     }
 
     /// What the pods' ledgers still hold, summed: requests in flight and tokens counted

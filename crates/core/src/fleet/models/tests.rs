@@ -63,3 +63,68 @@ fn an_adapter_that_only_runs_is_known_as_an_unlisted_adapter() {
     assert_eq!(index.class("queued"), Some(&ModelClass::UnlistedAdapter));
     assert_eq!(index.len(), 3);
 }
+
+/// `pods` with their model lists shared as `lists` says (indexes into `shared`).
+fn sharing(shared: &[Arc<ServedModels>], lists: &[usize]) -> Vec<PodView> {
+    lists
+        .iter()
+        .enumerate()
+        .map(|(i, &list)| {
+            PodView::new(
+                SocketAddr::from(([10, 0, 0, 1], i as u16 + 1)),
+                true,
+                None,
+                None,
+                Some(Arc::clone(&shared[list])),
+            )
+        })
+        .collect()
+}
+
+fn list(base: &[&str], adapters: &[(&str, &str)]) -> Arc<ServedModels> {
+    pod(1, base, adapters).models.expect("listed")
+}
+
+#[test]
+fn a_build_after_the_same_lists_shares_what_it_read_and_classifies_alike() {
+    let shared = [
+        list(&["llama"], &[("sql", "llama")]),
+        list(&["mistral"], &[]),
+    ];
+    let pods = sharing(&shared, &[0, 0, 1, 1, 0]);
+    let first = ModelIndex::build(&pods);
+    let again = ModelIndex::build_after(&pods, Some(&first));
+    assert!(Arc::ptr_eq(&first.listed, &again.listed));
+    assert_eq!(again, ModelIndex::build(&pods));
+    assert_eq!(again.class("mistral"), Some(&ModelClass::Base));
+}
+
+#[test]
+fn a_build_after_other_lists_reads_them_again() {
+    let x_base = list(&["x"], &[]);
+    let x_adapter = list(&[], &[("x", "llama")]);
+    let shared = [x_base, x_adapter, list(&["x", "y"], &[])];
+    let before = ModelIndex::build(&sharing(&shared, &[0, 1]));
+    assert_eq!(before.class("x"), Some(&ModelClass::Base));
+    // The same lists in another order: the first pod listing a name decides.
+    for (lists, x, y) in [
+        (&[1, 0][..], true, None),
+        // A list replaced by another.
+        (&[0, 2][..], false, Some(&ModelClass::Base)),
+        // A list more.
+        (&[0, 1, 2][..], false, Some(&ModelClass::Base)),
+        // A list fewer.
+        (&[0][..], false, None),
+    ] {
+        let pods = sharing(&shared, lists);
+        let after = ModelIndex::build_after(&pods, Some(&before));
+        assert_eq!(after, ModelIndex::build(&pods), "{lists:?}");
+        assert!(!Arc::ptr_eq(&after.listed, &before.listed), "{lists:?}");
+        assert_eq!(
+            after.class("x").map(ModelClass::is_adapter),
+            Some(x),
+            "{lists:?}"
+        );
+        assert_eq!(after.class("y"), y, "{lists:?}");
+    }
+}
