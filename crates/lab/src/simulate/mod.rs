@@ -239,6 +239,9 @@ pub struct Setup<'w> {
     pub diagnose: Option<(u64, PathBuf)>,
     /// kvroute replicas (`--replicas`).
     pub replicas: usize,
+    /// Threads one simulation may use to advance its pods at a scrape (the cores left to
+    /// it by the simulations running beside it); the results do not depend on it.
+    pub threads: usize,
 }
 
 impl<'w> Setup<'w> {
@@ -302,6 +305,7 @@ impl<'w> Setup<'w> {
             warmup,
             diagnose: args.diagnose.map(|n| (n, args.output_dir.clone())),
             replicas: usize::from(args.replicas),
+            threads: 1,
         })
     }
 }
@@ -410,15 +414,19 @@ fn run_jobs(setups: &[Setup<'_>], routers: &[Router], jobs: usize) -> Vec<JobRes
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let workloads = crate::compare::load_workloads(&args.workloads)?;
     let routers = crate::compare::chosen(&args.routers, &Router::ALL);
-    let setups: Vec<Setup<'_>> = workloads
+    let mut setups: Vec<Setup<'_>> = workloads
         .iter()
         .map(|(f, w)| Setup::new(&args, w, f).with_context(|| format!("workload {}", w.name)))
         .collect::<anyhow::Result<_>>()?;
     let out = &args.output_dir;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    let jobs = args
-        .jobs
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let jobs = args.jobs.unwrap_or(cores);
+    // The cores no simulation runs on are shared among those that do.
+    let running = jobs.clamp(1, (setups.len() * routers.len()).max(1));
+    for setup in &mut setups {
+        setup.threads = (cores / running).max(1);
+    }
     let names: Vec<&str> = routers.iter().map(|r| r.kind().name()).collect();
     eprintln!(
         "kvroute-lab simulate: {} workload(s) × {}, {} at a time; results in {}",
