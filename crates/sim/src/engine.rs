@@ -116,6 +116,13 @@ pub struct Engine {
     stats: EngineStats,
     /// Scratch of [`Engine::next_finish_bound`].
     ahead: Vec<forecast::Ahead>,
+    /// The steps [`Engine::next_finish_bound`] read ahead, next first: valid until a
+    /// request is added or aborted.
+    plan: VecDeque<forecast::Planned>,
+    /// Buffers of a step, kept from step to step.
+    spare_batch: Vec<(RequestId, u32)>,
+    scratch_adapters: Vec<AdapterId>,
+    scratch_skipped: Vec<RequestId>,
 }
 
 impl Engine {
@@ -148,6 +155,10 @@ impl Engine {
             kv_events: None,
             stats: EngineStats::default(),
             ahead: Vec::new(),
+            plan: VecDeque::new(),
+            spare_batch: Vec::new(),
+            scratch_adapters: Vec::new(),
+            scratch_skipped: Vec::new(),
         };
         if engine.lora_enabled() {
             engine.lora_history.push(LoraInfo {
@@ -190,6 +201,7 @@ impl Engine {
     /// with no tokens (counted as aborted).
     pub fn add_request(&mut self, now: SimTime, spec: RequestSpec) -> RequestId {
         self.advance(now);
+        self.plan.clear();
         let id = self.next_id;
         self.next_id += 1;
         let adapter = match (&spec.adapter, self.lora_enabled()) {
@@ -253,6 +265,7 @@ impl Engine {
     /// Cancels a request (client went away). Unknown or finished ids are ignored.
     pub fn abort(&mut self, now: SimTime, id: RequestId) {
         self.advance(now);
+        self.plan.clear();
         let Some(seq) = self.seqs.remove(&id) else {
             return;
         };

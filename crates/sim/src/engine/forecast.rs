@@ -9,6 +9,10 @@
 //! blocks; the jitter generator's state) for as long as those decisions are certain, which
 //! is while nothing waits, no adapter loads and no step can run short of blocks.
 
+use std::collections::VecDeque;
+
+use rand::rngs::SmallRng;
+
 use crate::profile::StepShape;
 
 use super::step::step_duration;
@@ -16,6 +20,13 @@ use super::{Engine, SimTime};
 
 /// The most steps read ahead: beyond them the caller wakes the engine and asks again.
 const MAX_STEPS_AHEAD: usize = 1024;
+
+/// A step read ahead: how long it takes, and the jitter's generator after drawing it.
+#[derive(Debug, Clone)]
+pub(super) struct Planned {
+    pub(super) duration: SimTime,
+    pub(super) rng: SmallRng,
+}
 
 /// A running sequence as the scheduler sees it, read ahead.
 #[derive(Debug, Clone, Copy, Default)]
@@ -53,6 +64,8 @@ impl Engine {
     /// recorded (each step's events are then visible), or [`MAX_STEPS_AHEAD`] steps.
     /// Advancing to it emits exactly what stepping to it one event at a time emits.
     pub fn next_finish_bound(&mut self) -> Option<SimTime> {
+        // The steps read ahead are kept for stepping them; each reading starts afresh.
+        self.plan.clear();
         let next = self.next_event_time();
         let certain =
             self.waiting.is_empty() && self.lora.next_ready().is_none() && self.kv_events.is_none();
@@ -75,18 +88,22 @@ impl Engine {
                 scheduled: 0,
             });
         }
-        let bound = self.read_ahead(step.end, &step.batch, &mut ahead);
+        let mut plan = std::mem::take(&mut self.plan);
+        let bound = self.read_ahead(step.end, &step.batch, &mut ahead, &mut plan);
         self.ahead = ahead;
+        self.plan = plan;
         bound
     }
 
     /// [`Engine::next_finish_bound`] from the step in flight (`batch`, ending at `end`),
-    /// with `ahead` holding the running sequences in order.
+    /// with `ahead` holding the running sequences in order; each step read is added to
+    /// `plan`.
     fn read_ahead(
         &self,
         end: SimTime,
         batch: &[(u64, u32)],
         ahead: &mut [Ahead],
+        plan: &mut VecDeque<Planned>,
     ) -> Option<SimTime> {
         // The batch in flight lists running sequences in their order (those still running:
         // an aborted one has left `running`), possibly skipping some the budget left out.
@@ -133,7 +150,12 @@ impl Engine {
                 // Nothing left running: the engine idles once the step in flight ends.
                 return None;
             }
-            t += step_duration(&self.profile, self.cfg.jitter, &mut rng, &shape);
+            let duration = step_duration(&self.profile, self.cfg.jitter, &mut rng, &shape);
+            plan.push_back(Planned {
+                duration,
+                rng: rng.clone(),
+            });
+            t += duration;
             let mut finished = false;
             for a in ahead.iter_mut().filter(|a| a.scheduled > 0) {
                 finished |= a.computed(a.scheduled);

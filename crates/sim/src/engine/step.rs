@@ -4,7 +4,6 @@
 use rand::Rng;
 use rand::rngs::SmallRng;
 
-use crate::lora::AdapterId;
 use crate::profile::{Profile, StepShape};
 use crate::tokens::output_token;
 
@@ -33,7 +32,9 @@ impl Engine {
     pub(super) fn start_step(&mut self, t: SimTime) {
         debug_assert!(self.inflight.is_none());
         let mut budget = self.cfg.max_num_batched_tokens;
-        let mut batch: Vec<(RequestId, u32)> = Vec::new();
+        // The buffer of the last step's batch, reused.
+        let mut batch = std::mem::take(&mut self.spare_batch);
+        batch.clear();
         let mut preempted = false;
 
         // 1. Running requests, oldest first.
@@ -69,17 +70,55 @@ impl Engine {
         }
 
         // 2. Waiting requests, FCFS, unless this step had to preempt.
-        let mut batch_adapters: Vec<AdapterId> = self
-            .running
-            .iter()
-            .filter_map(|id| self.seqs.get(id).and_then(|s| s.adapter))
-            .collect();
+        // (An empty batch never waits on a preemption: that would stall the engine.)
+        if (!preempted || batch.is_empty()) && !self.waiting.is_empty() {
+            self.admit_waiting(t, &mut batch, &mut budget);
+        }
+        for &(id, _) in &batch {
+            if let Some(a) = self.seqs.get(&id).and_then(|s| s.adapter) {
+                self.lora.touch(a, t);
+            }
+        }
+
+        if batch.is_empty() {
+            self.spare_batch = batch;
+            self.close_kv_batch(t);
+            return;
+        }
+        // A step read ahead by `next_finish_bound` since the last request came or went
+        // takes the duration drawn there, and the generator as it was left.
+        let duration = match self.plan.pop_front() {
+            Some(planned) => {
+                self.rng = planned.rng;
+                planned.duration
+            }
+            None => {
+                let shape = self.shape(&batch);
+                step_duration(&self.profile, self.cfg.jitter, &mut self.rng, &shape)
+            }
+        };
+        self.stats.steps += 1;
+        self.inflight = Some(InFlight {
+            end: t + duration,
+            batch,
+        });
+    }
+
+    /// The scheduler's second pass: waiting requests in FCFS order while the batch has
+    /// budget, sequence slots, KV blocks and adapter slots for them.
+    fn admit_waiting(&mut self, t: SimTime, batch: &mut Vec<(RequestId, u32)>, budget: &mut u32) {
+        let mut batch_adapters = std::mem::take(&mut self.scratch_adapters);
+        batch_adapters.clear();
+        batch_adapters.extend(
+            self.running
+                .iter()
+                .filter_map(|id| self.seqs.get(id).and_then(|s| s.adapter)),
+        );
         batch_adapters.sort_unstable();
         batch_adapters.dedup();
-        let mut skipped: Vec<RequestId> = Vec::new();
-        // (An empty batch never waits on a preemption: that would stall the engine.)
-        let admit = !preempted || batch.is_empty();
-        while admit && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+        let mut skipped = std::mem::take(&mut self.scratch_skipped);
+        skipped.clear();
+        while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(id) = self.waiting.pop_front() else {
                 break;
             };
@@ -99,7 +138,7 @@ impl Engine {
                     continue;
                 }
             }
-            if !self.admit(id, t, &mut batch, &mut budget) {
+            if !self.admit(id, t, batch, budget) {
                 self.waiting.push_front(id);
                 break;
             }
@@ -110,26 +149,11 @@ impl Engine {
                 }
             }
         }
-        for id in skipped.into_iter().rev() {
+        for &id in skipped.iter().rev() {
             self.waiting.push_front(id);
         }
-        for &(id, _) in &batch {
-            if let Some(a) = self.seqs.get(&id).and_then(|s| s.adapter) {
-                self.lora.touch(a, t);
-            }
-        }
-
-        if batch.is_empty() {
-            self.close_kv_batch(t);
-            return;
-        }
-        let shape = self.shape(&batch);
-        let duration = step_duration(&self.profile, self.cfg.jitter, &mut self.rng, &shape);
-        self.stats.steps += 1;
-        self.inflight = Some(InFlight {
-            end: t + duration,
-            batch,
-        });
+        self.scratch_adapters = batch_adapters;
+        self.scratch_skipped = skipped;
     }
 
     fn shape(&self, batch: &[(RequestId, u32)]) -> StepShape {
@@ -143,9 +167,9 @@ impl Engine {
     }
 
     pub(super) fn finish_step(&mut self, step: InFlight) {
-        let t = step.end;
+        let InFlight { end: t, batch } = step;
         let bs = self.cfg.block_size;
-        for (id, n) in step.batch {
+        for &(id, n) in &batch {
             let Some(seq) = self.seqs.get_mut(&id) else {
                 continue; // aborted during the step
             };
@@ -213,6 +237,7 @@ impl Engine {
         }
         // One batch per step, as vLLM publishes after each `update_from_output`.
         self.close_kv_batch(t);
+        self.spare_batch = batch;
     }
 
     fn finish(&mut self, id: RequestId, t: SimTime) {
