@@ -217,7 +217,7 @@ impl Engine {
             self.events.push(Event {
                 id,
                 at: self.clock,
-                kind: EventKind::Finished(Summary {
+                kind: EventKind::Finished(Box::new(Summary {
                     prompt_tokens: prompt_len,
                     completion_tokens: 0,
                     cached_tokens: 0,
@@ -227,7 +227,7 @@ impl Engine {
                     ttft: Duration::ZERO,
                     e2e: Duration::ZERO,
                     preemptions: 0,
-                }),
+                })),
             });
             return id;
         }
@@ -313,7 +313,12 @@ impl Engine {
 
     /// Moves the events produced so far into `out`.
     pub fn take_events(&mut self, out: &mut Vec<Event>) {
-        out.append(&mut self.events);
+        if out.is_empty() {
+            // An empty buffer (the usual caller's) trades places: nothing is copied.
+            std::mem::swap(out, &mut self.events);
+        } else {
+            out.append(&mut self.events);
+        }
     }
 
     /// Queue, batch and KV use now.

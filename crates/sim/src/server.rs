@@ -88,7 +88,7 @@ impl Core {
         for ev in self.scratch.drain(..) {
             let (out, last) = match ev.kind {
                 EventKind::Token { index, .. } => (Out::Token { index }, false),
-                EventKind::Finished(s) => (Out::Done(s), true),
+                EventKind::Finished(s) => (Out::Done(*s), true),
             };
             if last {
                 if let Some(tx) = self.streams.remove(&ev.id) {

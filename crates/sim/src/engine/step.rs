@@ -266,7 +266,7 @@ impl Engine {
         self.events.push(Event {
             id,
             at: t,
-            kind: EventKind::Finished(Summary {
+            kind: EventKind::Finished(Box::new(Summary {
                 prompt_tokens: seq.prompt_len,
                 completion_tokens: seq.output_len,
                 cached_tokens: seq.cached_tokens.unwrap_or(0),
@@ -276,7 +276,7 @@ impl Engine {
                 ttft: first_token - seq.arrival,
                 e2e: t - seq.arrival,
                 preemptions: seq.preemptions,
-            }),
+            })),
         });
     }
 }

@@ -38,7 +38,7 @@ fn summaries(events: &[Event]) -> HashMap<RequestId, Summary> {
     events
         .iter()
         .filter_map(|e| match &e.kind {
-            EventKind::Finished(s) => Some((e.id, s.clone())),
+            EventKind::Finished(s) => Some((e.id, (**s).clone())),
             _ => None,
         })
         .collect()

@@ -102,8 +102,9 @@ pub enum EventKind {
         /// Synthetic token id.
         token_id: u32,
     },
-    /// The request finished (after its last token event).
-    Finished(Summary),
+    /// The request finished (after its last token event). Boxed: an event is pushed and
+    /// moved for every token, and the summary would triple the size of all of them.
+    Finished(Box<Summary>),
 }
 
 /// Per-request accounting reported at the end.
