@@ -116,9 +116,13 @@ pub struct Engine {
     stats: EngineStats,
     /// Scratch of [`Engine::next_finish_bound`].
     ahead: Vec<forecast::Ahead>,
-    /// The steps [`Engine::next_finish_bound`] read ahead, next first: valid until a
-    /// request is added or aborted.
-    plan: VecDeque<forecast::Planned>,
+    /// The durations of the steps [`Engine::next_finish_bound`] read ahead, next first:
+    /// valid until a request is added or aborted.
+    plan: VecDeque<SimTime>,
+    /// The jitter factors of the next steps, drawn from `rng` ahead of them (by
+    /// [`Engine::next_finish_bound`]), next first. Drawn in step order whenever drawn, so
+    /// they stay valid whatever the steps turn out to be.
+    jitters: VecDeque<f64>,
     /// Buffers of a step, kept from step to step.
     spare_batch: Vec<(RequestId, u32)>,
     scratch_adapters: Vec<AdapterId>,
@@ -156,6 +160,7 @@ impl Engine {
             stats: EngineStats::default(),
             ahead: Vec::new(),
             plan: VecDeque::new(),
+            jitters: VecDeque::new(),
             spare_batch: Vec::new(),
             scratch_adapters: Vec::new(),
             scratch_skipped: Vec::new(),

@@ -11,21 +11,26 @@
 
 use std::collections::VecDeque;
 
+use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 use crate::profile::StepShape;
 
-use super::step::step_duration;
+use super::step::{jitter_factor, step_duration};
 use super::{Engine, SimTime};
 
 /// The most steps read ahead: beyond them the caller wakes the engine and asks again.
 const MAX_STEPS_AHEAD: usize = 1024;
 
-/// A step read ahead: how long it takes, and the jitter's generator after drawing it.
-#[derive(Debug, Clone)]
-pub(super) struct Planned {
-    pub(super) duration: SimTime,
-    pub(super) rng: SmallRng,
+/// What a reading ahead fills in, lent by the engine.
+struct Reading<'a> {
+    /// The running sequences, in order.
+    ahead: &'a mut [Ahead],
+    /// The durations of the steps read.
+    plan: &'a mut VecDeque<SimTime>,
+    /// The engine's jitter factors drawn ahead, extended from `rng` as steps need them.
+    jitters: &'a mut VecDeque<f64>,
+    rng: &'a mut SmallRng,
 }
 
 /// A running sequence as the scheduler sees it, read ahead.
@@ -89,22 +94,36 @@ impl Engine {
             });
         }
         let mut plan = std::mem::take(&mut self.plan);
-        let bound = self.read_ahead(step.end, &step.batch, &mut ahead, &mut plan);
+        let mut jitters = std::mem::take(&mut self.jitters);
+        // The generator lent to `read_ahead`, which draws the next steps' jitter factors.
+        let mut rng = std::mem::replace(&mut self.rng, SmallRng::seed_from_u64(0));
+        let mut reading = Reading {
+            ahead: &mut ahead,
+            plan: &mut plan,
+            jitters: &mut jitters,
+            rng: &mut rng,
+        };
+        let bound = self.read_ahead(step.end, &step.batch, &mut reading);
+        self.rng = rng;
         self.ahead = ahead;
         self.plan = plan;
+        self.jitters = jitters;
         bound
     }
 
-    /// [`Engine::next_finish_bound`] from the step in flight (`batch`, ending at `end`),
-    /// with `ahead` holding the running sequences in order; each step read is added to
-    /// `plan`.
+    /// [`Engine::next_finish_bound`] from the step in flight (`batch`, ending at `end`).
     fn read_ahead(
         &self,
         end: SimTime,
         batch: &[(u64, u32)],
-        ahead: &mut [Ahead],
-        plan: &mut VecDeque<Planned>,
+        reading: &mut Reading<'_>,
     ) -> Option<SimTime> {
+        let Reading {
+            ahead,
+            plan,
+            jitters,
+            rng,
+        } = reading;
         // The batch in flight lists running sequences in their order (those still running:
         // an aborted one has left `running`), possibly skipping some the budget left out.
         let mut k = 0;
@@ -120,9 +139,8 @@ impl Engine {
         }
         let mut t = end;
         let mut free = self.pool.num_free();
-        let mut rng = self.rng.clone();
         let bs = self.cfg.block_size;
-        for _ in 0..MAX_STEPS_AHEAD {
+        for step in 0..MAX_STEPS_AHEAD {
             // The scheduler's first pass (`start_step`): running sequences oldest first,
             // each its remaining prefill or one decode token, while the budget lasts.
             let mut budget = self.cfg.max_num_batched_tokens;
@@ -150,11 +168,11 @@ impl Engine {
                 // Nothing left running: the engine idles once the step in flight ends.
                 return None;
             }
-            let duration = step_duration(&self.profile, self.cfg.jitter, &mut rng, &shape);
-            plan.push_back(Planned {
-                duration,
-                rng: rng.clone(),
-            });
+            if jitters.len() == step {
+                jitters.push_back(jitter_factor(rng, self.cfg.jitter));
+            }
+            let duration = step_duration(&self.profile, &shape, jitters[step]);
+            plan.push_back(duration);
             t += duration;
             let mut finished = false;
             for a in ahead.iter_mut().filter(|a| a.scheduled > 0) {

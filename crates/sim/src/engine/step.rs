@@ -10,21 +10,19 @@ use crate::tokens::output_token;
 use super::kv_events::{self, StoredLora};
 use super::{Engine, Event, EventKind, FinishReason, InFlight, Place, RequestId, SimTime, Summary};
 
-/// How long a step of `shape` takes: the profile's roofline, scaled by a seeded Gaussian
-/// jitter drawn from `rng` (shared with [`Engine::next_finish_bound`], which must draw the
-/// same durations from a copy of the engine's generator).
-pub(super) fn step_duration(
-    profile: &Profile,
-    jitter: f64,
-    rng: &mut SmallRng,
-    shape: &StepShape,
-) -> SimTime {
-    let base = profile.step_time(shape);
-    // Box-Muller.
+/// The jitter factor of the next step: a seeded Gaussian of relative deviation `jitter`
+/// around 1 (Box-Muller, two draws from `rng`), clamped to [0.5, 1.5].
+pub(super) fn jitter_factor(rng: &mut SmallRng, jitter: f64) -> f64 {
     let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
     let u2: f64 = rng.random::<f64>();
     let gaussian = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
-    base.mul_f64((1.0 + jitter * gaussian).clamp(0.5, 1.5))
+    (1.0 + jitter * gaussian).clamp(0.5, 1.5)
+}
+
+/// How long a step of `shape` takes: the profile's roofline, scaled by its jitter factor
+/// (shared with [`Engine::next_finish_bound`], which must time the steps alike).
+pub(super) fn step_duration(profile: &Profile, shape: &StepShape, factor: f64) -> SimTime {
+    profile.step_time(shape).mul_f64(factor)
 }
 
 impl Engine {
@@ -85,17 +83,16 @@ impl Engine {
             self.close_kv_batch(t);
             return;
         }
-        // A step read ahead by `next_finish_bound` since the last request came or went
-        // takes the duration drawn there, and the generator as it was left.
+        // Each step takes the next jitter factor, drawn now or ahead by
+        // `next_finish_bound`, and a step read there since the last request came or went
+        // takes the duration found there.
+        let factor = match self.jitters.pop_front() {
+            Some(factor) => factor,
+            None => jitter_factor(&mut self.rng, self.cfg.jitter),
+        };
         let duration = match self.plan.pop_front() {
-            Some(planned) => {
-                self.rng = planned.rng;
-                planned.duration
-            }
-            None => {
-                let shape = self.shape(&batch);
-                step_duration(&self.profile, self.cfg.jitter, &mut self.rng, &shape)
-            }
+            Some(duration) => duration,
+            None => step_duration(&self.profile, &self.shape(&batch), factor),
         };
         self.stats.steps += 1;
         self.inflight = Some(InFlight {
