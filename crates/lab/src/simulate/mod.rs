@@ -35,6 +35,7 @@ mod cache_aware;
 mod diagnose;
 mod flow;
 mod observe;
+mod pods;
 mod policy;
 mod run;
 mod stats;

@@ -570,6 +570,11 @@ impl Kvroute {
     }
 
     /// Every replica scrapes every pod at `now`.
+    /// How many replicas share the pods' scrapes.
+    pub fn replica_count(&self) -> usize {
+        self.replicas.len()
+    }
+
     pub fn scrape(&mut self, now: Duration, mut read: impl FnMut(usize) -> PodMetrics) {
         for replica in &mut self.replicas {
             replica.scrape(now, &mut read);

@@ -25,6 +25,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvroute_core::fleet::PodMetrics;
 use kvroute_core::kvevents::{BlockStored, EventBatch, KvEvent};
 use kvroute_core::scheduler::{PickError, SchedulerConfig};
 use kvroute_sim::engine::{
@@ -35,7 +36,8 @@ use kvroute_sim::kv::mix;
 use super::cache_aware::CacheAware;
 use super::diagnose::{Diagnostics, PodSample};
 use super::flow::{self, FlowClass, FlowSettings};
-use super::observe::{pod_metrics, served_models};
+use super::observe::served_models;
+use super::pods::{HELPER_FROM_PODS, Pod, Pods};
 use super::policy::{HeldEntry, Kvroute, Placement, Policy, Routed};
 use super::stats::{ClassLabels, Completion, FleetCounters, StepAcc, window_of};
 use super::trace::{StepTrace, TraceRequest};
@@ -59,14 +61,6 @@ enum Ev {
     Deadline,
     /// The fleet's KV use is sampled for the report.
     Sample,
-}
-
-struct Pod {
-    engine: Engine,
-    /// Request slot by engine request id (the engine numbers its requests from 0).
-    slots: Vec<u32>,
-    /// When the queue wakes this pod next.
-    due: Option<SimTime>,
 }
 
 /// When a pod's engine is woken.
@@ -138,7 +132,7 @@ struct Head {
 
 struct World<'s> {
     setup: &'s Setup<'s>,
-    pods: Vec<Pod>,
+    pods: Pods,
     stepping: Stepping,
     inflight: Vec<u32>,
     policy: Policy,
@@ -204,37 +198,6 @@ fn event_batch(batch: &KvEventBatch) -> EventBatch {
     }
 }
 
-/// Fleets from this size have their pods advanced on several threads, where the
-/// simulation has them: a scrape's catch-up of a thousand pods (their steps since their
-/// last wake-up, a few each) is most of a large simulation's engine time, and a thread's
-/// start (tens of microseconds) is small beside it.
-const PARALLEL_FROM_PODS: usize = 128;
-
-/// Advances every pod to `now`, each on one of `threads` threads: an engine is its own
-/// and its events wait in it, so that the order pods are advanced in changes nothing.
-fn advance_all(pods: &mut [Pod], now: SimTime, threads: usize) {
-    let advance = |pods: &mut [Pod]| {
-        for pod in pods {
-            pod.engine.advance(now);
-        }
-    };
-    if threads < 2 {
-        advance(pods);
-        return;
-    }
-    let per_thread = pods.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let mut chunks = pods.chunks_mut(per_thread);
-        let own = chunks.next();
-        for chunk in chunks {
-            scope.spawn(move || advance(chunk));
-        }
-        if let Some(own) = own {
-            advance(own);
-        }
-    });
-}
-
 fn secs(t: SimTime) -> f64 {
     t.as_secs_f64()
 }
@@ -254,11 +217,7 @@ impl<'s> World<'s> {
                 cfg.seed = mix(setup.seed, i as u64);
                 // No pod's page is read: the requests are measured here.
                 cfg.histograms = false;
-                Pod {
-                    engine: Engine::new(cfg, pod.profile.clone()),
-                    slots: Vec::new(),
-                    due: None,
-                }
+                Pod::new(Engine::new(cfg, pod.profile.clone()))
             })
             .collect();
         let mut pods = pods;
@@ -302,7 +261,7 @@ impl<'s> World<'s> {
         Ok(World {
             setup,
             inflight: vec![0; setup.pods],
-            pods,
+            pods: Pods::new(pods),
             stepping: Stepping::ToFinishBounds,
             policy,
             queue: BinaryHeap::new(),
@@ -361,22 +320,19 @@ impl<'s> World<'s> {
         }
     }
 
-    /// Advances every pod to `now` and takes what it did, for reading the fleet at `now`.
-    fn catch_up(&mut self, now: SimTime) {
-        let threads = if self.pods.len() >= PARALLEL_FROM_PODS {
-            self.setup.threads
-        } else {
-            1
-        };
-        advance_all(&mut self.pods, now, threads);
+    /// Advances every pod to `now` and takes what it did, for reading the fleet at `now`;
+    /// with `read`, returns each pod's metrics then.
+    fn catch_up(&mut self, now: SimTime, read: bool) -> anyhow::Result<Vec<PodMetrics>> {
+        let readings = self.pods.advance_all(now, read)?;
         for i in 0..self.pods.len() {
             self.drain(i);
         }
+        Ok(readings)
     }
 
     fn counters(&self) -> FleetCounters {
         let mut c = FleetCounters::default();
-        for p in &self.pods {
+        for p in self.pods.iter() {
             let s = p.engine.stats();
             let loads = p.engine.lora_loads();
             c.preemptions += s.preemptions;
@@ -725,13 +681,20 @@ impl<'s> World<'s> {
         self.steps[open.step].error(open.class, ErrorKind::Timeout, None);
     }
 
-    fn scrape(&mut self, now: SimTime) {
+    fn scrape(&mut self, now: SimTime) -> anyhow::Result<()> {
         self.stats.scrapes += 1;
-        self.catch_up(now);
+        let read = matches!(self.policy, Policy::Kvroute(_));
+        let mut readings = self.catch_up(now, read)?;
         if let Policy::Kvroute(k) = &mut self.policy {
-            let pods = &self.pods;
-            k.scrape(now, |i| pod_metrics(&pods[i].engine));
+            // Replicas scrape the pods alike: each reads its own copy.
+            let shared = k.replica_count() > 1;
+            k.scrape(now, |i| match readings.get_mut(i) {
+                Some(reading) if shared => reading.clone(),
+                Some(reading) => std::mem::take(reading),
+                None => PodMetrics::default(),
+            });
         }
+        Ok(())
     }
 
     /// A scrape's readings are published: a new fleet, which wakes kvroute's dispatcher.
@@ -743,7 +706,7 @@ impl<'s> World<'s> {
     }
 
     fn sample(&mut self, now: SimTime, step: usize) -> anyhow::Result<()> {
-        self.catch_up(now);
+        self.catch_up(now, false)?;
         self.kv_sample.clear();
         self.kv_sample
             .extend(self.pods.iter().map(|p| p.engine.gauges().2));
@@ -806,7 +769,7 @@ impl<'s> World<'s> {
                 }
             }
             Ev::Scrape => {
-                self.scrape(t);
+                self.scrape(t)?;
                 let delay = self.setup.scrape_delay;
                 if delay.is_zero() {
                     self.publish(t);
@@ -835,7 +798,7 @@ impl<'s> World<'s> {
         let mut now = start;
         self.routed.fill(0);
         self.steps[step].start_s = secs(start);
-        self.catch_up(now);
+        self.catch_up(now, false)?;
         self.steps[step].counters_start = self.counters();
         let mut next = trace.next();
         loop {
@@ -858,7 +821,7 @@ impl<'s> World<'s> {
             }
         }
         self.steps[step].end_s = secs(now);
-        self.catch_up(now);
+        self.catch_up(now, false)?;
         self.steps[step].counters_end = self.counters();
         Ok(now)
     }
@@ -875,13 +838,28 @@ fn simulate_stepping(
     router: Router,
     stepping: Stepping,
 ) -> anyhow::Result<(RouterRun, SimStats)> {
-    let wall = Instant::now();
-    let mut world = World::new(setup, router)?;
-    world.stepping = stepping;
+    std::thread::scope(|scope| {
+        let wall = Instant::now();
+        let mut world = World::new(setup, router)?;
+        world.stepping = stepping;
+        if setup.threads > 1 && setup.pods >= HELPER_FROM_PODS {
+            world.pods.start_helper(scope);
+        }
+        run_world(world, router, wall)
+    })
+}
+
+/// Runs the world's ladder (a simulation of `router` started at `wall`).
+fn run_world(
+    mut world: World<'_>,
+    router: Router,
+    wall: Instant,
+) -> anyhow::Result<(RouterRun, SimStats)> {
+    let setup = world.setup;
     let scale = setup.scale;
     // kvroute is ready once it has a snapshot: a first scrape at time zero, published at once.
     if matches!(world.policy, Policy::Kvroute(_)) {
-        world.scrape(Duration::ZERO);
+        world.scrape(Duration::ZERO)?;
         world.publish(Duration::ZERO);
         world.schedule(setup.scrape_interval, Ev::Scrape);
     }
@@ -1116,7 +1094,7 @@ mod tests {
     }
 
     #[test]
-    fn pods_advanced_on_several_threads_are_where_pods_advanced_on_one_are() {
+    fn pods_half_advanced_by_the_helper_thread_are_where_pods_advanced_on_one_are() {
         let file = Path::new(crate::WORKLOADS_DIR).join("kv-pressure.yaml");
         let w = Workload::from_file(&file).expect("shipped");
         let args = SimulateArgs {
@@ -1124,42 +1102,52 @@ mod tests {
             ..setup_args()
         };
         let setup = Setup::new(&args, &w, &file).expect("setup");
-        let fleet = |threads: usize| {
-            let mut world = World::new(&setup, Router::RoundRobin).expect("world");
-            for i in 0..world.pods.len() {
-                for n in 0..3 {
-                    let at = Duration::from_millis(n * 40);
-                    let request = big(at, i * 3 + n as usize);
-                    let prompt = request.engine_tokens(w.api, &mut world.words);
-                    world.pods[i].engine.add_request(
-                        at,
-                        RequestSpec {
-                            prompt,
-                            adapter: None,
-                            max_output: 16 + i as u32,
-                            finish_reason: FinishReason::Length,
-                            output_seed: n,
-                        },
-                    );
+        let fleet = |helper: bool| {
+            std::thread::scope(|scope| {
+                let mut world = World::new(&setup, Router::RoundRobin).expect("world");
+                if helper {
+                    world.pods.start_helper(scope);
                 }
-            }
-            for ms in [100, 900, 2_500, 60_000] {
-                advance_all(&mut world.pods, Duration::from_millis(ms), threads);
-            }
-            world
-                .pods
-                .iter_mut()
-                .map(|p| {
-                    let mut events = Vec::new();
-                    p.engine.take_events(&mut events);
-                    events
-                })
-                .collect::<Vec<_>>()
+                for i in 0..world.pods.len() {
+                    for n in 0..3 {
+                        let at = Duration::from_millis(n * 40);
+                        let request = big(at, i * 3 + n as usize);
+                        let prompt = request.engine_tokens(w.api, &mut world.words);
+                        world.pods[i].engine.add_request(
+                            at,
+                            RequestSpec {
+                                prompt,
+                                adapter: None,
+                                max_output: 16 + i as u32,
+                                finish_reason: FinishReason::Length,
+                                output_seed: n,
+                            },
+                        );
+                    }
+                }
+                let mut readings = Vec::new();
+                for ms in [100, 900, 2_500, 60_000] {
+                    let now = Duration::from_millis(ms);
+                    readings.push(world.pods.advance_all(now, true).expect("advanced"));
+                }
+                let events: Vec<Vec<Event>> = (0..world.pods.len())
+                    .map(|i| {
+                        let mut events = Vec::new();
+                        world.pods[i].engine.take_events(&mut events);
+                        events
+                    })
+                    .collect();
+                (events, readings)
+            })
         };
-        let one = fleet(1);
-        assert!(one.iter().all(|events| events.len() > 3 * 16), "{one:?}");
-        assert_eq!(fleet(2), one);
-        assert_eq!(fleet(3), one);
+        let (events, readings) = fleet(false);
+        assert!(events.iter().all(|e| e.len() > 3 * 16), "{events:?}");
+        assert!(readings.iter().all(|r| r.len() == 5));
+        // Mid-run, some pods are busy and some are not yet (the pods' queues differ).
+        assert!(readings[0].iter().any(|m| m.waiting > 0), "{readings:?}");
+        let (helped, helped_readings) = fleet(true);
+        assert_eq!(helped, events);
+        assert_eq!(helped_readings, readings);
     }
 
     #[test]
@@ -1169,7 +1157,7 @@ mod tests {
         let args = setup_args();
         let setup = Setup::new(&args, &w, &file).expect("setup");
         let mut world = World::new(&setup, Router::Kvroute).expect("world");
-        world.scrape(Duration::ZERO);
+        world.scrape(Duration::ZERO).expect("scraped");
         world.publish(Duration::ZERO);
         world.schedule(setup.scrape_interval, Ev::Scrape);
         world.steps.push(StepAcc::new(1.0, 1.0, 1, w.classes.len()));
