@@ -2,6 +2,7 @@
 //! The gateway (`kvroute`) is measured as a separate process.
 
 use clap::{Parser, Subcommand};
+use mimalloc::MiMalloc;
 use tracing_subscriber::EnvFilter;
 
 use kvroute_lab::compare::CompareArgs;
@@ -10,6 +11,12 @@ use kvroute_lab::loadgen::BenchArgs;
 use kvroute_lab::simulate::SimulateArgs;
 use kvroute_lab::soak::SoakArgs;
 use kvroute_lab::up::UpArgs;
+
+/// The offline simulation allocates and frees on every event (requests, readings, snapshots
+/// of a thousand pods): mimalloc took 12 % off a simulation of 1,000 pods against glibc's
+/// allocator (docs/performance.md).
+#[global_allocator]
+static ALLOCATOR: MiMalloc = MiMalloc;
 
 #[derive(Parser)]
 #[command(
