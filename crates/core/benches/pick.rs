@@ -92,18 +92,19 @@ fn fleet_loaded(pods: usize, rng: &mut SmallRng, load: Load) -> Fleet {
     Fleet::new(pods, 1, 1)
 }
 
-/// The requests each fleet size is picked for, by case name (`base_model_light`: the
-/// base-model request against a [`Load::Light`] fleet).
-const CASES: [&str; 4] = [
+/// The requests each fleet size is picked for, by case name (`..._light`: the request
+/// against a [`Load::Light`] fleet, where every pod is scored).
+const CASES: [&str; 5] = [
     "base_model",
     "lora_adapter",
     "lora_adapter_shared_prefix",
     "base_model_light",
+    "lora_adapter_light",
 ];
 
 /// The fleet a case is picked against.
 fn fleet_of(case: &str, pods: usize, rng: &mut SmallRng) -> Fleet {
-    let load = if case == "base_model_light" {
+    let load = if case.ends_with("_light") {
         Load::Light
     } else {
         Load::Varied
