@@ -700,7 +700,16 @@ fn read_passing<const MATCHES: bool>(
             let (count, most_inflight) = &mut recorded_by_flags[usize::from(flags)];
             *count += 1;
             *most_inflight = (*most_inflight).max(candidate.inflight);
-            let partial = scorer.partial(&candidate, row);
+            let lora = scorer.lora_term(&candidate);
+            // For an adapter request the LoRA term alone often rules a pod out (one not
+            // running the adapter is 1.2 below one that does, at the default weights).
+            if let Some(pruning) = pruning.as_mut()
+                && scorer.for_adapter()
+                && pruning.drops_unscored(scorer, &candidate, lora)
+            {
+                continue;
+            }
+            let partial = scorer.partial_with_lora(&candidate, row, lora);
             if let Some(pruning) = pruning.as_mut()
                 && pruning.drops(scorer, &partial, candidate.inflight)
             {

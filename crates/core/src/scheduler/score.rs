@@ -27,6 +27,8 @@ pub(super) struct Scorer<'a> {
     /// The queue term of a pod with `waiting` requests queued, for the short queues most
     /// pods have.
     queue_terms: [f64; QUEUE_TERMS],
+    /// The prefill-queue term of a pod with nothing queued that caches none of the prompt.
+    prefill_queue_ceiling: f64,
     config: &'a SchedulerConfig,
 }
 
@@ -81,6 +83,10 @@ impl<'a> Scorer<'a> {
             inverse_max_inflight: 0.0,
             inverse_request_blocks: prefix.map_or(0.0, |p| 1.0 / f64::from(p.request_blocks)),
             queue_terms: std::array::from_fn(|waiting| limit / (limit + waiting as f64)),
+            prefill_queue_ceiling: {
+                let scale = f64::from(config.prefill_queue_tokens);
+                scale / (scale + as_f64(demand.uncached_prompt(0)))
+            },
             config,
         }
     }
@@ -182,13 +188,51 @@ impl<'a> Scorer<'a> {
     /// one.
     #[inline(always)]
     pub(super) fn partial(&self, c: &Candidate, row: &PodRow) -> Partial {
+        self.partial_with_lora(c, row, self.lora_term(c))
+    }
+
+    /// The weighted LoRA term of `c`.
+    #[inline(always)]
+    pub(super) fn lora_term(&self, c: &Candidate) -> f64 {
+        self.config.weights.lora_affinity * self.lora_tier(c).map_or(1.0, LoraTier::score)
+    }
+
+    /// [`Scorer::partial`] with `c`'s weighted LoRA term already at hand.
+    #[inline(always)]
+    pub(super) fn partial_with_lora(&self, c: &Candidate, row: &PodRow, lora: f64) -> Partial {
         let weights = &self.config.weights;
         Partial {
             head: weights.kv_headroom * self.kv_headroom(c, row) + weights.queue * self.queue(c),
-            lora: weights.lora_affinity * self.lora_tier(c).map_or(1.0, LoraTier::score),
+            lora,
             prefix: weights.prefix_affinity * self.prefix(c),
             prefill_queue: weights.prefill_queue * self.prefill_queue(c),
         }
+    }
+
+    /// Whether the request names an adapter (its LoRA term differs from pod to pod).
+    pub(super) fn for_adapter(&self) -> bool {
+        self.adapter.is_some()
+    }
+
+    /// The most `c`'s total can be with the in-flight term at `inflight_term`, knowing
+    /// only its weighted LoRA term `lora`: the other terms at their greatest (each lies in
+    /// 0..=1; the prefill queue's is at most `scale / (scale + uncached prompt)`, reached
+    /// with nothing queued). Cheaper than the partial, and what lets a pod that cannot
+    /// reach the ranking's kept few be dropped before it is scored.
+    #[inline(always)]
+    pub(super) fn ceiling(&self, c: &Candidate, lora: f64, inflight_term: f64) -> f64 {
+        let weights = &self.config.weights;
+        let prefill_queue = if c.cached == 0 {
+            self.prefill_queue_ceiling
+        } else {
+            1.0
+        };
+        weights.kv_headroom
+            + weights.queue
+            + weights.inflight * inflight_term
+            + lora
+            + weights.prefix_affinity * self.prefix(c)
+            + weights.prefill_queue * prefill_queue
     }
 
     /// Bounds on the total of a candidate whose other terms are `partial`, with an

@@ -2,6 +2,7 @@
 //! total cannot reach the ranking's kept few ([`Prune`]): the ranking comes out the same.
 
 use crate::fleet::Fleet;
+use crate::scheduler::filter::Candidate;
 use crate::scheduler::rank::TIE_EPSILON;
 use crate::scheduler::score::{Partial, Scorer};
 
@@ -60,23 +61,45 @@ impl Prune {
         self.most_seen <= self.most_anywhere
     }
 
-    /// Whether the passing candidate with `inflight` requests in flight and `partial`
-    /// scores can be dropped; if not, its lower bound is counted.
+    /// Whether the passing candidate `c`, whose weighted LoRA term is `lora`, can be
+    /// dropped before it is scored: even its [`Scorer::ceiling`] falls short of the kept
+    /// few. Worth asking only where the LoRA term tells pods apart (an adapter request).
+    /// A candidate not dropped goes on to [`Prune::drops`].
     #[inline(always)]
-    pub(super) fn drops(&mut self, scorer: &Scorer<'_>, partial: &Partial, inflight: u32) -> bool {
+    pub(super) fn drops_unscored(&mut self, scorer: &Scorer<'_>, c: &Candidate, lora: f64) -> bool {
+        self.saw(c.inflight);
+        let Some(floor) = self.floor() else {
+            return false;
+        };
+        let highest = 1.0 - f64::from(c.inflight) * self.inverse_most_anywhere;
+        scorer.ceiling(c, lora, highest) < floor - TIE_EPSILON - PRUNE_MARGIN
+    }
+
+    /// Counts a passing pod's requests in flight in the most seen.
+    #[inline(always)]
+    fn saw(&mut self, inflight: u32) {
         if inflight > self.most_seen {
             self.most_seen = inflight;
             self.inverse_most_seen = inverse(inflight);
         }
+    }
+
+    /// The lowest of the kept few lower bounds, once there are that many.
+    #[inline(always)]
+    fn floor(&self) -> Option<f64> {
+        (self.best_lower.len() == self.kept).then(|| self.best_lower[self.kept - 1])
+    }
+
+    /// Whether the passing candidate with `inflight` requests in flight and `partial`
+    /// scores can be dropped; if not, its lower bound is counted.
+    #[inline(always)]
+    pub(super) fn drops(&mut self, scorer: &Scorer<'_>, partial: &Partial, inflight: u32) -> bool {
+        self.saw(inflight);
         // The term `1 − inflight / most` with `most` at its least and its greatest.
         let lowest = 1.0 - f64::from(inflight) * self.inverse_most_seen;
         let highest = 1.0 - f64::from(inflight) * self.inverse_most_anywhere;
         let (lower, upper) = scorer.bounds(partial, lowest, highest);
-        let floor = if self.best_lower.len() == self.kept {
-            self.best_lower[self.kept - 1]
-        } else {
-            f64::NEG_INFINITY
-        };
+        let floor = self.floor().unwrap_or(f64::NEG_INFINITY);
         if upper < floor - TIE_EPSILON - PRUNE_MARGIN {
             return true;
         }

@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use rand::SeedableRng;
 
 use super::*;
-use crate::fleet::{PodMetrics, PodView, ServedModels};
+use crate::fleet::{LoraStatus, PodMetrics, PodView, ServedModels, adapter_key};
 use crate::request::InferenceRequest;
 use crate::testing::config;
 
@@ -28,6 +28,17 @@ struct Pod {
     unscraped: u64,
     /// Leading blocks of the prompt the pod holds.
     blocks: u32,
+    /// Its LoRA report: adapter slots, and the adapters (of [`ADAPTERS`]) running and
+    /// waiting; and the adapters kvroute remembers sending it.
+    lora: Option<(u32, Vec<usize>, Vec<usize>)>,
+    sent_adapters: Vec<usize>,
+}
+
+/// The adapters the fleet lists (a request may name one).
+const ADAPTERS: usize = 4;
+
+fn adapter_name(a: usize) -> String {
+    format!("a{a}")
 }
 
 fn pod() -> impl Strategy<Value = Pod> {
@@ -40,9 +51,18 @@ fn pod() -> impl Strategy<Value = Pod> {
         0..40u32,
         prop_oneof![Just(0u64), 0..20_000u64],
         prop_oneof![Just(0u32), 0..=REQUEST_BLOCKS],
+        prop::option::weighted(
+            0.8,
+            (
+                0..4u32,
+                prop::collection::vec(0..ADAPTERS, 0..3),
+                prop::collection::vec(0..ADAPTERS, 0..2),
+            ),
+        ),
+        prop::collection::vec(0..ADAPTERS, 0..2),
     )
         .prop_map(
-            |(healthy, scraped, kv_usage, waiting, capacity, inflight, unscraped, blocks)| Pod {
+            |(
                 healthy,
                 scraped,
                 kv_usage,
@@ -51,6 +71,19 @@ fn pod() -> impl Strategy<Value = Pod> {
                 inflight,
                 unscraped,
                 blocks,
+                lora,
+                sent_adapters,
+            )| Pod {
+                healthy,
+                scraped,
+                kv_usage,
+                waiting,
+                capacity,
+                inflight,
+                unscraped,
+                blocks,
+                lora,
+                sent_adapters,
             },
         )
 }
@@ -60,7 +93,9 @@ const REQUEST_BLOCKS: u32 = 40;
 fn fleet_of(pods: &[Pod]) -> Fleet {
     let served = Arc::new(ServedModels {
         base: vec!["base".to_owned()],
-        adapters: HashMap::new(),
+        adapters: (0..ADAPTERS)
+            .map(|a| (adapter_name(a), "base".to_owned()))
+            .collect::<HashMap<_, _>>(),
     });
     let pods = pods
         .iter()
@@ -71,6 +106,14 @@ fn fleet_of(pods: &[Pod]) -> Fleet {
                     kv_usage: pod.kv_usage,
                     waiting: pod.waiting,
                     kv_capacity_tokens: pod.capacity,
+                    lora: pod
+                        .lora
+                        .as_ref()
+                        .map(|(slots, running, waiting)| LoraStatus {
+                            max_lora: *slots,
+                            running: running.iter().map(|&a| adapter_name(a)).collect(),
+                            waiting: waiting.iter().map(|&a| adapter_name(a)).collect(),
+                        }),
                     ..PodMetrics::default()
                 })
             });
@@ -81,10 +124,11 @@ fn fleet_of(pods: &[Pod]) -> Fleet {
                 pod.scraped.then_some(Duration::from_millis(10)),
                 Some(Arc::clone(&served)),
             );
-            (
-                view,
-                Arc::new(PodLoad::with_values(pod.inflight, pod.unscraped)),
-            )
+            let load = PodLoad::with_values(pod.inflight, pod.unscraped);
+            for &a in &pod.sent_adapters {
+                load.note_adapter(adapter_key(&adapter_name(a)));
+            }
+            (view, Arc::new(load))
         })
         .collect();
     Fleet::new(pods, 1, 1)
@@ -102,8 +146,13 @@ fn matches_of(pods: &[Pod], fleet: &Fleet) -> PrefixMatches {
 
 /// A request for the base model with `prompt` tokens and at most `output` out.
 fn inference(prompt: u32, output: u32) -> InferenceRequest {
+    inference_of("base", prompt, output)
+}
+
+/// A request for `model` with `prompt` tokens and at most `output` out.
+fn inference_of(model: &str, prompt: u32, output: u32) -> InferenceRequest {
     InferenceRequest {
-        model: "base".to_owned(),
+        model: model.to_owned(),
         prompt_tokens: prompt,
         max_output_tokens: Some(output),
         stream: false,
@@ -125,10 +174,12 @@ proptest! {
         prompt in 0..1_000u32,
         output in 0..300u32,
         with_matches in prop::bool::weighted(0.7),
+        adapter in prop::option::weighted(0.5, 0..ADAPTERS),
     ) {
         let fleet = fleet_of(&pods);
         let prefix = matches_of(&pods, &fleet);
-        let inference = inference(prompt, output);
+        let adapter = adapter.map(adapter_name);
+        let inference = inference_of(adapter.as_deref().unwrap_or("base"), prompt, output);
         let request = RouteRequest { inference: Some(&inference), subset: None };
         let demand = Demand {
             prompt: u64::from(prompt),
@@ -136,7 +187,7 @@ proptest! {
             prefix: with_matches.then_some(&prefix),
         };
         let scheduler = SchedulerConfig::default();
-        let scorer = Scorer::new(&fleet, demand.prefix, demand, None, &scheduler);
+        let scorer = Scorer::new(&fleet, demand.prefix, demand, adapter.as_deref(), &scheduler);
         let quick = filter(&request, &fleet, &demand, &scheduler, &scorer);
         let full = filter_reading(
             &request, &fleet, &demand, &scheduler, &scorer, Record::Caching(0),
@@ -158,9 +209,10 @@ proptest! {
             }
             // And the same decision, whatever the tie-break draws.
             for seed in 0..3 {
+                let adapter = adapter.as_deref();
                 prop_assert_eq!(
-                    decision(&request, &fleet, demand, quick, &scheduler, seed),
-                    decision(&request, &fleet, demand, full, &scheduler, seed)
+                    decision(&request, &fleet, demand, adapter, quick, &scheduler, seed),
+                    decision(&request, &fleet, demand, adapter, full, &scheduler, seed)
                 );
             }
         }
@@ -184,11 +236,12 @@ fn decision(
     request: &RouteRequest<'_>,
     fleet: &Fleet,
     demand: Demand<'_>,
+    adapter: Option<&str>,
     filtered: &Filtered,
     config: &SchedulerConfig,
     seed: u64,
 ) -> crate::scheduler::Decision {
-    let scorer = Scorer::new(fleet, demand.prefix, demand, None, config)
+    let scorer = Scorer::new(fleet, demand.prefix, demand, adapter, config)
         .with_max_inflight(filtered.max_inflight);
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
     let ranking = crate::scheduler::rank::rank(filtered, &scorer, config, &mut rng);
@@ -227,6 +280,8 @@ fn every_pod_passes(pods: u32) -> Vec<Pod> {
             inflight: n % 17,
             unscraped: 0,
             blocks: 0,
+            lora: None,
+            sent_adapters: Vec::new(),
         })
         .collect()
 }
@@ -262,8 +317,8 @@ fn pods_that_cannot_rank_are_counted_but_not_recorded() {
     );
     for seed in 0..5 {
         assert_eq!(
-            decision(&request, &fleet, demand, &quick, &config, seed),
-            decision(&request, &fleet, demand, &full, &config, seed)
+            decision(&request, &fleet, demand, None, &quick, &config, seed),
+            decision(&request, &fleet, demand, None, &full, &config, seed)
         );
     }
 }
@@ -281,6 +336,8 @@ fn when_no_pod_passes_every_soft_filter_the_least_bad_still_compete() {
         inflight: 0,
         unscraped: 0,
         blocks: 0,
+        lora: None,
+        sent_adapters: Vec::new(),
     };
     let pods = [
         saturated.clone(),
@@ -342,6 +399,8 @@ fn a_holder_below_the_likely_floor_competes_when_the_best_holder_is_unhealthy() 
         inflight: 0,
         unscraped: 0,
         blocks: 0,
+        lora: None,
+        sent_adapters: Vec::new(),
     };
     let pods = [
         Pod {
@@ -396,6 +455,8 @@ fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() 
         inflight: 0,
         unscraped: 0,
         blocks: 0,
+        lora: None,
+        sent_adapters: Vec::new(),
     };
     let mut pods = vec![usual.clone(); USUAL];
     pods.push(Pod {
@@ -415,7 +476,7 @@ fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() 
     let config = SchedulerConfig::default();
     let scorer = Scorer::new(&fleet, None, demand, None, &config);
     let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
-    let decision = decision(&request, &fleet, demand, &filtered, &config, 0);
+    let decision = decision(&request, &fleet, demand, None, &filtered, &config, 0);
     assert_eq!(decision.endpoint, endpoint(USUAL), "{decision:?}");
     assert_eq!(filtered.max_inflight, 40);
 }
@@ -442,5 +503,79 @@ fn a_count_that_outgrew_the_first_read_turns_pruning_off() {
     assert!(
         read(Pruning::Bounded).recorded.len() < 100,
         "pruned when the bound holds"
+    );
+}
+
+/// An adapter request on a light fleet: a pod not running the adapter can still win on
+/// the prefix it caches (a shorter prefill, a higher prefill-queue term), so the ceiling
+/// that drops pods before scoring them must count what caching adds. Swept over how much
+/// the pod caches (below half the prompt, where stickiness does not apply).
+#[test]
+fn a_pod_without_the_adapter_that_caches_part_of_the_prompt_is_not_dropped_unscored() {
+    let adapter = adapter_name(0);
+    let prompt = REQUEST_BLOCKS * crate::fleet::BLOCK_TOKENS as u32;
+    let inference = inference_of(&adapter, prompt, OUTPUT);
+    let request = request_for(&inference);
+    // A short prefill queue scale (the prefill term moves most with what is cached) and
+    // the default one (the prefix term does).
+    for queue_tokens in [64, SchedulerConfig::default().prefill_queue_tokens] {
+        let config = SchedulerConfig {
+            prefill_queue_tokens: queue_tokens,
+            ..SchedulerConfig::default()
+        };
+        sweep_the_cached_blocks(&adapter, &request, prompt, &config);
+    }
+}
+
+fn sweep_the_cached_blocks(
+    adapter: &str,
+    request: &RouteRequest<'_>,
+    prompt: u32,
+    config: &SchedulerConfig,
+) {
+    let mut winners = Vec::new();
+    for blocks in 1..REQUEST_BLOCKS / 2 {
+        let pods: Vec<Pod> = (0..40)
+            .map(|n| Pod {
+                healthy: true,
+                scraped: true,
+                kv_usage: 0.0,
+                waiting: 0,
+                capacity: Some(1_000_000),
+                inflight: 0,
+                unscraped: 0,
+                blocks: if n == 39 { blocks } else { 0 },
+                // Pods 0–9 run the adapter; pod 39 has a free slot.
+                lora: Some((4, if n < 10 { vec![0] } else { vec![1] }, Vec::new())),
+                sent_adapters: Vec::new(),
+            })
+            .collect();
+        let fleet = fleet_of(&pods);
+        let prefix = matches_of(&pods, &fleet);
+        let demand = Demand {
+            prompt: u64::from(prompt),
+            tokens: u64::from(prompt + OUTPUT),
+            prefix: Some(&prefix),
+        };
+        let scorer = Scorer::new(&fleet, demand.prefix, demand, Some(adapter), config);
+        let quick = filter(request, &fleet, &demand, config, &scorer).expect("some");
+        let full = filter_reading(
+            request,
+            &fleet,
+            &demand,
+            config,
+            &scorer,
+            Record::Caching(0),
+        )
+        .expect("some");
+        let quick = decision(request, &fleet, demand, Some(adapter), &quick, config, 0);
+        let full = decision(request, &fleet, demand, Some(adapter), &full, config, 0);
+        assert_eq!(quick, full, "pod 39 caching {blocks} blocks");
+        winners.push(full.endpoint == endpoint(39));
+    }
+    // The sweep crosses from the adapter's pods winning to the caching pod winning.
+    assert!(
+        winners.contains(&true) && winners.contains(&false),
+        "{winners:?}"
     );
 }
