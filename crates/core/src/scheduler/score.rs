@@ -27,8 +27,10 @@ pub(super) struct Scorer<'a> {
     /// The queue term of a pod with `waiting` requests queued, for the short queues most
     /// pods have.
     queue_terms: [f64; QUEUE_TERMS],
-    /// The prefill-queue term of a pod with nothing queued that caches none of the prompt.
-    prefill_queue_ceiling: f64,
+    /// The weighted terms of [`Scorer::ceiling`] but the LoRA, prefix and in-flight ones,
+    /// for a pod caching none of the prompt and for one caching some.
+    ceiling_uncached: f64,
+    ceiling_cached: f64,
     config: &'a SchedulerConfig,
 }
 
@@ -83,9 +85,17 @@ impl<'a> Scorer<'a> {
             inverse_max_inflight: 0.0,
             inverse_request_blocks: prefix.map_or(0.0, |p| 1.0 / f64::from(p.request_blocks)),
             queue_terms: std::array::from_fn(|waiting| limit / (limit + waiting as f64)),
-            prefill_queue_ceiling: {
+            // The KV headroom and queue terms at their greatest, and the prefill queue's
+            // (whose greatest with none of the prompt cached is below 1).
+            ceiling_uncached: {
+                let w = &config.weights;
                 let scale = f64::from(config.prefill_queue_tokens);
-                scale / (scale + as_f64(demand.uncached_prompt(0)))
+                let prefill_queue = scale / (scale + as_f64(demand.uncached_prompt(0)));
+                w.kv_headroom + w.queue + w.prefill_queue * prefill_queue
+            },
+            ceiling_cached: {
+                let w = &config.weights;
+                w.kv_headroom + w.queue + w.prefill_queue
             },
             config,
         }
@@ -221,18 +231,13 @@ impl<'a> Scorer<'a> {
     /// reach the ranking's kept few be dropped before it is scored.
     #[inline(always)]
     pub(super) fn ceiling(&self, c: &Candidate, lora: f64, inflight_term: f64) -> f64 {
-        let weights = &self.config.weights;
-        let prefill_queue = if c.cached == 0 {
-            self.prefill_queue_ceiling
+        let rest = if c.cached == 0 {
+            self.ceiling_uncached
         } else {
-            1.0
+            self.ceiling_cached
         };
-        weights.kv_headroom
-            + weights.queue
-            + weights.inflight * inflight_term
-            + lora
-            + weights.prefix_affinity * self.prefix(c)
-            + weights.prefill_queue * prefill_queue
+        let weights = &self.config.weights;
+        rest + weights.inflight * inflight_term + lora + weights.prefix_affinity * self.prefix(c)
     }
 
     /// Bounds on the total of a candidate whose other terms are `partial`, with an
