@@ -41,17 +41,17 @@ fn adapter_name(a: usize) -> String {
     format!("a{a}")
 }
 
-fn pod() -> impl Strategy<Value = Pod> {
-    (
-        prop::bool::weighted(0.9),
-        prop::bool::weighted(0.9),
-        0.0..1.0f64,
-        0..20u32,
-        prop::option::weighted(0.9, 1_000..60_000u64),
-        0..40u32,
-        prop_oneof![Just(0u64), 0..20_000u64],
-        prop_oneof![Just(0u32), 0..=REQUEST_BLOCKS],
-        prop::option::weighted(
+prop_compose! {
+    fn pod()(
+        healthy in prop::bool::weighted(0.9),
+        scraped in prop::bool::weighted(0.9),
+        kv_usage in 0.0..1.0f64,
+        waiting in 0..20u32,
+        capacity in prop::option::weighted(0.9, 1_000..60_000u64),
+        inflight in 0..40u32,
+        unscraped in prop_oneof![Just(0u64), 0..20_000u64],
+        blocks in prop_oneof![Just(0u32), 0..=REQUEST_BLOCKS],
+        lora in prop::option::weighted(
             0.8,
             (
                 0..4u32,
@@ -59,33 +59,21 @@ fn pod() -> impl Strategy<Value = Pod> {
                 prop::collection::vec(0..ADAPTERS, 0..2),
             ),
         ),
-        prop::collection::vec(0..ADAPTERS, 0..2),
-    )
-        .prop_map(
-            |(
-                healthy,
-                scraped,
-                kv_usage,
-                waiting,
-                capacity,
-                inflight,
-                unscraped,
-                blocks,
-                lora,
-                sent_adapters,
-            )| Pod {
-                healthy,
-                scraped,
-                kv_usage,
-                waiting,
-                capacity,
-                inflight,
-                unscraped,
-                blocks,
-                lora,
-                sent_adapters,
-            },
-        )
+        sent_adapters in prop::collection::vec(0..ADAPTERS, 0..2),
+    ) -> Pod {
+        Pod {
+            healthy,
+            scraped,
+            kv_usage,
+            waiting,
+            capacity,
+            inflight,
+            unscraped,
+            blocks,
+            lora,
+            sent_adapters,
+        }
+    }
 }
 
 const REQUEST_BLOCKS: u32 = 40;
