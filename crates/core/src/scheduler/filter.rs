@@ -700,9 +700,17 @@ fn read_passing<const MATCHES: bool>(
             let (count, most_inflight) = &mut recorded_by_flags[usize::from(flags)];
             *count += 1;
             *most_inflight = (*most_inflight).max(candidate.inflight);
-            let lora = scorer.lora_term(&candidate);
             // For an adapter request the LoRA term alone often rules a pod out (one not
-            // running the adapter is 1.2 below one that does, at the default weights).
+            // running the adapter is at least 0.3 below one that does at the default
+            // weights, 1.2 with a free slot): first at its best without the pod's
+            // remembered adapters, then as it is.
+            if let Some(pruning) = pruning.as_mut()
+                && scorer.for_adapter()
+                && pruning.drops_unscored(scorer, &candidate, scorer.lora_term_ceiling(&candidate))
+            {
+                continue;
+            }
+            let lora = scorer.lora_term(&candidate);
             if let Some(pruning) = pruning.as_mut()
                 && scorer.for_adapter()
                 && pruning.drops_unscored(scorer, &candidate, lora)

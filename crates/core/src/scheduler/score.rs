@@ -219,6 +219,22 @@ impl<'a> Scorer<'a> {
         }
     }
 
+    /// The most [`Scorer::lora_term`] of an adapter request can be for `c` without asking
+    /// where the adapter stands among those kvroute sent the pod lately: a pod neither
+    /// running nor queueing it is at best `Warm`. Reading that standing is an atomic scan
+    /// of the pod's remembered adapters, which most pods of a light fleet need not pay.
+    #[inline(always)]
+    pub(super) fn lora_term_ceiling(&self, c: &Candidate) -> f64 {
+        let index = c.index as usize;
+        let tier = LoraTier::decide(
+            self.fleet.snapshot().adapters.slots(index),
+            self.adapter_running.contains(index),
+            self.adapter_waiting.contains(index),
+            || (Some(0), 0),
+        );
+        self.config.weights.lora_affinity * tier.score()
+    }
+
     /// Whether the request names an adapter (its LoRA term differs from pod to pod).
     pub(super) fn for_adapter(&self) -> bool {
         self.adapter.is_some()

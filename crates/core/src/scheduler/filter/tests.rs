@@ -567,3 +567,54 @@ fn sweep_the_cached_blocks(
         "{winners:?}"
     );
 }
+
+/// An adapter request: a pod kvroute sent the adapter to lately (likely still loaded,
+/// `Warm`) outranks the pods running it once their load is heavier, so the ceiling asked
+/// before reading what the pod was sent must allow for `Warm`. Swept over the load of the
+/// pods running the adapter.
+#[test]
+fn a_pod_the_adapter_was_sent_to_lately_is_not_dropped_unscored() {
+    let adapter = adapter_name(0);
+    let config = SchedulerConfig::default();
+    let inference = inference_of(&adapter, PROMPT, OUTPUT);
+    let request = request_for(&inference);
+    let demand = demand_without_matches();
+    let mut winners = Vec::new();
+    for usage in 0..10 {
+        let pods: Vec<Pod> = (0..40)
+            .map(|n| Pod {
+                healthy: true,
+                scraped: true,
+                // Pods 0–9 run the adapter under a growing load; pod 39 was sent it.
+                kv_usage: if n < 10 { f64::from(usage) / 10.0 } else { 0.0 },
+                waiting: if n < 10 { usage / 3 } else { 0 },
+                capacity: Some(50_000),
+                inflight: if n < 10 { usage } else { 0 },
+                unscraped: 0,
+                blocks: 0,
+                lora: Some((4, if n < 10 { vec![0] } else { vec![1] }, Vec::new())),
+                sent_adapters: if n == 39 { vec![0] } else { Vec::new() },
+            })
+            .collect();
+        let fleet = fleet_of(&pods);
+        let scorer = Scorer::new(&fleet, None, demand, Some(&adapter), &config);
+        let quick = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
+        let full = filter_reading(
+            &request,
+            &fleet,
+            &demand,
+            &config,
+            &scorer,
+            Record::Caching(0),
+        )
+        .expect("some");
+        let quick = decision(&request, &fleet, demand, Some(&adapter), &quick, &config, 0);
+        let full = decision(&request, &fleet, demand, Some(&adapter), &full, &config, 0);
+        assert_eq!(quick, full, "load step {usage}");
+        winners.push(full.endpoint == endpoint(39));
+    }
+    assert!(
+        winners.contains(&true) && winners.contains(&false),
+        "{winners:?}"
+    );
+}
