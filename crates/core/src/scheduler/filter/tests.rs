@@ -207,6 +207,20 @@ proptest! {
     }
 }
 
+/// The filter's outcome, and that of a pass recording every pod.
+fn both_passes(
+    request: &RouteRequest<'_>,
+    fleet: &Fleet,
+    demand: &Demand<'_>,
+    config: &SchedulerConfig,
+    scorer: &Scorer<'_>,
+) -> (Filtered, Filtered) {
+    let quick = filter(request, fleet, demand, config, scorer).expect("some");
+    let full =
+        filter_reading(request, fleet, demand, config, scorer, Record::Caching(0)).expect("some");
+    (quick, full)
+}
+
 /// What a filter's outcome says beside its candidates: how many the soft filters
 /// accepted, the in-flight scale, what was relaxed, whether some pod could fit the
 /// request.
@@ -286,16 +300,7 @@ fn pods_that_cannot_rank_are_counted_but_not_recorded() {
     let demand = demand_without_matches();
     let config = SchedulerConfig::default();
     let scorer = Scorer::new(&fleet, None, demand, None, &config);
-    let quick = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
-    let full = filter_reading(
-        &request,
-        &fleet,
-        &demand,
-        &config,
-        &scorer,
-        Record::Caching(0),
-    )
-    .expect("some");
+    let (quick, full) = both_passes(&request, &fleet, &demand, &config, &scorer);
     assert_eq!(quick.accepted, 200);
     assert_eq!(quick.max_inflight, 16);
     assert!(
@@ -546,16 +551,7 @@ fn sweep_the_cached_blocks(
             prefix: Some(&prefix),
         };
         let scorer = Scorer::new(&fleet, demand.prefix, demand, Some(adapter), config);
-        let quick = filter(request, &fleet, &demand, config, &scorer).expect("some");
-        let full = filter_reading(
-            request,
-            &fleet,
-            &demand,
-            config,
-            &scorer,
-            Record::Caching(0),
-        )
-        .expect("some");
+        let (quick, full) = both_passes(request, &fleet, &demand, config, &scorer);
         let quick = decision(request, &fleet, demand, Some(adapter), &quick, config, 0);
         let full = decision(request, &fleet, demand, Some(adapter), &full, config, 0);
         assert_eq!(quick, full, "pod 39 caching {blocks} blocks");
@@ -598,16 +594,7 @@ fn a_pod_the_adapter_was_sent_to_lately_is_not_dropped_unscored() {
             .collect();
         let fleet = fleet_of(&pods);
         let scorer = Scorer::new(&fleet, None, demand, Some(&adapter), &config);
-        let quick = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
-        let full = filter_reading(
-            &request,
-            &fleet,
-            &demand,
-            &config,
-            &scorer,
-            Record::Caching(0),
-        )
-        .expect("some");
+        let (quick, full) = both_passes(&request, &fleet, &demand, &config, &scorer);
         let quick = decision(&request, &fleet, demand, Some(&adapter), &quick, &config, 0);
         let full = decision(&request, &fleet, demand, Some(&adapter), &full, &config, 0);
         assert_eq!(quick, full, "load step {usage}");
