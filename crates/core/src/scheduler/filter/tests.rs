@@ -261,6 +261,37 @@ fn request_for(inference: &InferenceRequest) -> RouteRequest<'_> {
     }
 }
 
+/// A fleet of pods, and the unit tests' base-model request, which matches nothing.
+struct Unmatched {
+    fleet: Fleet,
+    inference: InferenceRequest,
+    config: SchedulerConfig,
+}
+
+impl Unmatched {
+    fn new(pods: &[Pod]) -> Self {
+        Unmatched {
+            fleet: fleet_of(pods),
+            inference: inference(PROMPT, OUTPUT),
+            config: SchedulerConfig::default(),
+        }
+    }
+
+    fn request(&self) -> RouteRequest<'_> {
+        request_for(&self.inference)
+    }
+
+    fn scorer(&self) -> Scorer<'_> {
+        Scorer::new(
+            &self.fleet,
+            None,
+            demand_without_matches(),
+            None,
+            &self.config,
+        )
+    }
+}
+
 fn demand_without_matches() -> Demand<'static> {
     Demand {
         prompt: u64::from(PROMPT),
@@ -269,21 +300,32 @@ fn demand_without_matches() -> Demand<'static> {
     }
 }
 
+/// A healthy pod with empty KV and queues and a 50,000-token pool, holding nothing of
+/// the prompt and reporting no LoRA state: what the unit tests vary.
+fn idle() -> Pod {
+    Pod {
+        healthy: true,
+        scraped: true,
+        kv_usage: 0.0,
+        waiting: 0,
+        capacity: Some(50_000),
+        inflight: 0,
+        unscraped: 0,
+        blocks: 0,
+        lora: None,
+        sent_adapters: Vec::new(),
+    }
+}
+
 /// `pods` pods that each pass every filter for that request, with varied KV use, queues
 /// and requests in flight (up to 16).
 fn every_pod_passes(pods: u32) -> Vec<Pod> {
     (0..pods)
         .map(|n| Pod {
-            healthy: true,
-            scraped: true,
             kv_usage: f64::from(n % 50) / 100.0,
             waiting: n % 3,
-            capacity: Some(50_000),
             inflight: n % 17,
-            unscraped: 0,
-            blocks: 0,
-            lora: None,
-            sent_adapters: Vec::new(),
+            ..idle()
         })
         .collect()
 }
@@ -294,13 +336,10 @@ fn every_pod_passes(pods: u32) -> Vec<Pod> {
 #[test]
 fn pods_that_cannot_rank_are_counted_but_not_recorded() {
     let pods = every_pod_passes(200);
-    let fleet = fleet_of(&pods);
-    let inference = inference(PROMPT, OUTPUT);
-    let request = request_for(&inference);
-    let demand = demand_without_matches();
-    let config = SchedulerConfig::default();
-    let scorer = Scorer::new(&fleet, None, demand, None, &config);
-    let (quick, full) = both_passes(&request, &fleet, &demand, &config, &scorer);
+    let case = Unmatched::new(&pods);
+    let (fleet, config, request) = (&case.fleet, &case.config, case.request());
+    let (demand, scorer) = (demand_without_matches(), case.scorer());
+    let (quick, full) = both_passes(&request, fleet, &demand, config, &scorer);
     assert_eq!(quick.accepted, 200);
     assert_eq!(quick.max_inflight, 16);
     assert!(
@@ -310,8 +349,8 @@ fn pods_that_cannot_rank_are_counted_but_not_recorded() {
     );
     for seed in 0..5 {
         assert_eq!(
-            decision(&request, &fleet, demand, None, &quick, &config, seed),
-            decision(&request, &fleet, demand, None, &full, &config, seed)
+            decision(&request, fleet, demand, None, &quick, config, seed),
+            decision(&request, fleet, demand, None, &full, config, seed)
         );
     }
 }
@@ -321,16 +360,9 @@ fn pods_that_cannot_rank_are_counted_but_not_recorded() {
 #[test]
 fn when_no_pod_passes_every_soft_filter_the_least_bad_still_compete() {
     let saturated = Pod {
-        healthy: true,
-        scraped: true,
         kv_usage: 0.5,
         waiting: 50,
-        capacity: Some(50_000),
-        inflight: 0,
-        unscraped: 0,
-        blocks: 0,
-        lora: None,
-        sent_adapters: Vec::new(),
+        ..idle()
     };
     let pods = [
         saturated.clone(),
@@ -344,13 +376,10 @@ fn when_no_pod_passes_every_soft_filter_the_least_bad_still_compete() {
             ..saturated
         },
     ];
-    let fleet = fleet_of(&pods);
-    let inference = inference(PROMPT, OUTPUT);
-    let request = request_for(&inference);
-    let demand = demand_without_matches();
-    let config = SchedulerConfig::default();
-    let scorer = Scorer::new(&fleet, demand.prefix, demand, None, &config);
-    let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
+    let case = Unmatched::new(&pods);
+    let (fleet, config, request) = (&case.fleet, &case.config, case.request());
+    let (demand, scorer) = (demand_without_matches(), case.scorer());
+    let filtered = filter(&request, fleet, &demand, config, &scorer).expect("some");
     let competing: Vec<u32> = filtered.competing().map(|(_, c)| c.index).collect();
     assert_eq!(competing, [0, 1], "{filtered:?}");
     assert!(filtered.relaxed.saturation);
@@ -364,9 +393,9 @@ fn when_no_pod_passes_every_soft_filter_the_least_bad_still_compete() {
         waiting: 0,
         ..pods[0].clone()
     };
-    let fleet = fleet_of(&[pods[0].clone(), scored]);
-    let scorer = Scorer::new(&fleet, demand.prefix, demand, None, &config);
-    let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
+    let case = Unmatched::new(&[pods[0].clone(), scored]);
+    let (fleet, scorer) = (&case.fleet, case.scorer());
+    let filtered = filter(&request, fleet, &demand, config, &scorer).expect("some");
     let competing: Vec<u32> = filtered.competing().map(|(_, c)| c.index).collect();
     assert_eq!(competing, [1], "only the pod passing every filter");
     assert!(!filtered.relaxed.any());
@@ -384,16 +413,8 @@ fn when_no_pod_passes_every_soft_filter_the_least_bad_still_compete() {
 #[test]
 fn a_holder_below_the_likely_floor_competes_when_the_best_holder_is_unhealthy() {
     let idle = Pod {
-        healthy: true,
-        scraped: true,
         kv_usage: 0.1,
-        waiting: 0,
-        capacity: Some(50_000),
-        inflight: 0,
-        unscraped: 0,
-        blocks: 0,
-        lora: None,
-        sent_adapters: Vec::new(),
+        ..idle()
     };
     let pods = [
         Pod {
@@ -440,16 +461,8 @@ fn a_holder_below_the_likely_floor_competes_when_the_best_holder_is_unhealthy() 
 fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() {
     const USUAL: usize = 40;
     let usual = Pod {
-        healthy: true,
-        scraped: true,
         kv_usage: 0.5,
-        waiting: 0,
-        capacity: Some(50_000),
-        inflight: 0,
-        unscraped: 0,
-        blocks: 0,
-        lora: None,
-        sent_adapters: Vec::new(),
+        ..idle()
     };
     let mut pods = vec![usual.clone(); USUAL];
     pods.push(Pod {
@@ -462,14 +475,11 @@ fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() 
         inflight: 40,
         ..usual
     });
-    let fleet = fleet_of(&pods);
-    let inference = inference(PROMPT, OUTPUT);
-    let request = request_for(&inference);
-    let demand = demand_without_matches();
-    let config = SchedulerConfig::default();
-    let scorer = Scorer::new(&fleet, None, demand, None, &config);
-    let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
-    let decision = decision(&request, &fleet, demand, None, &filtered, &config, 0);
+    let case = Unmatched::new(&pods);
+    let (fleet, config, request) = (&case.fleet, &case.config, case.request());
+    let (demand, scorer) = (demand_without_matches(), case.scorer());
+    let filtered = filter(&request, fleet, &demand, config, &scorer).expect("some");
+    let decision = decision(&request, fleet, demand, None, &filtered, config, 0);
     assert_eq!(decision.endpoint, endpoint(USUAL), "{decision:?}");
     assert_eq!(filtered.max_inflight, 40);
 }
@@ -480,14 +490,11 @@ fn a_late_pod_with_many_requests_in_flight_does_not_make_an_early_winner_drop() 
 #[test]
 fn a_count_that_outgrew_the_first_read_turns_pruning_off() {
     let pods = every_pod_passes(200);
-    let fleet = fleet_of(&pods);
-    let inference = inference(PROMPT, OUTPUT);
-    let request = request_for(&inference);
-    let demand = demand_without_matches();
-    let config = SchedulerConfig::default();
-    let scorer = Scorer::new(&fleet, None, demand, None, &config);
+    let case = Unmatched::new(&pods);
+    let (fleet, config, request) = (&case.fleet, &case.config, case.request());
+    let (demand, scorer) = (demand_without_matches(), case.scorer());
     let read = |pruning| {
-        read_passing::<false>(&request, &fleet, &demand, &config, &scorer, pruning).expect("some")
+        read_passing::<false>(&request, fleet, &demand, config, &scorer, pruning).expect("some")
     };
     let raced = read(Pruning::AssumingAtMost(1));
     let unpruned = read(Pruning::Off);
@@ -530,17 +537,11 @@ fn sweep_the_cached_blocks(
     for blocks in 1..REQUEST_BLOCKS / 2 {
         let pods: Vec<Pod> = (0..40)
             .map(|n| Pod {
-                healthy: true,
-                scraped: true,
-                kv_usage: 0.0,
-                waiting: 0,
                 capacity: Some(1_000_000),
-                inflight: 0,
-                unscraped: 0,
                 blocks: if n == 39 { blocks } else { 0 },
                 // Pods 0–9 run the adapter; pod 39 has a free slot.
                 lora: Some((4, if n < 10 { vec![0] } else { vec![1] }, Vec::new())),
-                sent_adapters: Vec::new(),
+                ..idle()
             })
             .collect();
         let fleet = fleet_of(&pods);
@@ -579,17 +580,13 @@ fn a_pod_the_adapter_was_sent_to_lately_is_not_dropped_unscored() {
     for usage in 0..10 {
         let pods: Vec<Pod> = (0..40)
             .map(|n| Pod {
-                healthy: true,
-                scraped: true,
                 // Pods 0–9 run the adapter under a growing load; pod 39 was sent it.
                 kv_usage: if n < 10 { f64::from(usage) / 10.0 } else { 0.0 },
                 waiting: if n < 10 { usage / 3 } else { 0 },
-                capacity: Some(50_000),
                 inflight: if n < 10 { usage } else { 0 },
-                unscraped: 0,
-                blocks: 0,
                 lora: Some((4, if n < 10 { vec![0] } else { vec![1] }, Vec::new())),
                 sent_adapters: if n == 39 { vec![0] } else { Vec::new() },
+                ..idle()
             })
             .collect();
         let fleet = fleet_of(&pods);
