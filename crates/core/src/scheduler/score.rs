@@ -179,11 +179,24 @@ impl<'a> Scorer<'a> {
 
     #[inline(never)]
     fn adapter_tier(&self, index: usize) -> LoraTier {
+        self.tier_with(index, || {
+            self.fleet.load(index).adapter_standing(self.adapter_key)
+        })
+    }
+
+    /// The adapter's tier on the pod at `index`, `recency` saying where the adapter
+    /// stands among those kvroute sent the pod lately (asked only when it matters).
+    #[inline(always)]
+    fn tier_with(
+        &self,
+        index: usize,
+        recency: impl FnOnce() -> (Option<usize>, usize),
+    ) -> LoraTier {
         LoraTier::decide(
             self.fleet.snapshot().adapters.slots(index),
             self.adapter_running.contains(index),
             self.adapter_waiting.contains(index),
-            || self.fleet.load(index).adapter_standing(self.adapter_key),
+            recency,
         )
     }
 
@@ -225,13 +238,8 @@ impl<'a> Scorer<'a> {
     /// of the pod's remembered adapters, which most pods of a light fleet need not pay.
     #[inline(always)]
     pub(super) fn lora_term_ceiling(&self, c: &Candidate) -> f64 {
-        let index = c.index as usize;
-        let tier = LoraTier::decide(
-            self.fleet.snapshot().adapters.slots(index),
-            self.adapter_running.contains(index),
-            self.adapter_waiting.contains(index),
-            || (Some(0), 0),
-        );
+        // Standing first among the adapters sent lately: `Warm` where it would be asked.
+        let tier = self.tier_with(c.index as usize, || (Some(0), 0));
         self.config.weights.lora_affinity * tier.score()
     }
 
