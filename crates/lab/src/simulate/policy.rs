@@ -569,15 +569,22 @@ impl Kvroute {
         }
     }
 
-    /// Every replica scrapes every pod at `now`.
-    /// How many replicas share the pods' scrapes.
-    pub fn replica_count(&self) -> usize {
-        self.replicas.len()
+    /// The pods routed over.
+    #[cfg(test)]
+    pub fn pods(&self) -> usize {
+        self.replicas.first().map_or(0, |r| r.loads.len())
     }
 
-    pub fn scrape(&mut self, now: Duration, mut read: impl FnMut(usize) -> PodMetrics) {
-        for replica in &mut self.replicas {
-            replica.scrape(now, &mut read);
+    /// Every replica scrapes every pod at `now`, reading `readings` (pod `i`'s page at
+    /// that moment is `readings[i]`): each replica its own copy, the last the originals.
+    pub fn scrape(&mut self, now: Duration, mut readings: Vec<PodMetrics>) {
+        let last = self.replicas.len().saturating_sub(1);
+        for (r, replica) in self.replicas.iter_mut().enumerate() {
+            replica.scrape(now, |i| match readings.get_mut(i) {
+                Some(reading) if r < last => reading.clone(),
+                Some(reading) => std::mem::take(reading),
+                None => PodMetrics::default(),
+            });
         }
     }
 
@@ -867,7 +874,8 @@ mod tests {
 
     /// A scrape at `now`, published at once, every pod reporting `waiting` queued requests.
     fn rescrape(k: &mut Kvroute, now: Duration, waiting: u32) {
-        k.scrape(now, |_| metrics(waiting));
+        let pods = k.pods();
+        k.scrape(now, vec![metrics(waiting); pods]);
         k.publish(now);
     }
 

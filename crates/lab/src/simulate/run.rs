@@ -684,15 +684,9 @@ impl<'s> World<'s> {
     fn scrape(&mut self, now: SimTime) -> anyhow::Result<()> {
         self.stats.scrapes += 1;
         let read = matches!(self.policy, Policy::Kvroute(_));
-        let mut readings = self.catch_up(now, read)?;
+        let readings = self.catch_up(now, read)?;
         if let Policy::Kvroute(k) = &mut self.policy {
-            // Replicas scrape the pods alike: each reads its own copy.
-            let shared = k.replica_count() > 1;
-            k.scrape(now, |i| match readings.get_mut(i) {
-                Some(reading) if shared => reading.clone(),
-                Some(reading) => std::mem::take(reading),
-                None => PodMetrics::default(),
-            });
+            k.scrape(now, readings);
         }
         Ok(())
     }
@@ -1048,7 +1042,7 @@ mod tests {
     #[test]
     fn pods_woken_at_their_finish_bounds_give_the_results_of_pods_woken_at_every_step() {
         for (name, pods, routers) in [
-            // Preemptions, prefix hits, held requests and timeouts.
+            // Preemptions, prefix hits and held requests.
             (
                 "kv-pressure.yaml",
                 3,
