@@ -11,19 +11,21 @@
 
 use std::collections::VecDeque;
 
-use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
-use crate::profile::StepShape;
+use crate::profile::{Profile, StepShape};
 
 use super::step::{jitter_factor, step_duration};
-use super::{Engine, SimTime};
+use super::{Engine, EngineConfig, RequestId, SimTime};
 
 /// The most steps read ahead: beyond them the caller wakes the engine and asks again.
 const MAX_STEPS_AHEAD: usize = 1024;
 
-/// What a reading ahead fills in, lent by the engine.
+/// The engine's fields a reading ahead reads and fills in.
 struct Reading<'a> {
+    running: &'a [RequestId],
+    cfg: &'a EngineConfig,
+    profile: &'a Profile,
     /// The running sequences, in order.
     ahead: &'a mut [Ahead],
     /// The durations of the steps read.
@@ -74,14 +76,25 @@ impl Engine {
         let next = self.next_event_time();
         let certain =
             self.waiting.is_empty() && self.lora.next_ready().is_none() && self.kv_events.is_none();
-        let Some(step) = self.inflight.as_ref().filter(|_| certain) else {
+        let Engine {
+            inflight,
+            running,
+            seqs,
+            pool,
+            cfg,
+            profile,
+            rng,
+            ahead,
+            plan,
+            jitters,
+            ..
+        } = self;
+        let Some(step) = inflight.as_ref().filter(|_| certain) else {
             return next;
         };
-        let mut ahead = std::mem::take(&mut self.ahead);
         ahead.clear();
-        for id in &self.running {
-            let Some(seq) = self.seqs.get(id) else {
-                self.ahead = ahead;
+        for id in running.iter() {
+            let Some(seq) = seqs.get(id) else {
                 return next;
             };
             ahead.push(Ahead {
@@ -93,42 +106,37 @@ impl Engine {
                 scheduled: 0,
             });
         }
-        let mut plan = std::mem::take(&mut self.plan);
-        let mut jitters = std::mem::take(&mut self.jitters);
-        // The generator lent to `read_ahead`, which draws the next steps' jitter factors.
-        let mut rng = std::mem::replace(&mut self.rng, SmallRng::seed_from_u64(0));
-        let mut reading = Reading {
-            ahead: &mut ahead,
-            plan: &mut plan,
-            jitters: &mut jitters,
-            rng: &mut rng,
-        };
-        let bound = self.read_ahead(step.end, &step.batch, &mut reading);
-        self.rng = rng;
-        self.ahead = ahead;
-        self.plan = plan;
-        self.jitters = jitters;
-        bound
-    }
-
-    /// [`Engine::next_finish_bound`] from the step in flight (`batch`, ending at `end`).
-    fn read_ahead(
-        &self,
-        end: SimTime,
-        batch: &[(u64, u32)],
-        reading: &mut Reading<'_>,
-    ) -> Option<SimTime> {
-        let Reading {
+        let reading = Reading {
+            running,
+            cfg,
+            profile,
             ahead,
             plan,
             jitters,
             rng,
-        } = reading;
+        };
+        reading.read(step.end, &step.batch, pool.num_free())
+    }
+}
+
+impl Reading<'_> {
+    /// [`Engine::next_finish_bound`] from the step in flight (`batch`, ending at `end`),
+    /// with `free` blocks in the pool.
+    fn read(self, end: SimTime, batch: &[(RequestId, u32)], mut free: u32) -> Option<SimTime> {
+        let Reading {
+            running,
+            cfg,
+            profile,
+            ahead,
+            plan,
+            jitters,
+            rng,
+        } = self;
         // The batch in flight lists running sequences in their order (those still running:
         // an aborted one has left `running`), possibly skipping some the budget left out.
         let mut k = 0;
         for &(id, n) in batch {
-            let Some(at) = self.running[k..].iter().position(|&r| r == id) else {
+            let Some(at) = running[k..].iter().position(|&r| r == id) else {
                 continue;
             };
             k += at;
@@ -138,12 +146,11 @@ impl Engine {
             k += 1;
         }
         let mut t = end;
-        let mut free = self.pool.num_free();
-        let bs = self.cfg.block_size;
+        let bs = cfg.block_size;
         for step in 0..MAX_STEPS_AHEAD {
             // The scheduler's first pass (`start_step`): running sequences oldest first,
             // each its remaining prefill or one decode token, while the budget lasts.
-            let mut budget = self.cfg.max_num_batched_tokens;
+            let mut budget = cfg.max_num_batched_tokens;
             let mut shape = StepShape::default();
             let mut any = false;
             for a in ahead.iter_mut() {
@@ -169,9 +176,9 @@ impl Engine {
                 return None;
             }
             if jitters.len() == step {
-                jitters.push_back(jitter_factor(rng, self.cfg.jitter));
+                jitters.push_back(jitter_factor(rng, cfg.jitter));
             }
-            let duration = step_duration(&self.profile, &shape, jitters[step]);
+            let duration = step_duration(profile, &shape, jitters[step]);
             plan.push_back(duration);
             t += duration;
             let mut finished = false;
