@@ -363,7 +363,7 @@ impl<'s> World<'s> {
                         continue;
                     };
                     if let Some(last) = sent.last_token {
-                        self.steps[open.step].itl.observe_duration(ev.at - last);
+                        self.steps[open.step].itl.observe(ev.at - last);
                     }
                     sent.last_token = Some(ev.at);
                 }

@@ -21,9 +21,8 @@ use crate::loadgen::report::{Counts, GroupStats, Latency, StepReport, Throughput
 pub struct LogHistogram {
     bins: Vec<u64>,
     count: u64,
-    sum: f64,
-    /// Durations observed, summed exactly: their mean does not depend on the order they
-    /// come in (a pod left alone between finishes hands over its tokens' gaps late).
+    /// The durations observed, summed exactly: their mean does not depend on the order
+    /// they come in (a pod left alone between finishes hands over its tokens' gaps late).
     sum_nanos: u128,
 }
 
@@ -39,7 +38,6 @@ impl Default for LogHistogram {
         LogHistogram {
             bins: vec![0; (OCTAVES << MANTISSA_BITS) as usize + 1],
             count: 0,
-            sum: 0.0,
             sum_nanos: 0,
         }
     }
@@ -72,17 +70,8 @@ impl LogHistogram {
         2f64.powi(exp as i32) * (1.0 + mantissa / f64::from(1u32 << MANTISSA_BITS))
     }
 
-    #[cfg(test)]
-    pub fn observe(&mut self, v: f64) {
-        if v.is_finite() {
-            self.bins[Self::bin(v)] += 1;
-            self.count += 1;
-            self.sum += v;
-        }
-    }
-
-    /// Observes a duration, in seconds.
-    pub fn observe_duration(&mut self, d: Duration) {
+    /// Observes a duration, binned in seconds.
+    pub fn observe(&mut self, d: Duration) {
         self.bins[Self::bin(d.as_secs_f64())] += 1;
         self.count += 1;
         self.sum_nanos += d.as_nanos();
@@ -108,8 +97,7 @@ impl LogHistogram {
             p50: self.quantile(0.50),
             p90: self.quantile(0.90),
             p99: self.quantile(0.99),
-            mean: (self.count > 0)
-                .then(|| (self.sum + self.sum_nanos as f64 * 1e-9) / self.count as f64),
+            mean: (self.count > 0).then(|| self.sum_nanos as f64 * 1e-9 / self.count as f64),
             count: usize::try_from(self.count).unwrap_or(usize::MAX),
         }
     }
@@ -477,7 +465,7 @@ mod tests {
         let values: Vec<f64> = (1..=5000).map(|i| 0.001 * f64::from(i).powf(1.3)).collect();
         let mut h = LogHistogram::default();
         for &v in &values {
-            h.observe(v);
+            h.observe(Duration::from_secs_f64(v));
         }
         let l = h.latency();
         for (q, got) in [(0.5, l.p50), (0.9, l.p90), (0.99, l.p99)] {
