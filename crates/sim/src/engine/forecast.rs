@@ -123,20 +123,12 @@ impl Reading<'_> {
     /// [`Engine::next_finish_bound`] from the step in flight (`batch`, ending at `end`),
     /// with `free` blocks in the pool.
     fn read(self, end: SimTime, batch: &[(RequestId, u32)], mut free: u32) -> Option<SimTime> {
-        let Reading {
-            running,
-            cfg,
-            profile,
-            ahead,
-            plan,
-            jitters,
-            rng,
-        } = self;
+        let (cfg, ahead) = (self.cfg, self.ahead);
         // The batch in flight lists running sequences in their order (those still running:
         // an aborted one has left `running`), possibly skipping some the budget left out.
         let mut k = 0;
         for &(id, n) in batch {
-            let Some(at) = running[k..].iter().position(|&r| r == id) else {
+            let Some(at) = self.running[k..].iter().position(|&r| r == id) else {
                 continue;
             };
             k += at;
@@ -175,11 +167,11 @@ impl Reading<'_> {
                 // Nothing left running: the engine idles once the step in flight ends.
                 return None;
             }
-            if jitters.len() == step {
-                jitters.push_back(jitter_factor(rng, cfg.jitter));
+            if self.jitters.len() == step {
+                self.jitters.push_back(jitter_factor(self.rng, cfg.jitter));
             }
-            let duration = step_duration(profile, &shape, jitters[step]);
-            plan.push_back(duration);
+            let duration = step_duration(self.profile, &shape, self.jitters[step]);
+            self.plan.push_back(duration);
             t += duration;
             let mut finished = false;
             for a in ahead.iter_mut().filter(|a| a.scheduled > 0) {
