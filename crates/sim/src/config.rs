@@ -309,6 +309,8 @@ fn pod_from_args(args: &SimArgs) -> Result<PodConfig, ConfigError> {
             seed: 0,
             // The server's `/metrics` shows them.
             histograms: true,
+            // The server streams them.
+            token_events: true,
         },
         profile,
         lora_adapters: args.lora_adapters.clone(),

@@ -30,7 +30,7 @@ use rand::rngs::SmallRng;
 use super::kv::{BlockId, BlockPool, IntMap, block_hash, mix};
 use super::lora::{AdapterId, LoraSlots};
 use super::profile::Profile;
-use super::stats::EngineStats;
+use super::stats::{EngineStats, LogHistogram};
 
 mod adapters;
 mod blocks;
@@ -112,6 +112,9 @@ pub struct Engine {
     clock: SimTime,
     rng: SmallRng,
     events: Vec<Event>,
+    /// The gaps between consecutive output tokens of a request, when tokens are not
+    /// events ([`EngineConfig::token_events`] off): until [`Engine::take_token_gaps`].
+    token_gaps: Option<LogHistogram>,
     kv_events: Option<kv_events::KvEventLog>,
     stats: EngineStats,
     /// Scratch of [`Engine::next_finish_bound`].
@@ -138,6 +141,7 @@ impl Engine {
             cfg.lora_load,
             profile.lora_swap_in(),
         );
+        let token_gaps = (!cfg.token_events).then(LogHistogram::default);
         let mut engine = Engine {
             pool: BlockPool::new(cfg.num_gpu_blocks, cfg.block_size),
             rng: SmallRng::seed_from_u64(cfg.seed),
@@ -156,6 +160,7 @@ impl Engine {
             next_id: 0,
             clock: Duration::ZERO,
             events: Vec::new(),
+            token_gaps,
             kv_events: None,
             stats: EngineStats::default(),
             ahead: Vec::new(),
@@ -323,6 +328,18 @@ impl Engine {
             std::mem::swap(out, &mut self.events);
         } else {
             out.append(&mut self.events);
+        }
+    }
+
+    /// Adds to `into` the gaps between consecutive output tokens of each request since
+    /// the last call, and forgets them. Only an engine whose tokens are not events
+    /// ([`EngineConfig::token_events`]) counts them: for another, this adds nothing.
+    pub fn take_token_gaps(&mut self, into: &mut LogHistogram) {
+        if let Some(gaps) = self.token_gaps.as_mut()
+            && gaps.count() > 0
+        {
+            into.add(gaps);
+            *gaps = LogHistogram::default();
         }
     }
 

@@ -139,6 +139,10 @@ impl Pods {
         self.first.iter().chain(&self.second)
     }
 
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Pod> {
+        self.first.iter_mut().chain(&mut self.second)
+    }
+
     /// Advances every pod to `now`; with `read`, returns each one's metrics at `now`, in
     /// pod order (otherwise nothing).
     pub fn advance_all(&mut self, now: SimTime, read: bool) -> anyhow::Result<Vec<PodMetrics>> {

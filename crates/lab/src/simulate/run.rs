@@ -102,7 +102,6 @@ struct Sent {
     engine_id: u64,
     /// How long it waited at the gateway.
     waited: SimTime,
-    last_token: Option<SimTime>,
     /// kvroute's hold on the pod's accounting, released when the request ends (dropped).
     _reservation: Option<kvroute_core::fleet::Reservation>,
     /// The tenant whose share it counts in (kvroute), until it ends.
@@ -217,6 +216,10 @@ impl<'s> World<'s> {
                 cfg.seed = mix(setup.seed, i as u64);
                 // No pod's page is read: the requests are measured here.
                 cfg.histograms = false;
+                // Nothing is streamed: the engines count their tokens' gaps, taken at
+                // each step's end (steps do not overlap: a step ends with its last
+                // response, so every gap counted during it is one of its requests').
+                cfg.token_events = false;
                 Pod::new(Engine::new(cfg, pod.profile.clone()))
             })
             .collect();
@@ -352,21 +355,10 @@ impl<'s> World<'s> {
             let Some(&slot) = self.pods[i].slots.get(ev.id as usize) else {
                 continue;
             };
-            self.stats.tokens += u64::from(matches!(ev.kind, EventKind::Token { .. }));
             match ev.kind {
-                EventKind::Token { .. } => {
-                    let Some(open) = self.slots.get_mut(slot as usize).and_then(Option::as_mut)
-                    else {
-                        continue;
-                    };
-                    let Stage::Sent(sent) = &mut open.stage else {
-                        continue;
-                    };
-                    if let Some(last) = sent.last_token {
-                        self.steps[open.step].itl.observe(ev.at - last);
-                    }
-                    sent.last_token = Some(ev.at);
-                }
+                // The pods' tokens are not events ([`World::new`]): their gaps are taken
+                // from the engines at the step's end.
+                EventKind::Token { .. } => {}
                 EventKind::Finished(summary) => {
                     let Some(open) = self.close(slot) else {
                         continue;
@@ -585,7 +577,6 @@ impl<'s> World<'s> {
                 pod: i as u32,
                 engine_id,
                 waited: now - arrived,
-                last_token: None,
                 _reservation: routed.reservation,
                 tenant: routed.tenant,
                 replica: routed.replica,
@@ -817,6 +808,9 @@ impl<'s> World<'s> {
         self.steps[step].end_s = secs(now);
         self.catch_up(now, false)?;
         self.steps[step].counters_end = self.counters();
+        for pod in self.pods.iter_mut() {
+            pod.engine.take_token_gaps(&mut self.steps[step].itl);
+        }
         Ok(now)
     }
 }
@@ -928,6 +922,11 @@ fn run_world(
     stats.virtual_s = secs(now);
     stats.wall_s = wall_s;
     stats.events = stats.requests + stats.engine_wakeups + stats.scrapes;
+    stats.tokens = world
+        .pods
+        .iter()
+        .map(|p| p.engine.stats().generation_tokens)
+        .sum();
     let bench = Report {
         version: REPORT_VERSION,
         workload: setup.workload.name.clone(),
@@ -972,6 +971,7 @@ mod tests {
     use crate::loadgen::Workload;
     use crate::loadgen::workload::WORDS;
     use crate::simulate::SimulateArgs;
+    use kvroute_sim::stats::LogHistogram;
 
     /// kv-pressure's pod alone (30,816 KV tokens), scraped once, at time 0.
     fn setup_args() -> SimulateArgs {
@@ -1124,18 +1124,25 @@ mod tests {
                     let now = Duration::from_millis(ms);
                     readings.push(world.pods.advance_all(now, true).expect("advanced"));
                 }
-                let events: Vec<Vec<Event>> = (0..world.pods.len())
+                let events: Vec<(Vec<Event>, LogHistogram)> = (0..world.pods.len())
                     .map(|i| {
-                        let mut events = Vec::new();
+                        let (mut events, mut gaps) = (Vec::new(), LogHistogram::default());
                         world.pods[i].engine.take_events(&mut events);
-                        events
+                        world.pods[i].engine.take_token_gaps(&mut gaps);
+                        (events, gaps)
                     })
                     .collect();
                 (events, readings)
             })
         };
         let (events, readings) = fleet(false);
-        assert!(events.iter().all(|e| e.len() > 3 * 16), "{events:?}");
+        // Each pod finished its three requests, 16 or more tokens each.
+        assert!(
+            events
+                .iter()
+                .all(|(e, gaps)| e.len() == 3 && gaps.count() >= 3 * 15),
+            "{events:?}"
+        );
         assert!(readings.iter().all(|r| r.len() == 5));
         // Mid-run, some pods are busy and some are not yet (the pods' queues differ).
         assert!(readings[0].iter().any(|m| m.waiting > 0), "{readings:?}");

@@ -7,7 +7,8 @@
 //! objective's or tenant's entry).
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+
+use kvroute_sim::stats::LogHistogram;
 
 use super::flow::DropReason;
 use crate::compare::fleet_stats::{Totals, WindowStats, kv_spread, window_between};
@@ -15,91 +16,15 @@ use crate::loadgen::Workload;
 use crate::loadgen::client::ErrorKind;
 use crate::loadgen::report::{Counts, GroupStats, Latency, StepReport, Throughput, Tokens};
 
-/// Latencies too many to keep one by one (a million requests stream hundreds of tokens
-/// each): counts in bins 1/128 of an octave wide (0.54 %), from 1 µs to 4.6 hours.
-#[derive(Debug, Clone)]
-pub struct LogHistogram {
-    bins: Vec<u64>,
-    count: u64,
-    /// The durations observed, summed exactly: their mean does not depend on the order
-    /// they come in (a pod left alone between finishes hands over its tokens' gaps late).
-    sum_nanos: u128,
-}
-
-/// Bins per octave, as a power of two: the mantissa bits kept.
-const MANTISSA_BITS: u32 = 7;
-/// Exponent of the lowest octave (2^-20 s ≈ 1 µs).
-const LOWEST_EXP: i64 = -20;
-/// Octaves covered.
-const OCTAVES: i64 = 34;
-
-impl Default for LogHistogram {
-    fn default() -> Self {
-        LogHistogram {
-            bins: vec![0; (OCTAVES << MANTISSA_BITS) as usize + 1],
-            count: 0,
-            sum_nanos: 0,
-        }
-    }
-}
-
-impl LogHistogram {
-    fn bin(v: f64) -> usize {
-        if v.is_nan() || v <= 0.0 {
-            return 0;
-        }
-        let bits = v.to_bits();
-        let exp = ((bits >> 52) & 0x7ff) as i64 - 1023;
-        if exp < LOWEST_EXP {
-            return 0;
-        }
-        let key = (((exp - LOWEST_EXP) << MANTISSA_BITS) as u64
-            | (bits >> (52 - MANTISSA_BITS)) & ((1 << MANTISSA_BITS) - 1))
-            + 1;
-        (key as usize).min((OCTAVES << MANTISSA_BITS) as usize)
-    }
-
-    /// The middle of a bin (0 for the underflow bin).
-    fn value(bin: usize) -> f64 {
-        if bin == 0 {
-            return 0.0;
-        }
-        let key = (bin - 1) as i64;
-        let exp = (key >> MANTISSA_BITS) + LOWEST_EXP;
-        let mantissa = (key & ((1 << MANTISSA_BITS) - 1)) as f64 + 0.5;
-        2f64.powi(exp as i32) * (1.0 + mantissa / f64::from(1u32 << MANTISSA_BITS))
-    }
-
-    /// Observes a duration, binned in seconds.
-    pub fn observe(&mut self, d: Duration) {
-        self.bins[Self::bin(d.as_secs_f64())] += 1;
-        self.count += 1;
-        self.sum_nanos += d.as_nanos();
-    }
-
-    fn quantile(&self, q: f64) -> Option<f64> {
-        let last = self.count.checked_sub(1)?;
-        // The sample of rank ⌊q·(n−1)⌋, as `percentile` starts from.
-        let rank = (q.clamp(0.0, 1.0) * last as f64).floor() as u64;
-        let mut seen = 0;
-        for (bin, &n) in self.bins.iter().enumerate() {
-            seen += n;
-            if seen > rank {
-                return Some(Self::value(bin));
-            }
-        }
-        None
-    }
-
-    /// Percentiles to the bins' resolution; the mean is exact.
-    pub fn latency(&self) -> Latency {
-        Latency {
-            p50: self.quantile(0.50),
-            p90: self.quantile(0.90),
-            p99: self.quantile(0.99),
-            mean: (self.count > 0).then(|| self.sum_nanos as f64 * 1e-9 / self.count as f64),
-            count: usize::try_from(self.count).unwrap_or(usize::MAX),
-        }
+/// The load generator's latency record of a histogram's observations: percentiles to
+/// the bins' resolution, the mean exact.
+pub fn latency(h: &LogHistogram) -> Latency {
+    Latency {
+        p50: h.quantile(0.50),
+        p90: h.quantile(0.90),
+        p99: h.quantile(0.99),
+        mean: h.mean_secs(),
+        count: usize::try_from(h.count()).unwrap_or(usize::MAX),
     }
 }
 
@@ -372,7 +297,7 @@ impl StepAcc {
             // No path outside the pods in a simulation: nothing to report.
             path_s: Latency::default(),
             ttft_real_scale_s: ttft,
-            itl_s: self.itl.latency(),
+            itl_s: latency(&self.itl),
             tpot_s: Latency::of(self.tpot.clone()),
             e2e_s: Latency::of(self.e2e.clone()),
             per_pod: self
@@ -465,9 +390,9 @@ mod tests {
         let values: Vec<f64> = (1..=5000).map(|i| 0.001 * f64::from(i).powf(1.3)).collect();
         let mut h = LogHistogram::default();
         for &v in &values {
-            h.observe(Duration::from_secs_f64(v));
+            h.observe(std::time::Duration::from_secs_f64(v));
         }
-        let l = h.latency();
+        let l = latency(&h);
         for (q, got) in [(0.5, l.p50), (0.9, l.p90), (0.99, l.p99)] {
             let want = exact(values.clone(), q).expect("values");
             let got = got.expect("observed");
@@ -476,7 +401,7 @@ mod tests {
         assert_eq!(l.count, 5000);
         let mean = values.iter().sum::<f64>() / 5000.0;
         assert!((l.mean.expect("mean") - mean).abs() < 1e-9);
-        assert_eq!(LogHistogram::default().latency().p50, None);
+        assert_eq!(latency(&LogHistogram::default()).p50, None);
     }
 
     #[test]

@@ -219,15 +219,24 @@ impl Engine {
                         }
                     }
                 }
-                Some(last) if histograms => self.stats.itl.observe((t - last).as_secs_f64()),
-                Some(_) => {}
+                Some(last) => {
+                    let gap = t - last;
+                    if histograms {
+                        self.stats.itl.observe(gap.as_secs_f64());
+                    }
+                    if let Some(gaps) = self.token_gaps.as_mut() {
+                        gaps.observe(gap);
+                    }
+                }
             }
             seq.last_token = Some(t);
-            self.events.push(Event {
-                id,
-                at: t,
-                kind: EventKind::Token { index, token_id },
-            });
+            if self.cfg.token_events {
+                self.events.push(Event {
+                    id,
+                    at: t,
+                    kind: EventKind::Token { index, token_id },
+                });
+            }
             if seq.output_len >= seq.max_output {
                 self.finish(id, t);
             }

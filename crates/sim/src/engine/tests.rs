@@ -190,6 +190,51 @@ fn same_seed_same_arrivals_give_the_same_event_trace() {
 }
 
 #[test]
+fn without_token_events_the_engine_counts_the_gaps_the_events_would_have_shown() {
+    // A pool small enough to preempt, so that some gaps span a recomputation.
+    let run = |token_events: bool| {
+        let cfg = EngineConfig {
+            num_gpu_blocks: 24,
+            seed: 3,
+            token_events,
+            ..EngineConfig::default()
+        };
+        let mut e = Engine::new(cfg, h100());
+        for i in 0..6u32 {
+            e.add_request(MS * (i * 5), spec(prompt(i, 40 + i * 9), 30 + i));
+        }
+        let events = run_to_end(&mut e);
+        let mut gaps = LogHistogram::default();
+        e.take_token_gaps(&mut gaps);
+        (e, events, gaps)
+    };
+    let (streamed, events, none) = run(true);
+    assert!(streamed.stats().preemptions > 0);
+    assert_eq!(none.count(), 0, "an engine streaming tokens counts no gaps");
+    let mut want = LogHistogram::default();
+    let mut last: HashMap<RequestId, SimTime> = HashMap::new();
+    for ev in &events {
+        if let EventKind::Token { .. } = ev.kind
+            && let Some(previous) = last.insert(ev.id, ev.at)
+        {
+            want.observe(ev.at - previous);
+        }
+    }
+    let (mut quiet, quiet_events, gaps) = run(false);
+    assert!(want.count() > 100, "{}", want.count());
+    assert_eq!(gaps, want);
+    assert!(
+        !quiet_events
+            .iter()
+            .any(|ev| matches!(ev.kind, EventKind::Token { .. }))
+    );
+    assert_eq!(summaries(&quiet_events), summaries(&events));
+    let mut again = LogHistogram::default();
+    quiet.take_token_gaps(&mut again);
+    assert_eq!(again.count(), 0, "taken gaps are forgotten");
+}
+
+#[test]
 fn a_request_larger_than_the_pool_cannot_stall_the_engine() {
     let cfg = EngineConfig {
         num_gpu_blocks: 4,

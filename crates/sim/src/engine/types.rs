@@ -37,6 +37,13 @@ pub struct EngineConfig {
     /// itself and reads no pod's page, switches them off: observing every token's latency
     /// into a histogram of each of a thousand pods costs a tenth of its time.
     pub histograms: bool,
+    /// Whether each output token is an [`EventKind::Token`] event. Off, the engine only
+    /// counts the gaps between a request's tokens ([`Engine::take_token_gaps`]): an
+    /// offline simulation, which streams nothing, measures inter-token latency from them
+    /// without handing over an event for each of a hundred million tokens.
+    ///
+    /// [`Engine::take_token_gaps`]: super::Engine::take_token_gaps
+    pub token_events: bool,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +60,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             seed: 0,
             histograms: true,
+            token_events: true,
         }
     }
 }

@@ -35,6 +35,7 @@ fn scenario(seed: u64) -> (EngineConfig, Vec<(SimTime, Input)>) {
         enable_prefix_caching: rng.random_bool(0.7),
         seed,
         histograms: false,
+        token_events: true,
     };
     let mut t = Duration::ZERO;
     let inputs = (0..rng.random_range(5..60))
