@@ -30,7 +30,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use rand::rngs::SmallRng;
@@ -52,6 +52,7 @@ use super::cache_aware::CacheAware;
 use super::flow::{
     DropReason, FlowClass, FlowSettings, MAX_MISSES_PER_PASS, Waiter, WaitingRoom, pods_key,
 };
+use super::pods::Chore;
 
 /// The address standing for pod `i`: ordered as the pods, so a snapshot's position of a pod
 /// is its index.
@@ -113,9 +114,15 @@ pub struct Pass {
     pub routed: Vec<(u32, Routed)>,
 }
 
-/// One scrape of the fleet in flight: when it started, and per pod what it read with the
-/// ledger's ticket.
-type PendingScrape = (Duration, Vec<(Arc<PodMetrics>, ScrapeTicket)>);
+/// One scrape of the fleet in flight.
+#[derive(Debug)]
+struct PendingScrape {
+    started: Duration,
+    /// Per pod, what it read, with the ledger's ticket.
+    readings: Vec<(Arc<PodMetrics>, ScrapeTicket)>,
+    /// The fleet it publishes, being built off this thread for the moment it is due.
+    prepared: Option<(Duration, mpsc::Receiver<Arc<Fleet>>)>,
+}
 
 /// One kvroute replica's picker and store, in virtual time.
 #[derive(Debug)]
@@ -130,13 +137,15 @@ pub struct Replica {
     /// The index the pods' KV events feed, when they publish them.
     events: Option<EventIndex>,
     rng: SmallRng,
-    loads: Vec<Arc<PodLoad>>,
+    /// Shared with the fleets built off this thread.
+    loads: Arc<[Arc<PodLoad>]>,
     models: Arc<ServedModels>,
     /// Each pod's last published scrape and when it started.
     metrics: Vec<Option<(Arc<PodMetrics>, Duration)>>,
     /// Scrapes started, not yet published: (started at, per pod: metrics and ticket).
     pending: VecDeque<PendingScrape>,
-    fleet: Fleet,
+    /// Shared with the fleet being built next, whose model index may reuse its own.
+    fleet: Arc<Fleet>,
     generation: u64,
     /// Requests that fit no pod yet.
     room: WaitingRoom,
@@ -161,6 +170,35 @@ enum Placed {
     NoRoom,
 }
 
+/// The fleet of `metrics` (per pod, its last reading and that reading's age, or none)
+/// with the pods' ledgers `loads`, each pod listing `models`; `previous` is the fleet
+/// before it, whose model index it may share.
+fn fleet_of(
+    previous: &Fleet,
+    metrics: Vec<Option<(Arc<PodMetrics>, Duration)>>,
+    loads: &[Arc<PodLoad>],
+    models: &Arc<ServedModels>,
+    generation: u64,
+) -> Fleet {
+    let pods = metrics
+        .into_iter()
+        .zip(loads)
+        .enumerate()
+        .map(|(i, (m, load))| {
+            let (metrics, age) = m.unzip();
+            let view = PodView::new(
+                endpoint(i),
+                metrics.is_some(),
+                metrics,
+                age,
+                Some(Arc::clone(models)),
+            );
+            (view, Arc::clone(load))
+        })
+        .collect();
+    Fleet::new_after(previous, pods, generation, 1)
+}
+
 impl Replica {
     pub fn new(
         pods: usize,
@@ -180,7 +218,7 @@ impl Replica {
             models,
             metrics: vec![None; pods],
             pending: VecDeque::new(),
-            fleet: Fleet::default(),
+            fleet: Arc::default(),
             generation: 0,
             room: WaitingRoom::new(flow),
         }
@@ -228,8 +266,16 @@ impl Replica {
     }
 
     /// A scrape of every pod starts at `now`; `read(i)` is pod `i`'s page at that moment.
-    pub fn scrape(&mut self, now: Duration, mut read: impl FnMut(usize) -> PodMetrics) {
-        let readings = self
+    /// It will be published at `publish_at`: the fleet it publishes is built now by
+    /// `hand_over`'s means (the simulation's helper thread), ready by then.
+    pub fn scrape(
+        &mut self,
+        now: Duration,
+        mut read: impl FnMut(usize) -> PodMetrics,
+        publish_at: Duration,
+        hand_over: &mut impl FnMut(Chore),
+    ) {
+        let readings: Vec<_> = self
             .loads
             .iter()
             .enumerate()
@@ -238,38 +284,71 @@ impl Replica {
                 (Arc::new(read(i)), ticket)
             })
             .collect();
-        self.pending.push_back((now, readings));
+        // Every pod was read: at its publication, each one's age is the scrape's.
+        let age = publish_at.saturating_sub(now);
+        let metrics: Vec<_> = readings
+            .iter()
+            .map(|(m, _)| Some((Arc::clone(m), age)))
+            .collect();
+        // Publications come in the order of their scrapes, one each.
+        let generation = self.generation + self.pending.len() as u64 + 1;
+        let (previous, loads, models) = (
+            Arc::clone(&self.fleet),
+            Arc::clone(&self.loads),
+            Arc::clone(&self.models),
+        );
+        let (built, prepared) = mpsc::sync_channel(1);
+        hand_over(Box::new(move || {
+            let fleet = fleet_of(&previous, metrics, &loads, &models, generation);
+            // Not received if the simulation ended first.
+            let _ = built.send(Arc::new(fleet));
+        }));
+        self.pending.push_back(PendingScrape {
+            started: now,
+            readings,
+            prepared: Some((publish_at, prepared)),
+        });
     }
 
     /// The oldest pending scrape has answered: publish it (`PodStore::record_scrape` then
     /// `PodStore::publish`).
     pub fn publish(&mut self, now: Duration) {
-        if let Some((started, readings)) = self.pending.pop_front() {
-            for ((slot, load), (metrics, ticket)) in
-                self.metrics.iter_mut().zip(&self.loads).zip(readings)
+        let mut prepared = None;
+        if let Some(scrape) = self.pending.pop_front() {
+            for ((slot, load), (metrics, ticket)) in self
+                .metrics
+                .iter_mut()
+                .zip(self.loads.iter())
+                .zip(scrape.readings)
             {
-                *slot = Some((metrics, started));
+                *slot = Some((metrics, scrape.started));
                 load.scrape_succeeded(ticket);
             }
+            prepared = scrape.prepared;
         }
         self.generation += 1;
-        let pods = self
-            .metrics
-            .iter()
-            .zip(&self.loads)
-            .enumerate()
-            .map(|(i, (m, load))| {
-                let view = PodView::new(
-                    endpoint(i),
-                    m.is_some(),
-                    m.as_ref().map(|(m, _)| Arc::clone(m)),
-                    m.as_ref().map(|(_, at)| now.saturating_sub(*at)),
-                    Some(Arc::clone(&self.models)),
-                );
-                (view, Arc::clone(load))
-            })
-            .collect();
-        self.fleet = Fleet::new_after(&self.fleet, pods, self.generation, 1);
+        // The fleet built for this moment, or else (published at another, or its builder
+        // gone) one built here from the same readings.
+        let fleet = prepared
+            .filter(|(at, _)| *at == now)
+            .and_then(|(_, built)| built.recv().ok());
+        self.fleet = fleet.unwrap_or_else(|| {
+            let metrics = self
+                .metrics
+                .iter()
+                .map(|m| {
+                    m.as_ref()
+                        .map(|(m, at)| (Arc::clone(m), now.saturating_sub(*at)))
+                })
+                .collect();
+            Arc::new(fleet_of(
+                &self.fleet,
+                metrics,
+                &self.loads,
+                &self.models,
+                self.generation,
+            ))
+        });
     }
 
     /// What the pods' ledgers still hold, summed: requests in flight and tokens counted
@@ -577,14 +656,21 @@ impl Kvroute {
 
     /// Every replica scrapes every pod at `now`, reading `readings` (pod `i`'s page at
     /// that moment is `readings[i]`): each replica its own copy, the last the originals.
-    pub fn scrape(&mut self, now: Duration, mut readings: Vec<PodMetrics>) {
+    pub fn scrape(
+        &mut self,
+        now: Duration,
+        mut readings: Vec<PodMetrics>,
+        publish_at: Duration,
+        hand_over: &mut impl FnMut(Chore),
+    ) {
         let last = self.replicas.len().saturating_sub(1);
         for (r, replica) in self.replicas.iter_mut().enumerate() {
-            replica.scrape(now, |i| match readings.get_mut(i) {
+            let read = |i: usize| match readings.get_mut(i) {
                 Some(reading) if r < last => reading.clone(),
                 Some(reading) => std::mem::take(reading),
                 None => PodMetrics::default(),
-            });
+            };
+            replica.scrape(now, read, publish_at, hand_over);
         }
     }
 
@@ -872,10 +958,51 @@ mod tests {
         k
     }
 
+    #[test]
+    fn a_fleet_built_ahead_is_the_one_its_publication_would_build() {
+        let replica = || {
+            let models = super::super::observe::served_models(MODEL, &[]);
+            let flow = FlowSettings::default();
+            Replica::new(3, models, SchedulerConfig::default(), flow, 7)
+        };
+        // Built at the scrape, by whoever `hand_over` hands it to; and, its builder gone,
+        // at the publication.
+        let (mut ahead, mut at_publication) = (replica(), replica());
+        let delay = Duration::from_millis(50);
+        for (n, waiting) in [(0u32, 0), (1, 3), (2, 1)] {
+            let now = delay * n;
+            ahead.scrape(
+                now,
+                |i| metrics(waiting + i as u32),
+                now + delay,
+                &mut |c| c(),
+            );
+            let mut lost = |chore: Chore| drop(chore);
+            at_publication.scrape(now, |i| metrics(waiting + i as u32), now + delay, &mut lost);
+            ahead.publish(now + delay);
+            at_publication.publish(now + delay);
+            let (built, wanted) = (ahead.fleet.snapshot(), at_publication.fleet.snapshot());
+            assert_eq!(built, wanted);
+            assert_eq!(built.generation, u64::from(n) + 1);
+            let pod = &built.pods()[2];
+            assert_eq!(
+                (pod.metrics_age, pod.metrics().map(|m| m.waiting)),
+                (Some(delay), Some(waiting + 2))
+            );
+        }
+        // Published at another moment than planned: built then, with the ages then.
+        ahead.scrape(delay * 3, |_| metrics(0), delay * 4, &mut |c| c());
+        ahead.publish(delay * 5);
+        assert_eq!(
+            ahead.fleet.snapshot().pods()[0].metrics_age,
+            Some(delay * 2)
+        );
+    }
+
     /// A scrape at `now`, published at once, every pod reporting `waiting` queued requests.
     fn rescrape(k: &mut Kvroute, now: Duration, waiting: u32) {
         let pods = k.pods();
-        k.scrape(now, vec![metrics(waiting); pods]);
+        k.scrape(now, vec![metrics(waiting); pods], now, &mut |chore| chore());
         k.publish(now);
     }
 

@@ -672,12 +672,16 @@ impl<'s> World<'s> {
         self.steps[open.step].error(open.class, ErrorKind::Timeout, None);
     }
 
-    fn scrape(&mut self, now: SimTime) -> anyhow::Result<()> {
+    /// A scrape at `now`, to be published at `publish_at`.
+    fn scrape(&mut self, now: SimTime, publish_at: SimTime) -> anyhow::Result<()> {
         self.stats.scrapes += 1;
         let read = matches!(self.policy, Policy::Kvroute(_));
         let readings = self.catch_up(now, read)?;
         if let Policy::Kvroute(k) = &mut self.policy {
-            k.scrape(now, readings);
+            let pods = &mut self.pods;
+            k.scrape(now, readings, publish_at, &mut |chore| {
+                pods.hand_over(chore)
+            });
         }
         Ok(())
     }
@@ -754,8 +758,8 @@ impl<'s> World<'s> {
                 }
             }
             Ev::Scrape => {
-                self.scrape(t)?;
                 let delay = self.setup.scrape_delay;
+                self.scrape(t, t + delay)?;
                 if delay.is_zero() {
                     self.publish(t);
                 } else {
@@ -847,7 +851,7 @@ fn run_world(
     let scale = setup.scale;
     // kvroute is ready once it has a snapshot: a first scrape at time zero, published at once.
     if matches!(world.policy, Policy::Kvroute(_)) {
-        world.scrape(Duration::ZERO)?;
+        world.scrape(Duration::ZERO, Duration::ZERO)?;
         world.publish(Duration::ZERO);
         world.schedule(setup.scrape_interval, Ev::Scrape);
     }
@@ -1158,7 +1162,9 @@ mod tests {
         let args = setup_args();
         let setup = Setup::new(&args, &w, &file).expect("setup");
         let mut world = World::new(&setup, Router::Kvroute).expect("world");
-        world.scrape(Duration::ZERO).expect("scraped");
+        world
+            .scrape(Duration::ZERO, Duration::ZERO)
+            .expect("scraped");
         world.publish(Duration::ZERO);
         world.schedule(setup.scrape_interval, Ev::Scrape);
         world.steps.push(StepAcc::new(1.0, 1.0, 1, w.classes.len()));
