@@ -37,6 +37,7 @@ mod flow;
 mod observe;
 mod pods;
 mod policy;
+mod ready;
 mod run;
 mod stats;
 pub mod trace;

@@ -83,7 +83,7 @@ const SPIN: Duration = Duration::from_millis(20);
 
 /// The next message on `channel`, spinning for up to [`SPIN`] before sleeping; `None`
 /// once the other end is gone.
-fn receive<T>(channel: &mpsc::Receiver<T>) -> Option<T> {
+pub(super) fn receive<T>(channel: &mpsc::Receiver<T>) -> Option<T> {
     let start = Instant::now();
     for spins in 0u32.. {
         match channel.try_recv() {

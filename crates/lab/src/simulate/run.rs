@@ -39,6 +39,7 @@ use super::flow::{self, FlowClass, FlowSettings};
 use super::observe::served_models;
 use super::pods::{HELPER_FROM_PODS, Pod, Pods};
 use super::policy::{HeldEntry, Kvroute, Placement, Policy, Routed};
+use super::ready::{Preparation, Ready, ReadyTrace};
 use super::stats::{ClassLabels, Completion, FleetCounters, StepAcc, window_of};
 use super::trace::{StepTrace, TraceRequest};
 use super::{Router, Setup, SimStats};
@@ -419,7 +420,13 @@ impl<'s> World<'s> {
         }
     }
 
-    fn arrive(&mut self, now: SimTime, step: usize, request: &TraceRequest) -> anyhow::Result<()> {
+    fn arrive(&mut self, now: SimTime, step: usize, ready: Ready) -> anyhow::Result<()> {
+        let Ready {
+            request,
+            inference,
+            tokens: prompt,
+        } = ready;
+        let request = &request;
         self.stats.requests += 1;
         let class = request.class;
         self.steps[step].arrived(class);
@@ -447,14 +454,14 @@ impl<'s> World<'s> {
             });
         let words = &mut self.words;
         let wall = Instant::now();
+        let engine_prompt = &prompt;
         let placement = self
             .policy
             .route(now, &self.inflight, &flow_class, slot, |tokens| {
-                let inference = request.inference(api, model, words);
+                let inference = inference.unwrap_or_else(|| request.inference(api, model, words));
                 // The prompt as the engine tokenizes it (the gateway asks a pod's
                 // /tokenize), when kvroute matches on KV events.
-                let tokens = tokens.then(|| request.engine_tokens(api, words));
-                (inference, tokens)
+                (inference, tokens.then(|| engine_prompt.clone()))
             });
         self.stats.route_wall_s += wall.elapsed().as_secs_f64();
         match placement {
@@ -466,7 +473,7 @@ impl<'s> World<'s> {
                     arrived: now,
                     origin: Origin::Arrival,
                 };
-                self.send(now, head, request, routed)?;
+                self.send(now, head, request, routed, Some(prompt))?;
             }
             Placement::Held { entry, deadline } => {
                 self.serial += 1;
@@ -505,13 +512,15 @@ impl<'s> World<'s> {
         Ok(())
     }
 
-    /// Sends a routed request to its pod at `now`.
+    /// Sends a routed request to its pod at `now`; `prompt` is its prompt as the engine
+    /// tokenizes it, when already made.
     fn send(
         &mut self,
         now: SimTime,
         head: Head,
         request: &TraceRequest,
         routed: Routed,
+        prompt: Option<Vec<u32>>,
     ) -> anyhow::Result<()> {
         let Head {
             slot,
@@ -532,7 +541,7 @@ impl<'s> World<'s> {
             *n += 1;
         }
         let api = self.setup.workload.api;
-        let prompt = request.engine_tokens(api, &mut self.words);
+        let prompt = prompt.unwrap_or_else(|| request.engine_tokens(api, &mut self.words));
         // The simulator's API refuses what can never fit (HTTP 400) before its engine.
         if prompt.len() as u64 + u64::from(request.max_tokens) > u64::from(self.max_model_len) {
             self.steps[step].error(class, ErrorKind::Http, Some(400));
@@ -628,7 +637,7 @@ impl<'s> World<'s> {
                     serial: open.serial,
                 },
             };
-            self.send(now, head, &request, routed)?;
+            self.send(now, head, &request, routed, None)?;
         }
         Ok(())
     }
@@ -782,26 +791,33 @@ impl<'s> World<'s> {
         &mut self,
         start: SimTime,
         step: usize,
-        mut trace: impl Iterator<Item = TraceRequest>,
+        trace: impl Iterator<Item = TraceRequest>,
     ) -> anyhow::Result<SimTime> {
         let mut now = start;
         self.routed.fill(0);
         self.steps[step].start_s = secs(start);
         self.catch_up(now, false)?;
         self.steps[step].counters_start = self.counters();
-        let mut next = trace.next();
+        let preparation = Preparation {
+            api: self.setup.workload.api,
+            model: Arc::from(self.setup.workload.model.as_str()),
+            adapters: Arc::from(self.adapter_names.as_slice()),
+            bodies: matches!(self.policy, Policy::Kvroute(_)),
+        };
+        let mut trace = ReadyTrace::new(trace, preparation);
+        let mut next = trace.next(&mut self.pods)?;
         loop {
-            let arrival = next.as_ref().map(|r| start + r.at);
+            let arrival = next.as_ref().map(|r| start + r.request.at);
             if arrival.is_none() && self.steps[step].open == 0 {
                 break;
             }
             match self.next_before(arrival, step)? {
                 Some(t) => now = now.max(t),
                 None => {
-                    if let Some(request) = next.take() {
-                        now = now.max(start + request.at);
-                        self.arrive(now, step, &request)?;
-                        next = trace.next();
+                    if let Some(ready) = next.take() {
+                        now = now.max(start + ready.request.at);
+                        self.arrive(now, step, ready)?;
+                        next = trace.next(&mut self.pods)?;
                     }
                 }
             }

@@ -1,0 +1,185 @@
+//! The trace's requests made ready ahead, on the helper thread: each one's body as
+//! kvroute's parser reads it and its prompt as the engine tokenizes it. Both are pure
+//! functions of the request, so the results are the same whoever computes them; at a
+//! thousand requests a second they were a sixteenth of the loop's time.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, mpsc};
+
+use kvroute_core::request::InferenceRequest;
+
+use super::pods::{Chore, Pods, receive};
+use super::trace::TraceRequest;
+use crate::loadgen::workload::Api;
+
+/// Requests made ready per chore handed to the helper: enough that the hand-over costs
+/// little beside them, few enough that the loop never waits long for the first batch.
+const BATCH: usize = 64;
+
+/// A request of the trace, made ready.
+pub struct Ready {
+    pub request: TraceRequest,
+    /// Its body as kvroute's parser reads it ([`TraceRequest::inference`]), when the
+    /// router reads bodies.
+    pub inference: Option<InferenceRequest>,
+    /// Its prompt as the engine tokenizes it ([`TraceRequest::engine_tokens`]).
+    pub tokens: Vec<u32>,
+}
+
+/// What making a request ready needs: owned, to travel to the helper.
+#[derive(Clone)]
+pub struct Preparation {
+    pub api: Api,
+    /// The base model's name.
+    pub model: Arc<str>,
+    /// The adapters' names by index.
+    pub adapters: Arc<[String]>,
+    /// Whether the router reads bodies (kvroute does; the peers route blind).
+    pub bodies: bool,
+}
+
+impl Preparation {
+    fn ready(&self, request: TraceRequest, words: &mut Vec<u8>) -> Ready {
+        let inference = self.bodies.then(|| {
+            let model = match request.adapter {
+                Some(a) => self.adapters.get(a as usize).map(String::as_str),
+                None => Some(&*self.model),
+            };
+            request.inference(self.api, model.unwrap_or_default(), words)
+        });
+        let tokens = request.engine_tokens(self.api, words);
+        Ready {
+            request,
+            inference,
+            tokens,
+        }
+    }
+}
+
+/// A trace whose requests are made ready a batch ahead, in the trace's order.
+pub struct ReadyTrace<I> {
+    trace: I,
+    preparation: Preparation,
+    ready: VecDeque<Ready>,
+    /// The next batch, being made ready.
+    coming: Option<mpsc::Receiver<Vec<Ready>>>,
+}
+
+impl<I: Iterator<Item = TraceRequest>> ReadyTrace<I> {
+    pub fn new(trace: I, preparation: Preparation) -> Self {
+        ReadyTrace {
+            trace,
+            preparation,
+            ready: VecDeque::with_capacity(2 * BATCH),
+            coming: None,
+        }
+    }
+
+    /// The next request, made ready; the batch after the next is handed to `pods`'
+    /// helper as this one is taken.
+    pub fn next(&mut self, pods: &mut Pods) -> anyhow::Result<Option<Ready>> {
+        if self.ready.is_empty() {
+            if self.coming.is_none() {
+                // The first request: its batch on this thread.
+                self.order(&mut |chore| chore());
+            }
+            if let Some(coming) = self.coming.take() {
+                let batch = receive(&coming)
+                    .ok_or_else(|| anyhow::anyhow!("the simulation's helper thread failed"))?;
+                self.ready.extend(batch);
+            }
+        }
+        if self.coming.is_none() {
+            self.order(&mut |chore| pods.hand_over(chore));
+        }
+        Ok(self.ready.pop_front())
+    }
+
+    /// Has the trace's next batch made ready by `hand_over`'s means.
+    fn order(&mut self, hand_over: &mut dyn FnMut(Chore)) {
+        let batch: Vec<TraceRequest> = self.trace.by_ref().take(BATCH).collect();
+        if batch.is_empty() {
+            return;
+        }
+        let preparation = self.preparation.clone();
+        let (made, coming) = mpsc::sync_channel(1);
+        hand_over(Box::new(move || {
+            let mut words = Vec::new();
+            let ready = batch
+                .into_iter()
+                .map(|request| preparation.ready(request, &mut words))
+                .collect();
+            // Not received if the simulation ended first.
+            let _ = made.send(ready);
+        }));
+        self.coming = Some(coming);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::loadgen::Workload;
+    use crate::simulate::trace::{Scale, StepTrace};
+
+    /// Each request of a shipped workload's step made ready by hand, in order, as
+    /// (arrival, body, engine prompt).
+    type Made = Vec<(Duration, Option<InferenceRequest>, Vec<u32>)>;
+
+    #[test]
+    fn requests_made_ready_on_the_helper_are_the_trace_made_ready_here_in_order() {
+        let file = std::path::Path::new(crate::WORKLOADS_DIR).join("shared-prefix.yaml");
+        let w = Workload::from_file(&file).expect("shipped");
+        let scale = Scale {
+            rate: 1.0,
+            copies: 2,
+        };
+        let trace = || StepTrace::new(&w, 3, 0, 8.0, scale, Duration::from_secs(60), Some(150));
+        let preparation = Preparation {
+            api: w.api,
+            model: Arc::from(w.model.as_str()),
+            adapters: Arc::from(scale.adapter_names(&w).as_slice()),
+            bodies: true,
+        };
+        let mut words = Vec::new();
+        let want: Made = trace()
+            .map(|r| {
+                let body = r.inference(w.api, &w.model, &mut words);
+                let tokens = r.engine_tokens(w.api, &mut words);
+                (r.at, Some(body), tokens)
+            })
+            .collect();
+        assert_eq!(want.len(), 150);
+        let made = |helper: bool| -> Made {
+            std::thread::scope(|scope| {
+                let mut pods = Pods::new(Vec::new());
+                if helper {
+                    pods.start_helper(scope);
+                }
+                let mut ready = ReadyTrace::new(trace(), preparation.clone());
+                let mut made = Vec::new();
+                while let Some(r) = ready.next(&mut pods).expect("made ready") {
+                    made.push((r.request.at, r.inference, r.tokens));
+                }
+                made
+            })
+        };
+        assert!(want == made(false), "without a helper");
+        assert!(want == made(true), "with a helper");
+        let blind = Preparation {
+            bodies: false,
+            ..preparation.clone()
+        };
+        let mut pods = Pods::new(Vec::new());
+        let first = ReadyTrace::new(trace(), blind)
+            .next(&mut pods)
+            .expect("made ready")
+            .expect("a request");
+        assert!(
+            first.inference.is_none(),
+            "no body for a router that reads none"
+        );
+    }
+}
