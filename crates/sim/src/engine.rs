@@ -22,6 +22,7 @@
 //! The engine's state and its public clock-driven API live here.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rand::SeedableRng;
@@ -39,6 +40,7 @@ mod kv_events;
 mod step;
 mod types;
 
+pub use forecast::{DetachedForecast, FinishBound};
 pub use kv_events::{BlockStored, KvCacheEvent, KvEventBatch, StoredLora};
 pub use types::{
     EngineConfig, EngineLoad, Event, EventKind, FinishReason, LoraInfo, RequestId, RequestSpec,
@@ -96,7 +98,8 @@ struct InFlight {
 #[derive(Debug)]
 pub struct Engine {
     cfg: EngineConfig,
-    profile: Profile,
+    /// Shared with its readings ahead when they run elsewhere ([`Engine::detach_forecast`]).
+    profile: Arc<Profile>,
     pool: BlockPool,
     lora: LoraSlots,
     adapters: Vec<String>,
@@ -126,6 +129,9 @@ pub struct Engine {
     /// [`Engine::next_finish_bound`]), next first. Drawn in step order whenever drawn, so
     /// they stay valid whatever the steps turn out to be.
     jitters: VecDeque<f64>,
+    /// A reading ahead holds the fields it fills in (the plan, the jitter factors and
+    /// their generator) until it is settled: nothing may step the engine meanwhile.
+    detached: bool,
     /// Buffers of a step, kept from step to step.
     spare_batch: Vec<(RequestId, u32)>,
     scratch_adapters: Vec<AdapterId>,
@@ -146,7 +152,7 @@ impl Engine {
             pool: BlockPool::new(cfg.num_gpu_blocks, cfg.block_size),
             rng: SmallRng::seed_from_u64(cfg.seed),
             cfg,
-            profile,
+            profile: Arc::new(profile),
             lora,
             adapters: Vec::new(),
             running_per_adapter: Vec::new(),
@@ -166,6 +172,7 @@ impl Engine {
             ahead: Vec::new(),
             plan: VecDeque::new(),
             jitters: VecDeque::new(),
+            detached: false,
             spare_batch: Vec::new(),
             scratch_adapters: Vec::new(),
             scratch_skipped: Vec::new(),
@@ -301,6 +308,10 @@ impl Engine {
 
     /// Processes every event due at or before `now`, in time order.
     pub fn advance(&mut self, now: SimTime) {
+        debug_assert!(
+            !self.detached,
+            "an engine stepped while read ahead elsewhere"
+        );
         while let Some(t) = self.next_event_time() {
             if t > now {
                 break;

@@ -167,6 +167,11 @@ impl Pods {
         self.first.len() + self.second.len()
     }
 
+    /// Whether a helper thread takes chores ([`Pods::hand_over`]).
+    pub fn has_helper(&self) -> bool {
+        self.helper.is_some()
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = &Pod> {
         self.first.iter().chain(&self.second)
     }

@@ -22,14 +22,15 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use kvroute_core::fleet::PodMetrics;
 use kvroute_core::kvevents::{BlockStored, EventBatch, KvEvent};
 use kvroute_core::scheduler::{PickError, SchedulerConfig};
 use kvroute_sim::engine::{
-    Engine, Event, EventKind, FinishReason, KvCacheEvent, KvEventBatch, RequestSpec,
+    DetachedForecast, Engine, Event, EventKind, FinishBound, FinishReason, KvCacheEvent,
+    KvEventBatch, RequestSpec,
 };
 use kvroute_sim::kv::mix;
 
@@ -37,7 +38,7 @@ use super::cache_aware::CacheAware;
 use super::diagnose::{Diagnostics, PodSample};
 use super::flow::{self, FlowClass, FlowSettings};
 use super::observe::served_models;
-use super::pods::{HELPER_FROM_PODS, Pod, Pods};
+use super::pods::{HELPER_FROM_PODS, Pod, Pods, receive};
 use super::policy::{HeldEntry, Kvroute, Placement, Policy, Routed};
 use super::ready::{Preparation, Ready, ReadyTrace};
 use super::stats::{ClassLabels, Completion, FleetCounters, StepAcc, window_of};
@@ -130,6 +131,17 @@ struct Head {
     origin: Origin,
 }
 
+/// A pod's reading ahead to its next finish bound, running on the helper thread while the
+/// loop goes on: the loop leaves the pod alone until it is settled ([`World::settle`]),
+/// which it is before the loop reaches the earliest bound it can find.
+struct Forecasting {
+    earliest: SimTime,
+    /// The queue order taken for the pod's wake-up when the bound was asked for: ties
+    /// with other events break as if it had been read then.
+    order: u64,
+    read: mpsc::Receiver<Box<DetachedForecast>>,
+}
+
 struct World<'s> {
     setup: &'s Setup<'s>,
     pods: Pods,
@@ -138,6 +150,8 @@ struct World<'s> {
     policy: Policy,
     queue: BinaryHeap<Reverse<(SimTime, u64, Ev)>>,
     order: u64,
+    /// Pods whose next finish bound is being read ahead on the helper thread.
+    forecasting: Vec<(usize, Forecasting)>,
     slots: Vec<Option<Open>>,
     free: Vec<u32>,
     timeouts: VecDeque<(SimTime, u32, u64)>,
@@ -270,6 +284,7 @@ impl<'s> World<'s> {
             policy,
             queue: BinaryHeap::new(),
             order: 0,
+            forecasting: Vec::new(),
             slots: Vec::new(),
             free: Vec::new(),
             timeouts: VecDeque::new(),
@@ -309,24 +324,81 @@ impl<'s> World<'s> {
     }
 
     /// Puts pod `i`'s next wake-up in the queue if it changed (after it was woken, or sent
-    /// or aborted a request: what it will do next is unchanged by anything else).
+    /// or aborted a request: what it will do next is unchanged by anything else). Where a
+    /// helper thread runs, a bound that needs reading steps ahead is read there, and put
+    /// in the queue when settled.
     fn reschedule(&mut self, i: usize) {
+        self.order += 1;
+        let order = self.order;
+        let helped = self.pods.has_helper();
         let engine = &mut self.pods[i].engine;
         let next = match self.stepping {
+            Stepping::ToFinishBounds if helped => match engine.detach_forecast() {
+                FinishBound::Known(next) => next,
+                FinishBound::ToRead(mut reading) => {
+                    let earliest = reading.earliest();
+                    let (done, read) = mpsc::sync_channel(1);
+                    self.pods.hand_over(Box::new(move || {
+                        reading.run();
+                        // Not received if the simulation ended first.
+                        let _ = done.send(reading);
+                    }));
+                    let forecasting = Forecasting {
+                        earliest,
+                        order,
+                        read,
+                    };
+                    self.forecasting.push((i, forecasting));
+                    return;
+                }
+            },
             Stepping::ToFinishBounds => engine.next_finish_bound(),
             Stepping::EveryEvent => engine.next_event_time(),
         };
+        self.set_due(i, next, order);
+    }
+
+    /// Pod `i`'s next wake-up is at `next`, in queue order `order`.
+    fn set_due(&mut self, i: usize, next: Option<SimTime>, order: u64) {
         if next != self.pods[i].due {
             self.pods[i].due = next;
             if let Some(t) = next {
-                self.schedule(t, Ev::Pod(i as u32));
+                self.queue.push(Reverse((t, order, Ev::Pod(i as u32))));
             }
         }
+    }
+
+    /// Settles pod `i`'s reading ahead, if one is running: the pod is whole again and its
+    /// wake-up in the queue.
+    fn settle(&mut self, i: usize) -> anyhow::Result<()> {
+        let Some(k) = self.forecasting.iter().position(|(pod, _)| *pod == i) else {
+            return Ok(());
+        };
+        let (_, forecasting) = self.forecasting.swap_remove(k);
+        let reading = receive(&forecasting.read)
+            .ok_or_else(|| anyhow::anyhow!("the simulation's helper thread failed"))?;
+        let next = self.pods[i].engine.settle_forecast(reading);
+        self.set_due(i, next, forecasting.order);
+        Ok(())
+    }
+
+    /// Settles the readings ahead that may find a bound at or before `horizon` (all of
+    /// them when there is none).
+    fn settle_until(&mut self, horizon: Option<SimTime>) -> anyhow::Result<()> {
+        while let Some(&(i, _)) = self
+            .forecasting
+            .iter()
+            .find(|(_, f)| horizon.is_none_or(|h| f.earliest <= h))
+        {
+            self.settle(i)?;
+        }
+        Ok(())
     }
 
     /// Advances every pod to `now` and takes what it did, for reading the fleet at `now`;
     /// with `read`, returns each pod's metrics then.
     fn catch_up(&mut self, now: SimTime, read: bool) -> anyhow::Result<Vec<PodMetrics>> {
+        self.settle_until(None)?;
         let readings = self.pods.advance_all(now, read)?;
         for i in 0..self.pods.len() {
             self.drain(i);
@@ -571,6 +643,7 @@ impl<'s> World<'s> {
             output_seed: mix(self.setup.seed, serial),
         };
         let i = routed.pod;
+        self.settle(i)?;
         let engine_id = self.pods[i].engine.add_request(now, spec);
         let slots = &mut self.pods[i].slots;
         if engine_id as usize >= slots.len() {
@@ -643,14 +716,14 @@ impl<'s> World<'s> {
     }
 
     /// The client gives up on the request in `slot` (`bench --timeout`).
-    fn time_out(&mut self, now: SimTime, slot: u32, serial: u64) {
+    fn time_out(&mut self, now: SimTime, slot: u32, serial: u64) -> anyhow::Result<()> {
         let live = self
             .slots
             .get(slot as usize)
             .and_then(Option::as_ref)
             .is_some_and(|o| o.serial == serial);
         if !live {
-            return;
+            return Ok(());
         }
         // Its pod catches up first: the tokens streamed until now count as they came.
         if let Some(Some(Open {
@@ -659,11 +732,12 @@ impl<'s> World<'s> {
         })) = self.slots.get(slot as usize)
         {
             let i = sent.pod as usize;
+            self.settle(i)?;
             self.pods[i].engine.advance(now);
             self.drain(i);
         }
         let Some(open) = self.close(slot) else {
-            return;
+            return Ok(());
         };
         match &open.stage {
             // Its stream ends: it leaves the waiting room.
@@ -679,6 +753,7 @@ impl<'s> World<'s> {
             }
         }
         self.steps[open.step].error(open.class, ErrorKind::Timeout, None);
+        Ok(())
     }
 
     /// A scrape at `now`, to be published at `publish_at`.
@@ -738,6 +813,16 @@ impl<'s> World<'s> {
         arrival: Option<SimTime>,
         step: usize,
     ) -> anyhow::Result<Option<SimTime>> {
+        // What may come next needs the wake-ups of the readings ahead that can find one by
+        // then (none finds one before its earliest).
+        let next = |world: &Self| {
+            let queued = world.queue.peek().map(|Reverse((t, _, _))| *t);
+            let timeout = world.timeouts.front().map(|(t, _, _)| *t);
+            [queued, timeout, arrival].into_iter().flatten().min()
+        };
+        if !self.forecasting.is_empty() {
+            self.settle_until(next(self))?;
+        }
         let queued = self.queue.peek().map(|Reverse((t, _, _))| *t);
         let timeout = self.timeouts.front().map(|(t, _, _)| *t);
         let Some(first) = [queued, timeout].into_iter().flatten().min() else {
@@ -748,7 +833,7 @@ impl<'s> World<'s> {
         }
         if timeout == Some(first) && queued.is_none_or(|q| first < q) {
             if let Some((t, slot, serial)) = self.timeouts.pop_front() {
-                self.time_out(t, slot, serial);
+                self.time_out(t, slot, serial)?;
             }
             return Ok(Some(first));
         }
@@ -758,6 +843,7 @@ impl<'s> World<'s> {
         match ev {
             Ev::Pod(i) => {
                 let i = i as usize;
+                self.settle(i)?;
                 if self.pods[i].due == Some(t) {
                     self.stats.engine_wakeups += 1;
                     self.pods[i].due = None;
@@ -1104,6 +1190,33 @@ mod tests {
                     every.engine_wakeups
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_simulation_helped_by_a_second_thread_gives_the_results_of_one_thread() {
+        // The helper advances half the pods at catch-ups, builds the fleets scrapes
+        // publish, makes requests ready and reads pods' finish bounds ahead.
+        for name in ["kv-pressure.yaml", "multi-lora.yaml"] {
+            let file = Path::new(crate::WORKLOADS_DIR).join(name);
+            let w = Workload::from_file(&file).expect("shipped");
+            let args = SimulateArgs {
+                pods: Some(HELPER_FROM_PODS),
+                requests: Some(2_000),
+                scrape_interval: Duration::from_millis(50),
+                scrape_delay: Duration::from_millis(50),
+                ..setup_args()
+            };
+            let mut setup = Setup::new(&args, &w, &file).expect("setup");
+            let (alone_run, alone) = simulate(&setup, Router::Kvroute).expect("runs");
+            setup.threads = 2;
+            let (helped_run, helped) = simulate(&setup, Router::Kvroute).expect("runs");
+            assert_eq!(
+                outcome(&helped_run, &helped),
+                outcome(&alone_run, &alone),
+                "{name}"
+            );
+            assert!(helped.requests >= 2_000, "{name}: {helped:?}");
         }
     }
 

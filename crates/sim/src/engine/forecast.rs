@@ -10,20 +10,21 @@
 //! is while nothing waits, no adapter loads and no step can run short of blocks.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
+use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
 use crate::profile::{Profile, StepShape};
 
 use super::step::{jitter_factor, step_duration};
-use super::{Engine, EngineConfig, RequestId, SimTime};
+use super::{Engine, EngineConfig, SimTime};
 
 /// The most steps read ahead: beyond them the caller wakes the engine and asks again.
 const MAX_STEPS_AHEAD: usize = 1024;
 
 /// The engine's fields a reading ahead reads and fills in.
 struct Reading<'a> {
-    running: &'a [RequestId],
     cfg: &'a EngineConfig,
     profile: &'a Profile,
     /// The running sequences, in order.
@@ -33,6 +34,56 @@ struct Reading<'a> {
     /// The engine's jitter factors drawn ahead, extended from `rng` as steps need them.
     jitters: &'a mut VecDeque<f64>,
     rng: &'a mut SmallRng,
+}
+
+/// A reading ahead taken out of its engine ([`Engine::detach_forecast`]) to be run
+/// elsewhere ([`DetachedForecast::run`]), then settled back into it
+/// ([`Engine::settle_forecast`]). It holds what the reading fills in (the plan, the
+/// jitter factors and their generator), so the engine must not be stepped, sent or
+/// aborted in between; it is then where [`Engine::next_finish_bound`] leaves it.
+#[derive(Debug)]
+pub struct DetachedForecast {
+    /// The end of the step in flight, where the reading starts.
+    end: SimTime,
+    /// Free blocks in the pool.
+    free: u32,
+    cfg: EngineConfig,
+    profile: Arc<Profile>,
+    ahead: Vec<Ahead>,
+    plan: VecDeque<SimTime>,
+    jitters: VecDeque<f64>,
+    rng: SmallRng,
+    /// What the reading found, once run.
+    bound: Option<SimTime>,
+}
+
+/// [`Engine::detach_forecast`]'s answer.
+#[derive(Debug)]
+pub enum FinishBound {
+    /// Known without reading a step ahead: [`Engine::next_finish_bound`].
+    Known(Option<SimTime>),
+    /// To be read ahead, by the reading given, then settled into the engine.
+    ToRead(Box<DetachedForecast>),
+}
+
+impl DetachedForecast {
+    /// No bound the reading finds is earlier than this: the end of the step in flight.
+    pub fn earliest(&self) -> SimTime {
+        self.end
+    }
+
+    /// Reads ahead, as [`Engine::next_finish_bound`] would have.
+    pub fn run(&mut self) {
+        let reading = Reading {
+            cfg: &self.cfg,
+            profile: &self.profile,
+            ahead: &mut self.ahead,
+            plan: &mut self.plan,
+            jitters: &mut self.jitters,
+            rng: &mut self.rng,
+        };
+        self.bound = reading.read(self.end, self.free);
+    }
 }
 
 /// A running sequence as the scheduler sees it, read ahead.
@@ -71,6 +122,64 @@ impl Engine {
     /// recorded (each step's events are then visible), or [`MAX_STEPS_AHEAD`] steps.
     /// Advancing to it emits exactly what stepping to it one event at a time emits.
     pub fn next_finish_bound(&mut self) -> Option<SimTime> {
+        debug_assert!(!self.detached, "an engine read ahead twice at once");
+        let (end, free) = match self.start_reading() {
+            Ok(decided) => return decided,
+            Err(start) => start,
+        };
+        let reading = Reading {
+            cfg: &self.cfg,
+            profile: &self.profile,
+            ahead: &mut self.ahead,
+            plan: &mut self.plan,
+            jitters: &mut self.jitters,
+            rng: &mut self.rng,
+        };
+        reading.read(end, free)
+    }
+
+    /// [`Engine::next_finish_bound`], or, where it must read steps ahead, that reading
+    /// taken out of the engine to run elsewhere (the engine is left alone until it is
+    /// settled back with [`Engine::settle_forecast`]).
+    pub fn detach_forecast(&mut self) -> FinishBound {
+        debug_assert!(!self.detached, "an engine read ahead twice at once");
+        let (end, free) = match self.start_reading() {
+            Ok(decided) => return FinishBound::Known(decided),
+            Err(start) => start,
+        };
+        self.detached = true;
+        FinishBound::ToRead(Box::new(DetachedForecast {
+            end,
+            free,
+            cfg: self.cfg.clone(),
+            profile: Arc::clone(&self.profile),
+            ahead: std::mem::take(&mut self.ahead),
+            plan: std::mem::take(&mut self.plan),
+            jitters: std::mem::take(&mut self.jitters),
+            // A stand-in until the reading's own generator comes back.
+            rng: std::mem::replace(&mut self.rng, SmallRng::seed_from_u64(0)),
+            bound: None,
+        }))
+    }
+
+    /// Puts back a reading detached from this engine and run; returns its bound.
+    pub fn settle_forecast(&mut self, forecast: Box<DetachedForecast>) -> Option<SimTime> {
+        debug_assert!(
+            self.detached,
+            "a reading settled into an engine it did not leave"
+        );
+        self.detached = false;
+        self.ahead = forecast.ahead;
+        self.plan = forecast.plan;
+        self.jitters = forecast.jitters;
+        self.rng = forecast.rng;
+        forecast.bound
+    }
+
+    /// What a reading ahead decides before reading any step (`Ok`), else where it starts:
+    /// the end of the step in flight and the free blocks, with `ahead` filled in and the
+    /// step in flight read.
+    fn start_reading(&mut self) -> Result<Option<SimTime>, (SimTime, u32)> {
         // The steps read ahead are kept for stepping them; each reading starts afresh.
         self.plan.clear();
         let next = self.next_event_time();
@@ -81,21 +190,16 @@ impl Engine {
             running,
             seqs,
             pool,
-            cfg,
-            profile,
-            rng,
             ahead,
-            plan,
-            jitters,
             ..
         } = self;
         let Some(step) = inflight.as_ref().filter(|_| certain) else {
-            return next;
+            return Ok(next);
         };
         ahead.clear();
         for id in running.iter() {
             let Some(seq) = seqs.get(id) else {
-                return next;
+                return Ok(next);
             };
             ahead.push(Ahead {
                 tokens: seq.tokens.len() as u32,
@@ -106,37 +210,28 @@ impl Engine {
                 scheduled: 0,
             });
         }
-        let reading = Reading {
-            running,
-            cfg,
-            profile,
-            ahead,
-            plan,
-            jitters,
-            rng,
-        };
-        reading.read(step.end, &step.batch, pool.num_free())
-    }
-}
-
-impl Reading<'_> {
-    /// [`Engine::next_finish_bound`] from the step in flight (`batch`, ending at `end`),
-    /// with `free` blocks in the pool.
-    fn read(self, end: SimTime, batch: &[(RequestId, u32)], mut free: u32) -> Option<SimTime> {
-        let (cfg, ahead) = (self.cfg, self.ahead);
         // The batch in flight lists running sequences in their order (those still running:
         // an aborted one has left `running`), possibly skipping some the budget left out.
         let mut k = 0;
-        for &(id, n) in batch {
-            let Some(at) = self.running[k..].iter().position(|&r| r == id) else {
+        for &(id, n) in &step.batch {
+            let Some(at) = running[k..].iter().position(|&r| r == id) else {
                 continue;
             };
             k += at;
             if ahead[k].computed(n) {
-                return Some(end);
+                return Ok(Some(step.end));
             }
             k += 1;
         }
+        Err((step.end, pool.num_free()))
+    }
+}
+
+impl Reading<'_> {
+    /// [`Engine::next_finish_bound`] from the end of the step in flight (`end`, its batch
+    /// already read), with `free` blocks in the pool.
+    fn read(self, end: SimTime, mut free: u32) -> Option<SimTime> {
+        let (cfg, ahead) = (self.cfg, self.ahead);
         let mut t = end;
         let bs = cfg.block_size;
         for step in 0..MAX_STEPS_AHEAD {

@@ -100,14 +100,54 @@ fn stepped(cfg: &EngineConfig, inputs: &[(SimTime, Input)]) -> (Vec<Event>, u64)
 /// Wakes the engine only at its bounds and at the inputs, checking that each wake-up
 /// emits no finish before its bound; returns the events and the wake-ups the bounds took.
 fn lazy(cfg: &EngineConfig, inputs: &[(SimTime, Input)]) -> (Vec<Event>, usize) {
+    lazy_reading(cfg, inputs, false)
+}
+
+/// The engine's next finish bound; `detached`, read by a reading taken out of the engine,
+/// run (now and then on another thread) and settled back.
+fn bound(e: &mut Engine, detached: bool, readings: &mut usize) -> Option<SimTime> {
+    if !detached {
+        return e.next_finish_bound();
+    }
+    match e.detach_forecast() {
+        FinishBound::Known(decided) => decided,
+        FinishBound::ToRead(mut reading) => {
+            *readings += 1;
+            let earliest = reading.earliest();
+            if (*readings).is_multiple_of(7) {
+                reading = std::thread::spawn(move || {
+                    reading.run();
+                    reading
+                })
+                .join()
+                .expect("read ahead");
+            } else {
+                reading.run();
+            }
+            let bound = e.settle_forecast(reading);
+            assert!(
+                bound.is_none_or(|b| b >= earliest),
+                "{bound:?} before {earliest:?}"
+            );
+            bound
+        }
+    }
+}
+
+/// [`lazy`], the bounds read by detached readings when `detached`.
+fn lazy_reading(
+    cfg: &EngineConfig,
+    inputs: &[(SimTime, Input)],
+    detached: bool,
+) -> (Vec<Event>, usize) {
     let mut e = Engine::new(cfg.clone(), h100());
     let mut live = Vec::new();
     let mut out = Vec::new();
     let mut wakeups = 0;
+    let mut readings = 0;
     let mut wake = |e: &mut Engine, out: &mut Vec<Event>, until: Option<SimTime>| {
-        while let Some(bound) = e
-            .next_finish_bound()
-            .filter(|b| until.is_none_or(|u| *b <= u))
+        while let Some(bound) =
+            bound(e, detached, &mut readings).filter(|b| until.is_none_or(|u| *b <= u))
         {
             let next = e.next_event_time().expect("a bound means work");
             assert!(
@@ -163,6 +203,9 @@ fn an_engine_woken_at_its_finish_bounds_emits_what_stepping_it_emits() {
         let (want, stepped_steps) = stepped(&cfg, &inputs);
         let (got, woken) = lazy(&cfg, &inputs);
         assert_eq!(got, want, "seed {seed}");
+        let (detached, detached_woken) = lazy_reading(&cfg, &inputs, true);
+        assert_eq!(detached, want, "seed {seed}, read by detached readings");
+        assert_eq!(detached_woken, woken);
         events += want.len();
         wakeups += woken;
         steps += stepped_steps;
