@@ -12,7 +12,7 @@
 //! will publish, while the loop goes on.
 
 use std::ops::{Index, IndexMut};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, mpsc};
 use std::thread::Scope;
 use std::time::{Duration, Instant};
 
@@ -61,8 +61,61 @@ struct Job {
 }
 
 /// Other work for the helper, done between catch-ups while the loop goes on: it hands
-/// back what it makes by its own means (a channel it captured).
+/// back what it makes by its own means (a channel it captured; see [`Errand`]).
 pub type Chore = Box<dyn FnOnce() + Send>;
+
+/// Work whose result the loop will need, handed to the helper: when the loop needs it
+/// before the helper has started it (the helper does its chores in order, and may be busy
+/// with another), the loop takes it back and does it itself, so it never waits for work
+/// queued behind the helper's other chores.
+pub struct Errand<R> {
+    work: Arc<Mutex<Option<Work<R>>>>,
+    done: mpsc::Receiver<R>,
+}
+
+type Work<R> = Box<dyn FnOnce() -> R + Send>;
+
+impl<R> std::fmt::Debug for Errand<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let waiting = lock(&self.work).is_some();
+        f.debug_struct("Errand").field("waiting", &waiting).finish()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl<R: Send + 'static> Errand<R> {
+    /// `work`, handed over by `hand_over` ([`Pods::hand_over`], or doing it at once).
+    pub fn new(
+        work: impl FnOnce() -> R + Send + 'static,
+        hand_over: &mut dyn FnMut(Chore),
+    ) -> Errand<R> {
+        let work: Arc<Mutex<Option<Work<R>>>> = Arc::new(Mutex::new(Some(Box::new(work))));
+        let (made, done) = mpsc::sync_channel(1);
+        let theirs = Arc::clone(&work);
+        hand_over(Box::new(move || {
+            let work = lock(&theirs).take();
+            if let Some(work) = work {
+                // Not received if the simulation ended first.
+                let _ = made.send(work());
+            }
+        }));
+        Errand { work, done }
+    }
+
+    /// The result: made here if the helper has not started the work, else the helper's
+    /// once it is done.
+    pub fn result(self) -> anyhow::Result<R> {
+        let work = lock(&self.work).take();
+        match work {
+            Some(work) => Ok(work()),
+            None => receive(&self.done)
+                .ok_or_else(|| anyhow::anyhow!("the simulation's helper thread failed")),
+        }
+    }
+}
 
 /// What the helper is sent, in the order it does them.
 enum Task {
@@ -83,7 +136,7 @@ const SPIN: Duration = Duration::from_millis(20);
 
 /// The next message on `channel`, spinning for up to [`SPIN`] before sleeping; `None`
 /// once the other end is gone.
-pub(super) fn receive<T>(channel: &mpsc::Receiver<T>) -> Option<T> {
+fn receive<T>(channel: &mpsc::Receiver<T>) -> Option<T> {
     let start = Instant::now();
     for spins in 0u32.. {
         match channel.try_recv() {
@@ -229,5 +282,40 @@ impl IndexMut<usize> for Pods {
             None => &mut self.first[i],
             Some(j) => &mut self.second[j],
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::thread::{ThreadId, current};
+
+    use super::*;
+
+    #[test]
+    fn an_errand_is_done_by_the_loop_unless_the_helper_has_started_it() {
+        std::thread::scope(|scope| {
+            let mut pods = Pods::new(Vec::new());
+            pods.start_helper(scope);
+            let mut hand_over = |chore: Chore| pods.hand_over(chore);
+            // The helper busy with another chore: the loop does the errand itself.
+            let (release, busy) = mpsc::channel::<()>();
+            hand_over(Box::new(move || {
+                let _ = busy.recv();
+            }));
+            let errand = Errand::new(|| current().id(), &mut hand_over);
+            assert_eq!(errand.result().expect("done"), current().id());
+            release.send(()).expect("the helper waits");
+            // Started by the helper: its result.
+            let (started, has_started) = mpsc::channel::<()>();
+            let errand = Errand::new(
+                move || -> ThreadId {
+                    let _ = started.send(());
+                    current().id()
+                },
+                &mut hand_over,
+            );
+            has_started.recv().expect("the helper starts it");
+            assert_ne!(errand.result().expect("done"), current().id());
+        });
     }
 }

@@ -30,7 +30,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rand::rngs::SmallRng;
@@ -52,7 +52,7 @@ use super::cache_aware::CacheAware;
 use super::flow::{
     DropReason, FlowClass, FlowSettings, MAX_MISSES_PER_PASS, Waiter, WaitingRoom, pods_key,
 };
-use super::pods::Chore;
+use super::pods::{Chore, Errand};
 
 /// The address standing for pod `i`: ordered as the pods, so a snapshot's position of a pod
 /// is its index.
@@ -121,7 +121,7 @@ struct PendingScrape {
     /// Per pod, what it read, with the ledger's ticket.
     readings: Vec<(Arc<PodMetrics>, ScrapeTicket)>,
     /// The fleet it publishes, being built off this thread for the moment it is due.
-    prepared: Option<(Duration, mpsc::Receiver<Arc<Fleet>>)>,
+    prepared: Option<(Duration, Errand<Arc<Fleet>>)>,
 }
 
 /// One kvroute replica's picker and store, in virtual time.
@@ -297,12 +297,8 @@ impl Replica {
             Arc::clone(&self.loads),
             Arc::clone(&self.models),
         );
-        let (built, prepared) = mpsc::sync_channel(1);
-        hand_over(Box::new(move || {
-            let fleet = fleet_of(&previous, metrics, &loads, &models, generation);
-            // Not received if the simulation ended first.
-            let _ = built.send(Arc::new(fleet));
-        }));
+        let build = move || Arc::new(fleet_of(&previous, metrics, &loads, &models, generation));
+        let prepared = Errand::new(build, hand_over);
         self.pending.push_back(PendingScrape {
             started: now,
             readings,
@@ -331,7 +327,7 @@ impl Replica {
         // gone) one built here from the same readings.
         let fleet = prepared
             .filter(|(at, _)| *at == now)
-            .and_then(|(_, built)| built.recv().ok());
+            .and_then(|(_, built)| built.result().ok());
         self.fleet = fleet.unwrap_or_else(|| {
             let metrics = self
                 .metrics
@@ -965,8 +961,8 @@ mod tests {
             let flow = FlowSettings::default();
             Replica::new(3, models, SchedulerConfig::default(), flow, 7)
         };
-        // Built at the scrape, by whoever `hand_over` hands it to; and, its builder gone,
-        // at the publication.
+        // Built at the scrape, by whoever `hand_over` hands it to; and, its chore lost, at
+        // the publication, from the work the chore would have done.
         let (mut ahead, mut at_publication) = (replica(), replica());
         let delay = Duration::from_millis(50);
         for (n, waiting) in [(0u32, 0), (1, 3), (2, 1)] {

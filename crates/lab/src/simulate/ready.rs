@@ -4,11 +4,11 @@
 //! thousand requests a second they were a sixteenth of the loop's time.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
 
 use kvroute_core::request::InferenceRequest;
 
-use super::pods::{Chore, Pods, receive};
+use super::pods::{Chore, Errand, Pods};
 use super::trace::TraceRequest;
 use crate::loadgen::workload::Api;
 
@@ -62,7 +62,7 @@ pub struct ReadyTrace<I> {
     preparation: Preparation,
     ready: VecDeque<Ready>,
     /// The next batch, being made ready.
-    coming: Option<mpsc::Receiver<Vec<Ready>>>,
+    coming: Option<Errand<Vec<Ready>>>,
 }
 
 impl<I: Iterator<Item = TraceRequest>> ReadyTrace<I> {
@@ -84,9 +84,7 @@ impl<I: Iterator<Item = TraceRequest>> ReadyTrace<I> {
                 self.order(&mut |chore| chore());
             }
             if let Some(coming) = self.coming.take() {
-                let batch = receive(&coming)
-                    .ok_or_else(|| anyhow::anyhow!("the simulation's helper thread failed"))?;
-                self.ready.extend(batch);
+                self.ready.extend(coming.result()?);
             }
         }
         if self.coming.is_none() {
@@ -102,17 +100,14 @@ impl<I: Iterator<Item = TraceRequest>> ReadyTrace<I> {
             return;
         }
         let preparation = self.preparation.clone();
-        let (made, coming) = mpsc::sync_channel(1);
-        hand_over(Box::new(move || {
+        let work = move || {
             let mut words = Vec::new();
-            let ready = batch
+            batch
                 .into_iter()
                 .map(|request| preparation.ready(request, &mut words))
-                .collect();
-            // Not received if the simulation ended first.
-            let _ = made.send(ready);
-        }));
-        self.coming = Some(coming);
+                .collect()
+        };
+        self.coming = Some(Errand::new(work, hand_over));
     }
 }
 

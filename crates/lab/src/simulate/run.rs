@@ -22,7 +22,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::fleet::PodMetrics;
@@ -38,7 +38,7 @@ use super::cache_aware::CacheAware;
 use super::diagnose::{Diagnostics, PodSample};
 use super::flow::{self, FlowClass, FlowSettings};
 use super::observe::served_models;
-use super::pods::{HELPER_FROM_PODS, Pod, Pods, receive};
+use super::pods::{Errand, HELPER_FROM_PODS, Pod, Pods};
 use super::policy::{HeldEntry, Kvroute, Placement, Policy, Routed};
 use super::ready::{Preparation, Ready, ReadyTrace};
 use super::stats::{ClassLabels, Completion, FleetCounters, StepAcc, window_of};
@@ -139,7 +139,7 @@ struct Forecasting {
     /// The queue order taken for the pod's wake-up when the bound was asked for: ties
     /// with other events break as if it had been read then.
     order: u64,
-    read: mpsc::Receiver<Box<DetachedForecast>>,
+    read: Errand<Box<DetachedForecast>>,
 }
 
 struct World<'s> {
@@ -337,12 +337,12 @@ impl<'s> World<'s> {
                 FinishBound::Known(next) => next,
                 FinishBound::ToRead(mut reading) => {
                     let earliest = reading.earliest();
-                    let (done, read) = mpsc::sync_channel(1);
-                    self.pods.hand_over(Box::new(move || {
+                    let pods = &mut self.pods;
+                    let work = move || {
                         reading.run();
-                        // Not received if the simulation ended first.
-                        let _ = done.send(reading);
-                    }));
+                        reading
+                    };
+                    let read = Errand::new(work, &mut |chore| pods.hand_over(chore));
                     let forecasting = Forecasting {
                         earliest,
                         order,
@@ -375,8 +375,7 @@ impl<'s> World<'s> {
             return Ok(());
         };
         let (_, forecasting) = self.forecasting.swap_remove(k);
-        let reading = receive(&forecasting.read)
-            .ok_or_else(|| anyhow::anyhow!("the simulation's helper thread failed"))?;
+        let reading = forecasting.read.result()?;
         let next = self.pods[i].engine.settle_forecast(reading);
         self.set_due(i, next, forecasting.order);
         Ok(())
