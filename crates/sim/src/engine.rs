@@ -113,24 +113,16 @@ pub struct Engine {
     inflight: Option<InFlight>,
     next_id: RequestId,
     clock: SimTime,
-    rng: SmallRng,
     events: Vec<Event>,
     /// The gaps between consecutive output tokens of a request, when tokens are not
     /// events ([`EngineConfig::token_events`] off): until [`Engine::take_token_gaps`].
     token_gaps: Option<LogHistogram>,
     kv_events: Option<kv_events::KvEventLog>,
     stats: EngineStats,
-    /// Scratch of [`Engine::next_finish_bound`].
-    ahead: Vec<forecast::Ahead>,
-    /// The durations of the steps [`Engine::next_finish_bound`] read ahead, next first:
-    /// valid until a request is added or aborted.
-    plan: VecDeque<SimTime>,
-    /// The jitter factors of the next steps, drawn from `rng` ahead of them (by
-    /// [`Engine::next_finish_bound`]), next first. Drawn in step order whenever drawn, so
-    /// they stay valid whatever the steps turn out to be.
-    jitters: VecDeque<f64>,
-    /// A reading ahead holds the fields it fills in (the plan, the jitter factors and
-    /// their generator) until it is settled: nothing may step the engine meanwhile.
+    /// The steps' timing: what reading ahead fills in, and the jitter's generator.
+    foresight: forecast::Foresight,
+    /// A reading ahead run elsewhere holds `foresight` until it is settled: nothing may
+    /// step the engine meanwhile.
     detached: bool,
     /// Buffers of a step, kept from step to step.
     spare_batch: Vec<(RequestId, u32)>,
@@ -148,9 +140,9 @@ impl Engine {
             profile.lora_swap_in(),
         );
         let token_gaps = (!cfg.token_events).then(LogHistogram::default);
+        let foresight = forecast::Foresight::new(SmallRng::seed_from_u64(cfg.seed));
         let mut engine = Engine {
             pool: BlockPool::new(cfg.num_gpu_blocks, cfg.block_size),
-            rng: SmallRng::seed_from_u64(cfg.seed),
             cfg,
             profile: Arc::new(profile),
             lora,
@@ -169,9 +161,7 @@ impl Engine {
             token_gaps,
             kv_events: None,
             stats: EngineStats::default(),
-            ahead: Vec::new(),
-            plan: VecDeque::new(),
-            jitters: VecDeque::new(),
+            foresight,
             detached: false,
             spare_batch: Vec::new(),
             scratch_adapters: Vec::new(),
@@ -218,7 +208,7 @@ impl Engine {
     /// with no tokens (counted as aborted).
     pub fn add_request(&mut self, now: SimTime, spec: RequestSpec) -> RequestId {
         self.advance(now);
-        self.plan.clear();
+        self.foresight.plan.clear();
         let id = self.next_id;
         self.next_id += 1;
         let adapter = match (&spec.adapter, self.lora_enabled()) {
@@ -282,7 +272,7 @@ impl Engine {
     /// Cancels a request (client went away). Unknown or finished ids are ignored.
     pub fn abort(&mut self, now: SimTime, id: RequestId) {
         self.advance(now);
-        self.plan.clear();
+        self.foresight.plan.clear();
         let Some(seq) = self.seqs.remove(&id) else {
             return;
         };

@@ -23,17 +23,38 @@ use super::{Engine, EngineConfig, SimTime};
 /// The most steps read ahead: beyond them the caller wakes the engine and asks again.
 const MAX_STEPS_AHEAD: usize = 1024;
 
-/// The engine's fields a reading ahead reads and fills in.
+/// What reading ahead fills in, kept by the engine for the steps read: the steps'
+/// durations, their jitter factors, and the generator those are drawn from.
+#[derive(Debug)]
+pub(super) struct Foresight {
+    /// Scratch: the running sequences, in order.
+    ahead: Vec<Ahead>,
+    /// The durations of the steps read ahead, next first: valid until a request is added
+    /// or aborted.
+    pub(super) plan: VecDeque<SimTime>,
+    /// The jitter factors of the next steps, drawn from `rng` ahead of them, next first.
+    /// Drawn in step order whenever drawn, so they stay valid whatever the steps turn out
+    /// to be.
+    pub(super) jitters: VecDeque<f64>,
+    pub(super) rng: SmallRng,
+}
+
+impl Foresight {
+    pub(super) fn new(rng: SmallRng) -> Self {
+        Foresight {
+            ahead: Vec::new(),
+            plan: VecDeque::new(),
+            jitters: VecDeque::new(),
+            rng,
+        }
+    }
+}
+
+/// A reading ahead: the engine's limits and profile, and what it fills in.
 struct Reading<'a> {
     cfg: &'a EngineConfig,
     profile: &'a Profile,
-    /// The running sequences, in order.
-    ahead: &'a mut [Ahead],
-    /// The durations of the steps read.
-    plan: &'a mut VecDeque<SimTime>,
-    /// The engine's jitter factors drawn ahead, extended from `rng` as steps need them.
-    jitters: &'a mut VecDeque<f64>,
-    rng: &'a mut SmallRng,
+    foresight: &'a mut Foresight,
 }
 
 /// A reading ahead taken out of its engine ([`Engine::detach_forecast`]) to be run
@@ -49,10 +70,7 @@ pub struct DetachedForecast {
     free: u32,
     cfg: EngineConfig,
     profile: Arc<Profile>,
-    ahead: Vec<Ahead>,
-    plan: VecDeque<SimTime>,
-    jitters: VecDeque<f64>,
-    rng: SmallRng,
+    foresight: Foresight,
     /// What the reading found, once run.
     bound: Option<SimTime>,
 }
@@ -77,10 +95,7 @@ impl DetachedForecast {
         let reading = Reading {
             cfg: &self.cfg,
             profile: &self.profile,
-            ahead: &mut self.ahead,
-            plan: &mut self.plan,
-            jitters: &mut self.jitters,
-            rng: &mut self.rng,
+            foresight: &mut self.foresight,
         };
         self.bound = reading.read(self.end, self.free);
     }
@@ -130,10 +145,7 @@ impl Engine {
         let reading = Reading {
             cfg: &self.cfg,
             profile: &self.profile,
-            ahead: &mut self.ahead,
-            plan: &mut self.plan,
-            jitters: &mut self.jitters,
-            rng: &mut self.rng,
+            foresight: &mut self.foresight,
         };
         reading.read(end, free)
     }
@@ -148,16 +160,14 @@ impl Engine {
             Err(start) => start,
         };
         self.detached = true;
+        // A stand-in until the reading's own comes back.
+        let stand_in = Foresight::new(SmallRng::seed_from_u64(0));
         FinishBound::ToRead(Box::new(DetachedForecast {
             end,
             free,
             cfg: self.cfg.clone(),
             profile: Arc::clone(&self.profile),
-            ahead: std::mem::take(&mut self.ahead),
-            plan: std::mem::take(&mut self.plan),
-            jitters: std::mem::take(&mut self.jitters),
-            // A stand-in until the reading's own generator comes back.
-            rng: std::mem::replace(&mut self.rng, SmallRng::seed_from_u64(0)),
+            foresight: std::mem::replace(&mut self.foresight, stand_in),
             bound: None,
         }))
     }
@@ -169,10 +179,7 @@ impl Engine {
             "a reading settled into an engine it did not leave"
         );
         self.detached = false;
-        self.ahead = forecast.ahead;
-        self.plan = forecast.plan;
-        self.jitters = forecast.jitters;
-        self.rng = forecast.rng;
+        self.foresight = forecast.foresight;
         forecast.bound
     }
 
@@ -181,7 +188,7 @@ impl Engine {
     /// step in flight read.
     fn start_reading(&mut self) -> Result<Option<SimTime>, (SimTime, u32)> {
         // The steps read ahead are kept for stepping them; each reading starts afresh.
-        self.plan.clear();
+        self.foresight.plan.clear();
         let next = self.next_event_time();
         let certain =
             self.waiting.is_empty() && self.lora.next_ready().is_none() && self.kv_events.is_none();
@@ -190,9 +197,10 @@ impl Engine {
             running,
             seqs,
             pool,
-            ahead,
+            foresight,
             ..
         } = self;
+        let ahead = &mut foresight.ahead;
         let Some(step) = inflight.as_ref().filter(|_| certain) else {
             return Ok(next);
         };
@@ -231,7 +239,13 @@ impl Reading<'_> {
     /// [`Engine::next_finish_bound`] from the end of the step in flight (`end`, its batch
     /// already read), with `free` blocks in the pool.
     fn read(self, end: SimTime, mut free: u32) -> Option<SimTime> {
-        let (cfg, ahead) = (self.cfg, self.ahead);
+        let cfg = self.cfg;
+        let Foresight {
+            ahead,
+            plan,
+            jitters,
+            rng,
+        } = self.foresight;
         let mut t = end;
         let bs = cfg.block_size;
         for step in 0..MAX_STEPS_AHEAD {
@@ -262,11 +276,11 @@ impl Reading<'_> {
                 // Nothing left running: the engine idles once the step in flight ends.
                 return None;
             }
-            if self.jitters.len() == step {
-                self.jitters.push_back(jitter_factor(self.rng, cfg.jitter));
+            if jitters.len() == step {
+                jitters.push_back(jitter_factor(rng, cfg.jitter));
             }
-            let duration = step_duration(self.profile, &shape, self.jitters[step]);
-            self.plan.push_back(duration);
+            let duration = step_duration(self.profile, &shape, jitters[step]);
+            plan.push_back(duration);
             t += duration;
             let mut finished = false;
             for a in ahead.iter_mut().filter(|a| a.scheduled > 0) {

@@ -86,11 +86,11 @@ impl Engine {
         // Each step takes the next jitter factor, drawn now or ahead by
         // `next_finish_bound`, and a step read there since the last request came or went
         // takes the duration found there.
-        let factor = match self.jitters.pop_front() {
+        let factor = match self.foresight.jitters.pop_front() {
             Some(factor) => factor,
-            None => jitter_factor(&mut self.rng, self.cfg.jitter),
+            None => jitter_factor(&mut self.foresight.rng, self.cfg.jitter),
         };
-        let duration = match self.plan.pop_front() {
+        let duration = match self.foresight.plan.pop_front() {
             Some(duration) => duration,
             None => step_duration(&self.profile, &self.shape(&batch), factor),
         };
