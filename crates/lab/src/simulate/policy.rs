@@ -961,10 +961,12 @@ mod tests {
             let flow = FlowSettings::default();
             Replica::new(3, models, SchedulerConfig::default(), flow, 7)
         };
-        // Built at the scrape, by whoever `hand_over` hands it to; and, its chore lost, at
-        // the publication, from the work the chore would have done.
+        // Built at the scrape, by whoever `hand_over` hands it to; and, for a replica whose
+        // scrapes are planned for another moment than they are published at, built at the
+        // publication from the replica's own record of the readings.
         let (mut ahead, mut at_publication) = (replica(), replica());
         let delay = Duration::from_millis(50);
+        let elsewhen = delay + Duration::from_nanos(1);
         for (n, waiting) in [(0u32, 0), (1, 3), (2, 1)] {
             let now = delay * n;
             ahead.scrape(
@@ -974,7 +976,8 @@ mod tests {
                 &mut |c| c(),
             );
             let mut lost = |chore: Chore| drop(chore);
-            at_publication.scrape(now, |i| metrics(waiting + i as u32), now + delay, &mut lost);
+            let read = |i: usize| metrics(waiting + i as u32);
+            at_publication.scrape(now, read, now + elsewhen, &mut lost);
             ahead.publish(now + delay);
             at_publication.publish(now + delay);
             let (built, wanted) = (ahead.fleet.snapshot(), at_publication.fleet.snapshot());
