@@ -41,11 +41,8 @@ pub struct Preparation {
 impl Preparation {
     fn ready(&self, request: TraceRequest, words: &mut Vec<u8>) -> Ready {
         let inference = self.bodies.then(|| {
-            let model = match request.adapter {
-                Some(a) => self.adapters.get(a as usize).map(String::as_str),
-                None => Some(&*self.model),
-            };
-            request.inference(self.api, model.unwrap_or_default(), words)
+            let model = request.model(&self.model, &self.adapters);
+            request.inference(self.api, model, words)
         });
         let tokens = request.engine_tokens(self.api, words);
         Ready {

@@ -506,11 +506,7 @@ impl<'s> World<'s> {
             return Ok(());
         }
         let api = self.setup.workload.api;
-        let model = match request.adapter {
-            Some(a) => self.adapter_names.get(a as usize).map(String::as_str),
-            None => Some(self.setup.workload.model.as_str()),
-        }
-        .unwrap_or_default();
+        let model = request.model(&self.setup.workload.model, &self.adapter_names);
         let slot = self.free.pop().unwrap_or_else(|| {
             self.slots.push(None);
             (self.slots.len() - 1) as u32

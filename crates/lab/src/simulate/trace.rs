@@ -224,6 +224,16 @@ impl PrefixWriter {
 }
 
 impl TraceRequest {
+    /// The model the request names: its adapter's name in `adapters` (by
+    /// [`Scale::adapter_names`]), else the base model `base`; empty for an adapter with no
+    /// name there.
+    pub fn model<'a>(&self, base: &'a str, adapters: &'a [String]) -> &'a str {
+        match self.adapter {
+            Some(a) => adapters.get(a as usize).map_or("", String::as_str),
+            None => base,
+        }
+    }
+
     /// The system prompt's words for this request's copy, into `buf` (cleared).
     fn system_words<'b>(&self, buf: &'b mut Vec<u8>) -> Option<&'b [u8]> {
         buf.clear();
