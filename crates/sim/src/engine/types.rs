@@ -110,8 +110,9 @@ pub enum EventKind {
         /// Synthetic token id.
         token_id: u32,
     },
-    /// The request finished (after its last token event). Boxed: an event is pushed and
-    /// moved for every token, and the summary would triple the size of all of them.
+    /// The request finished (after its last token event, where tokens are events).
+    /// Boxed: an event is pushed and moved for every token, and the summary would triple
+    /// the size of all of them.
     Finished(Box<Summary>),
 }
 
