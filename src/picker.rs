@@ -25,7 +25,7 @@ use kvroute_core::flow::{
 };
 use kvroute_core::kvevents::{PromptBlocks, TokenBlocks, matches_with_events, token_block_hashes};
 use kvroute_core::request::RouteRequest;
-use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
+use kvroute_core::scheduler::{self, Decision, Outlook, PickError, Picked, SchedulerConfig};
 use serde::Serialize;
 use tokio::sync::{broadcast, oneshot};
 use tracing::{debug, warn};
@@ -81,7 +81,7 @@ impl PrefixFrom {
 enum Placed {
     Routed(Decision, Option<Reservation>, PrefixFrom),
     /// No pod has room now; nothing was reserved.
-    NoRoom(Decision),
+    NoRoom(Outlook),
 }
 
 /// The router kvroute serves with.
@@ -692,10 +692,19 @@ impl LivePicker {
         // Matching reads the indexes' own shards: concurrent requests match in parallel.
         let (matches, prefix) = self.matches(blocks, fleet);
         let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
-        let decision = scheduler::pick(request, Some(&matches), fleet, config, &mut rand::rng())?;
-        if hold.declines(&decision) {
-            return Ok(Placed::NoRoom(decision));
-        }
+        let picked = scheduler::pick_unless(
+            request,
+            Some(&matches),
+            fleet,
+            config,
+            &mut rand::rng(),
+            |outlook| hold.declines(outlook),
+        )?;
+        let decision = match picked {
+            Picked::Decided(decision) => decision,
+            // Nothing scored: at overload, held requests are tried again and again.
+            Picked::Declined(outlook) => return Ok(Placed::NoRoom(outlook)),
+        };
         let mut capacity = 0;
         let reservation = fleet.pod(decision.endpoint).map(|(pod, load)| {
             capacity = pod.signals().map_or(0, |s| s.kv_capacity_tokens);
@@ -829,10 +838,10 @@ impl LivePicker {
                     elapsed,
                 ))
             }
-            Ok(Placed::NoRoom(decision)) => {
+            Ok(Placed::NoRoom(outlook)) => {
                 debug!(
-                    reason = decision.reason.as_str(),
-                    tokens = decision.tokens_needed,
+                    saturated = outlook.relaxed.saturation,
+                    tokens = outlook.tokens_needed,
                     "no pod has room"
                 );
                 self.hold(request, class, blocks, labels, first_token_visible, false)

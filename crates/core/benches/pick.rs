@@ -24,7 +24,7 @@ use kvroute_core::fleet::{
     ServedModels,
 };
 use kvroute_core::request::{InferenceRequest, RouteRequest};
-use kvroute_core::scheduler::{SchedulerConfig, pick};
+use kvroute_core::scheduler::{Outlook, Picked, SchedulerConfig, pick, pick_unless};
 
 const ADAPTERS: usize = 16;
 
@@ -42,12 +42,16 @@ enum Load {
     /// KV use 0–60 %, queues 0–2: every pod passes every filter, so every pod is read
     /// in full and scored (the pick's most expensive fleet of a given size).
     Light,
+    /// KV use 99.6–100 %, queues 8–15: no pod has room for the request (past the knee,
+    /// where flow control holds requests and tries them again at every finish).
+    Full,
 }
 
 fn fleet_loaded(pods: usize, rng: &mut SmallRng, load: Load) -> Fleet {
     let (waiting, kv_usage) = match load {
-        Load::Varied => (8, 0.95),
-        Load::Light => (3, 0.6),
+        Load::Varied => (0..8, 0.0..0.95),
+        Load::Light => (0..3, 0.0..0.6),
+        Load::Full => (8..16, 0.996..1.0),
     };
     let adapter_names: Vec<String> = (0..ADAPTERS).map(|a| format!("adapter-{a}")).collect();
     let served = Arc::new(ServedModels {
@@ -68,9 +72,9 @@ fn fleet_loaded(pods: usize, rng: &mut SmallRng, load: Load) -> Fleet {
                 endpoint,
                 true,
                 Some(Arc::new(PodMetrics {
-                    waiting: rng.random_range(0..waiting),
+                    waiting: rng.random_range(waiting.clone()),
                     running: rng.random_range(0..64),
-                    kv_usage: rng.random_range(0.0..kv_usage),
+                    kv_usage: rng.random_range(kv_usage.clone()),
                     kv_capacity_tokens: Some(400_000),
                     num_gpu_blocks: Some(25_000),
                     block_size: Some(16),
@@ -93,19 +97,25 @@ fn fleet_loaded(pods: usize, rng: &mut SmallRng, load: Load) -> Fleet {
 }
 
 /// The requests each fleet size is picked for, by case name (`..._light`: the request
-/// against a [`Load::Light`] fleet, where every pod is scored).
-const CASES: [&str; 5] = [
+/// against a [`Load::Light`] fleet, where every pod is scored; `..._full`: against a
+/// [`Load::Full`] one, where flow control declines the pick, `_declined` when it says so
+/// before the pods are scored, with `pick_unless`).
+const CASES: [&str; 7] = [
     "base_model",
     "lora_adapter",
     "lora_adapter_shared_prefix",
     "base_model_light",
     "lora_adapter_light",
+    "base_model_full",
+    "base_model_full_declined",
 ];
 
 /// The fleet a case is picked against.
 fn fleet_of(case: &str, pods: usize, rng: &mut SmallRng) -> Fleet {
     let load = if case.ends_with("_light") {
         Load::Light
+    } else if case.contains("_full") {
+        Load::Full
     } else {
         Load::Varied
     };
@@ -127,7 +137,9 @@ fn with_case<T>(
         prefix_context: 0,
     };
     let body = match case {
-        "base_model" | "base_model_light" => base_body,
+        "base_model" | "base_model_light" | "base_model_full" | "base_model_full_declined" => {
+            base_body
+        }
         _ => InferenceRequest {
             model: "adapter-3".into(),
             ..base_body
@@ -164,8 +176,21 @@ fn bench_pick(c: &mut Criterion) {
             let mut rng = SmallRng::seed_from_u64(42);
             let snapshot = fleet_of(case, size, &mut rng);
             with_case(case, &snapshot, |request, prefix| {
+                if case.contains("_full") {
+                    let placed = picked(case, request, prefix, &snapshot, &config, &mut rng);
+                    assert!(!placed, "{case}: no pod has room");
+                }
                 group.bench_with_input(BenchmarkId::new(case, size), &snapshot, |b, snapshot| {
-                    b.iter(|| pick(black_box(request), prefix, snapshot, &config, &mut rng))
+                    b.iter(|| {
+                        picked(
+                            case,
+                            black_box(request),
+                            prefix,
+                            snapshot,
+                            &config,
+                            &mut rng,
+                        )
+                    })
                 });
             });
         }
@@ -188,9 +213,32 @@ fn count_picks(spec: &str) {
     let config = SchedulerConfig::default();
     with_case(case, &snapshot, |request, prefix| {
         for _ in 0..picks {
-            black_box(pick(black_box(request), prefix, &snapshot, &config, &mut rng).ok());
+            black_box(picked(
+                case,
+                black_box(request),
+                prefix,
+                &snapshot,
+                &config,
+                &mut rng,
+            ));
         }
     });
+}
+
+/// One pick of `case`: whether it placed the request.
+fn picked(
+    case: &str,
+    request: &RouteRequest<'_>,
+    prefix: Option<&PrefixMatches>,
+    fleet: &Fleet,
+    config: &SchedulerConfig,
+    rng: &mut SmallRng,
+) -> bool {
+    if case.ends_with("_declined") {
+        let picked = pick_unless(request, prefix, fleet, config, rng, Outlook::lacks_room);
+        return matches!(picked, Ok(Picked::Decided(_)));
+    }
+    pick(request, prefix, fleet, config, rng).is_ok_and(|d| !d.lacks_room())
 }
 
 fn shared_prefix(request_blocks: u32, fleet: &Fleet, held: &[(SocketAddr, u32)]) -> PrefixMatches {

@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use std::hash::{Hash, Hasher};
 
 use crate::fleet::{ModelClass, Snapshot};
-use crate::scheduler::{Decision, SchedulerConfig};
+use crate::scheduler::{Outlook, SchedulerConfig};
 
 use super::{Priority, TenantShares, is_sheddable};
 
@@ -62,12 +62,13 @@ impl Hold {
         }
     }
 
-    /// Whether `decision` is declined.
-    pub fn declines(self, decision: &Decision) -> bool {
+    /// Whether a pick whose filters found `outlook` is declined
+    /// ([`crate::scheduler::pick_unless`]).
+    pub fn declines(self, outlook: &Outlook) -> bool {
         match self {
             Hold::Never => false,
-            Hold::WithoutKv => decision.lacks_room(),
-            Hold::WhenSaturated => decision.lacks_room() || decision.relaxed.saturation,
+            Hold::WithoutKv => outlook.lacks_room(),
+            Hold::WhenSaturated => outlook.lacks_room() || outlook.relaxed.saturation,
         }
     }
 }
@@ -221,18 +222,13 @@ mod tests {
 
     #[test]
     fn sheddable_requests_are_refused_already_when_every_pod_is_saturated() {
-        let mut decision = Decision {
-            endpoint: "10.0.0.1:8000".parse().expect("addr"),
-            fallbacks: Vec::new(),
-            reason: crate::scheduler::Reason::Fallback,
+        let mut decision = Outlook {
             relaxed: crate::scheduler::Relaxed {
                 saturation: true,
                 kv_headroom: false,
             },
-            tokens_needed: 10,
-            candidates: 1,
             could_fit: true,
-            ranked: Vec::new(),
+            tokens_needed: 10,
         };
         assert!(!Hold::Never.declines(&decision));
         assert!(!Hold::WithoutKv.declines(&decision));

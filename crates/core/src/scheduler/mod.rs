@@ -189,6 +189,33 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// What the filters found, as [`pick_unless`] shows it to its caller.
+    pub fn outlook(&self) -> Outlook {
+        Outlook {
+            relaxed: self.relaxed,
+            could_fit: self.could_fit,
+            tokens_needed: self.tokens_needed,
+        }
+    }
+
+    /// See [`Outlook::lacks_room`].
+    pub fn lacks_room(&self) -> bool {
+        self.outlook().lacks_room()
+    }
+}
+
+/// What the filters found of a request before any pod is scored: enough for flow control
+/// to decline placing it ([`pick_unless`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Outlook {
+    pub relaxed: Relaxed,
+    /// Whether some candidate's whole KV pool could hold the request.
+    pub could_fit: bool,
+    /// Tokens the request is expected to occupy (prompt + expected output).
+    pub tokens_needed: u64,
+}
+
+impl Outlook {
     /// No pod has the free KV the request needs now (the pick is the least bad), yet one
     /// could hold it once it drains. Placed now, the request would make the pod preempt
     /// running requests; flow control holds it instead. (Every pod *saturated* is not
@@ -200,6 +227,14 @@ impl Decision {
     }
 }
 
+/// A pick that may stop once the filters have spoken ([`pick_unless`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Picked {
+    Decided(Decision),
+    /// The caller declined what the filters found; nothing was scored.
+    Declined(Outlook),
+}
+
 /// Picks the pod for `request` (see the module docs for the rules). `prefix` holds how
 /// much of the prompt each pod likely caches, as the caller's prefix memory says.
 pub fn pick<R: Rng + ?Sized>(
@@ -209,20 +244,73 @@ pub fn pick<R: Rng + ?Sized>(
     config: &SchedulerConfig,
     rng: &mut R,
 ) -> Result<Decision, PickError> {
-    let tokens_needed = tokens_needed(request, config);
-    let demand = filter::Demand {
-        prompt: u64::from(request.prompt_tokens()).min(tokens_needed),
-        tokens: tokens_needed,
-        prefix,
+    let stage = Filtering::run(request, prefix, fleet, config)?;
+    Ok(stage.decide(request, config, rng.next_u64()))
+}
+
+/// [`pick`], unless `declines` declines the [`Outlook`] its filters find: then the pods
+/// are neither scored nor ranked (at overload, where flow control declines most picks of
+/// the requests it holds, that is most of their cost). `rng` is left as [`pick`] leaves
+/// it, so that declining early changes no later decision.
+pub fn pick_unless<R: Rng + ?Sized>(
+    request: &RouteRequest<'_>,
+    prefix: Option<&PrefixMatches>,
+    fleet: &Fleet,
+    config: &SchedulerConfig,
+    rng: &mut R,
+    declines: impl FnOnce(&Outlook) -> bool,
+) -> Result<Picked, PickError> {
+    let stage = Filtering::run(request, prefix, fleet, config)?;
+    // Drawn whether or not the pick goes on: one draw per pick that passed the filters.
+    let draw = rng.next_u64();
+    let outlook = Outlook {
+        relaxed: stage.filtered.relaxed,
+        could_fit: stage.filtered.could_fit,
+        tokens_needed: stage.tokens_needed,
     };
-    let adapter = request
-        .model()
-        .filter(|model| lora::is_adapter(model, fleet.snapshot(), config));
-    let scorer = score::Scorer::new(fleet, prefix, demand, adapter, config);
-    let filtered = filter::filter(request, fleet, &demand, config, &scorer)?;
-    let scorer = scorer.with_max_inflight(filtered.max_inflight);
-    let ranking = rank::rank(&filtered, &scorer, config, rng);
-    Ok(decide(request, &filtered, ranking, tokens_needed, config))
+    if declines(&outlook) {
+        return Ok(Picked::Declined(outlook));
+    }
+    Ok(Picked::Decided(stage.decide(request, config, draw)))
+}
+
+/// A pick past its filters.
+struct Filtering<'a> {
+    scorer: score::Scorer<'a>,
+    filtered: filter::Filtered,
+    tokens_needed: u64,
+}
+
+impl<'a> Filtering<'a> {
+    fn run(
+        request: &'a RouteRequest<'a>,
+        prefix: Option<&'a PrefixMatches>,
+        fleet: &'a Fleet,
+        config: &'a SchedulerConfig,
+    ) -> Result<Self, PickError> {
+        let tokens_needed = tokens_needed(request, config);
+        let demand = filter::Demand {
+            prompt: u64::from(request.prompt_tokens()).min(tokens_needed),
+            tokens: tokens_needed,
+            prefix,
+        };
+        let adapter = request
+            .model()
+            .filter(|model| lora::is_adapter(model, fleet.snapshot(), config));
+        let scorer = score::Scorer::new(fleet, prefix, demand, adapter, config);
+        let filtered = filter::filter(request, fleet, &demand, config, &scorer)?;
+        Ok(Filtering {
+            scorer: scorer.with_max_inflight(filtered.max_inflight),
+            filtered,
+            tokens_needed,
+        })
+    }
+
+    /// Ranks the candidates, `draw` breaking a tie, and decides.
+    fn decide(self, request: &RouteRequest<'_>, config: &SchedulerConfig, draw: u64) -> Decision {
+        let ranking = rank::rank(&self.filtered, &self.scorer, config, draw);
+        decide(request, &self.filtered, ranking, self.tokens_needed, config)
+    }
 }
 
 /// The decision from a ranking: its reason, fallbacks and trace.

@@ -1,8 +1,6 @@
 //! Stage 3: the winner and the runners-up. The best total wins; candidates within
 //! [`TIE_EPSILON`] of it tie, and the tie is broken at random (the n-th tied candidate in
-//! snapshot order, which is deterministic, so the choice depends only on the RNG).
-
-use rand::Rng;
+//! snapshot order, which is deterministic, so the choice depends only on the draw).
 
 use super::filter::Filtered;
 use super::score::Scorer;
@@ -22,12 +20,12 @@ pub(super) struct Ranking {
 
 /// Ranks the accepted candidates in one pass: every total (kept for the tie-break), the
 /// best total, how many share it, and the best few in order. The full breakdown is
-/// computed only for the few that are kept.
-pub(super) fn rank<R: Rng + ?Sized>(
+/// computed only for the few that are kept. `draw`, uniform over `u64`, breaks the tie.
+pub(super) fn rank(
     filtered: &Filtered,
     scorer: &Scorer<'_>,
     config: &SchedulerConfig,
-    rng: &mut R,
+    draw: u64,
 ) -> Ranking {
     let runners_up = runners_up(config);
     let mut scan = Scan::new(filtered.candidates.len(), kept(config));
@@ -52,7 +50,7 @@ pub(super) fn rank<R: Rng + ?Sized>(
         tied,
         top,
     } = scan;
-    let nth = rng.random_range(0..tied.max(1));
+    let nth = nth_of(draw, tied.max(1));
     // The soft filters never empty the set, so some candidate is always accepted.
     let winner = totals
         .iter()
@@ -71,6 +69,13 @@ pub(super) fn rank<R: Rng + ?Sized>(
             .collect(),
         accepted: filtered.accepted,
     }
+}
+
+/// `draw`, uniform over `u64`, as an index uniform over `0..n` (to within `n / 2⁶⁴`): the
+/// high word of `draw × n`. One draw whatever `n`, so a pick that stops before ranking can
+/// take the same draw and leave the generator where a full pick would.
+fn nth_of(draw: u64, n: usize) -> usize {
+    ((u128::from(draw) * n as u128) >> 64) as usize
 }
 
 /// The runners-up a decision names: its fallbacks, and the trace's candidates but the
@@ -151,5 +156,26 @@ impl TopK {
             .into_iter()
             .map(|(_, position)| position)
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nth_of;
+
+    #[test]
+    fn a_draw_maps_onto_every_index_in_equal_shares() {
+        assert_eq!(nth_of(0, 1), 0);
+        assert_eq!(nth_of(u64::MAX, 1), 0);
+        assert_eq!(nth_of(u64::MAX, 7), 6);
+        // Draws spread evenly over the u64 range land evenly over the indexes.
+        let n = 5;
+        let mut shares = [0usize; 5];
+        let step = u64::MAX / 1_000;
+        for k in 0..1_000 {
+            shares[nth_of(k * step, n)] += 1;
+        }
+        // (Each boundary draw falls just below its index: one draw moves per boundary.)
+        assert!(shares.iter().all(|&s| s.abs_diff(200) <= 1), "{shares:?}");
     }
 }

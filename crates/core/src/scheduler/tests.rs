@@ -493,6 +493,46 @@ fn a_request_lacks_room_when_no_pod_has_its_kv_not_when_pods_are_only_saturated(
     assert!(!decision.lacks_room(), "{decision:?}");
 }
 
+/// Flow control declines a pick that lacks room before any pod is scored, and leaves the
+/// generator as the full pick would: the next pick breaks its ties alike.
+#[test]
+fn a_pick_can_be_declined_on_what_its_filters_found() {
+    let full = |n| with_metrics(pod(n), |m| m.kv_usage = 0.9999);
+    let ask = request("base", 1_000);
+    let inference = ask.inference();
+    let route = RouteRequest {
+        inference: inference.as_ref(),
+        subset: None,
+    };
+    let config = SchedulerConfig::default();
+    for (snapshot, lacks_room) in [
+        (fleet(vec![full(1), full(2)]), true),
+        (fleet(vec![full(1), pod(3)]), false),
+    ] {
+        let (mut early, mut whole) = (SmallRng::seed_from_u64(5), SmallRng::seed_from_u64(5));
+        let picked = super::pick_unless(&route, None, &snapshot, &config, &mut early, |o| {
+            o.lacks_room()
+        })
+        .expect("filtered");
+        let decision = super::pick(&route, None, &snapshot, &config, &mut whole).expect("placed");
+        assert_eq!(decision.lacks_room(), lacks_room);
+        match picked {
+            super::Picked::Declined(outlook) => {
+                assert!(lacks_room);
+                assert_eq!(outlook, decision.outlook());
+            }
+            super::Picked::Decided(early) => {
+                assert!(!lacks_room);
+                assert_eq!(early, decision);
+            }
+        }
+        assert_eq!(
+            rand::RngCore::next_u64(&mut early),
+            rand::RngCore::next_u64(&mut whole)
+        );
+    }
+}
+
 /// Waiting cannot help a request larger than any pod's whole KV pool: it is placed (and
 /// the pod answers it), not held until its wait runs out.
 #[test]

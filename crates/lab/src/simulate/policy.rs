@@ -46,7 +46,7 @@ use kvroute_core::kvevents::{
     token_block_hashes,
 };
 use kvroute_core::request::{InferenceRequest, RouteRequest};
-use kvroute_core::scheduler::{self, Decision, PickError, SchedulerConfig};
+use kvroute_core::scheduler::{self, Decision, PickError, Picked, SchedulerConfig};
 
 use super::cache_aware::CacheAware;
 use super::flow::{
@@ -773,10 +773,12 @@ fn place(
         ),
         None => guessed,
     };
-    let decision = scheduler::pick(&route, Some(&matches), fleet, config, rng)?;
-    if hold.declines(&decision) {
-        return Ok(Placed::NoRoom);
-    }
+    let decision = match scheduler::pick_unless(&route, Some(&matches), fleet, config, rng, |o| {
+        hold.declines(o)
+    })? {
+        Picked::Decided(decision) => decision,
+        Picked::Declined(_) => return Ok(Placed::NoRoom),
+    };
     let pod = fleet
         .snapshot()
         .position(decision.endpoint)

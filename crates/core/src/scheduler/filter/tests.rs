@@ -207,6 +207,59 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(config(300))]
+
+    /// A pick declined on its filters' outlook is one the whole pick would have declined,
+    /// one not declined is the whole pick's decision, and either leaves the generator where
+    /// the whole pick does.
+    #[test]
+    fn a_pick_declined_before_scoring_is_the_whole_picks_and_draws_alike(
+        pods in prop::collection::vec(pod(), 1..64),
+        prompt in 0..2_000u32,
+        output in 0..300u32,
+        with_matches in prop::bool::weighted(0.7),
+        adapter in prop::option::weighted(0.5, 0..ADAPTERS),
+        hold in 0..3u8,
+        seed in any::<u64>(),
+    ) {
+        let fleet = fleet_of(&pods);
+        let prefix = matches_of(&pods, &fleet);
+        let adapter = adapter.map(adapter_name);
+        let inference = inference_of(adapter.as_deref().unwrap_or("base"), prompt, output);
+        let request = RouteRequest { inference: Some(&inference), subset: None };
+        let prefix = with_matches.then_some(&prefix);
+        let scheduler = SchedulerConfig::default();
+        let declines = |o: &crate::scheduler::Outlook| match hold {
+            0 => o.lacks_room(),
+            1 => o.lacks_room() || o.relaxed.saturation,
+            _ => false,
+        };
+        let mut whole_rng = rand::rngs::SmallRng::seed_from_u64(seed);
+        let mut early_rng = rand::rngs::SmallRng::seed_from_u64(seed);
+        let whole = crate::scheduler::pick(&request, prefix, &fleet, &scheduler, &mut whole_rng);
+        let early = crate::scheduler::pick_unless(
+            &request, prefix, &fleet, &scheduler, &mut early_rng, declines,
+        );
+        match (whole, early) {
+            (Err(whole), Err(early)) => prop_assert_eq!(whole, early),
+            (Ok(whole), Ok(crate::scheduler::Picked::Decided(early))) => {
+                prop_assert!(!declines(&whole.outlook()));
+                prop_assert_eq!(whole, early);
+            }
+            (Ok(whole), Ok(crate::scheduler::Picked::Declined(outlook))) => {
+                prop_assert!(declines(&whole.outlook()));
+                prop_assert_eq!(whole.outlook(), outlook);
+            }
+            (whole, early) => prop_assert!(false, "{whole:?} against {early:?}"),
+        }
+        prop_assert_eq!(
+            rand::RngCore::next_u64(&mut whole_rng),
+            rand::RngCore::next_u64(&mut early_rng)
+        );
+    }
+}
+
 /// The filter's outcome, and that of a pass recording every pod.
 fn both_passes(
     request: &RouteRequest<'_>,
@@ -245,8 +298,8 @@ fn decision(
 ) -> crate::scheduler::Decision {
     let scorer = Scorer::new(fleet, demand.prefix, demand, adapter, config)
         .with_max_inflight(filtered.max_inflight);
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
-    let ranking = crate::scheduler::rank::rank(filtered, &scorer, config, &mut rng);
+    let draw = rand::RngCore::next_u64(&mut rand::rngs::SmallRng::seed_from_u64(seed));
+    let ranking = crate::scheduler::rank::rank(filtered, &scorer, config, draw);
     crate::scheduler::decide(request, filtered, ranking, demand.tokens, config)
 }
 
