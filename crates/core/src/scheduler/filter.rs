@@ -24,6 +24,8 @@ use prune::{PRUNE_FROM_PODS, Prune, Pruning, most_inflight_anywhere};
 /// Soft-filter outcomes of one pod, as bits: a pod passes a filter when its bit is set.
 pub(super) const NOT_SATURATED: u8 = 1;
 pub(super) const FITS: u8 = 2;
+/// A pod that passes every soft filter has both bits.
+const PASSES: u8 = NOT_SATURATED | FITS;
 /// Not a filter: the pod has metrics at all.
 pub(super) const HAS_METRICS: u8 = 4;
 /// Flag combinations: `flags` takes values below this.
@@ -365,9 +367,9 @@ struct Pass {
 /// same either way.
 ///
 /// Where no pod holds half the prompt, stickiness cannot apply: the first pass then keeps
-/// only the pods that pass every soft filter, scoring each while it is at hand, and only
-/// counts the rest. Should no pod pass them all, the fleet is read again recording every
-/// pod, and the soft filters relax as they must.
+/// only the pods that pass every soft filter, scoring each while it is at hand. Until one
+/// passes it also records each pod in full: should none pass them all (at overload), the
+/// pass has recorded every pod, and the soft filters relax as they must.
 pub(super) fn filter(
     request: &RouteRequest<'_>,
     fleet: &Fleet,
@@ -409,7 +411,8 @@ fn filter_reading(
         Record::Caching(floor) => floor,
         Record::Passing => 0,
     };
-    if sticky_floor < likely_floor || (first == Record::Passing && pass.recorded.is_empty()) {
+    // (A pass of passing pods in which none passed read every pod in full.)
+    if sticky_floor < likely_floor {
         pass = read(Record::Caching(0))?;
         sticky_floor = self::sticky_floor(&pass, demand.prompt);
     }
@@ -589,6 +592,40 @@ fn blocks_by_pod<'a>(demand: &Demand<'a>, pods: usize) -> (u64, Cow<'a, [u32]>) 
     (block_tokens, blocks)
 }
 
+/// What a pass keeps of every pod it reads, for the soft filters and stickiness.
+#[derive(Clone, Copy)]
+struct Tally {
+    could_fit: bool,
+    best_cached: u32,
+    least_load: u32,
+}
+
+impl Tally {
+    const EMPTY: Tally = Tally {
+        could_fit: false,
+        best_cached: 0,
+        least_load: u32::MAX,
+    };
+
+    /// Notes the pod in `row`, caching `cached` of the prompt, with `load` requests on it.
+    #[inline(always)]
+    fn note(&mut self, row: &PodRow, demand: &Demand<'_>, cached: u32, load: u32) {
+        // A pod that does not report its pool's size might hold anything.
+        self.could_fit =
+            self.could_fit || row.capacity == 0 || row.capacity >= demand.needed(cached);
+        self.best_cached = self.best_cached.max(cached);
+        self.least_load = self.least_load.min(load);
+    }
+}
+
+/// Counts a pod with `flags` and `inflight` requests in its flag combination's entry.
+#[inline(always)]
+fn count(by_flags: &mut [(usize, u32); COMBINATIONS], flags: u8, inflight: u32) {
+    let (count, most_inflight) = &mut by_flags[usize::from(flags)];
+    *count += 1;
+    *most_inflight = (*most_inflight).max(inflight);
+}
+
 /// One pass over the fleet: the hard filters, then each remaining pod read into its
 /// [`Candidate`], recorded when it caches at least `record_floor` prompt tokens and
 /// counted in [`Pass::others`] otherwise.
@@ -609,7 +646,7 @@ fn read_pods(
     };
     let mut others = [(0usize, 0u32); COMBINATIONS];
     let mut recorded_by_flags = [(0usize, 0u32); COMBINATIONS];
-    let (mut could_fit, mut best_cached, mut least_load) = (false, 0u32, u32::MAX);
+    let mut tally = Tally::EMPTY;
     let reading = Reading::new(demand, config);
     let (block_tokens, blocks) = blocks_by_pod(demand, pods);
     for ((index, (row, load)), &blocks) in fleet.rows().enumerate().zip(blocks.iter()) {
@@ -617,23 +654,22 @@ fn read_pods(
             continue;
         }
         let cached = demand.cached(blocks, block_tokens);
-        could_fit = could_fit || row.capacity == 0 || row.capacity >= demand.needed(cached);
-        best_cached = best_cached.max(cached);
         if cached >= record_floor {
             let candidate = Candidate::read(index, row, load, cached, &reading);
-            least_load = least_load.min(candidate.load());
-            let (count, most_inflight) = &mut recorded_by_flags[usize::from(candidate.flags)];
-            *count += 1;
-            *most_inflight = (*most_inflight).max(candidate.inflight);
+            tally.note(row, demand, cached, candidate.load());
+            count(&mut recorded_by_flags, candidate.flags, candidate.inflight);
             recorded.push(candidate);
         } else {
             // Only what the counts need: fewer values live across the loop.
             let (flags, _) = reading.flags(row, load, cached);
             let inflight = load.inflight();
-            least_load = least_load.min(self::load(inflight, reported_waiting(row)));
-            let (count, most_inflight) = &mut others[usize::from(flags)];
-            *count += 1;
-            *most_inflight = (*most_inflight).max(inflight);
+            tally.note(
+                row,
+                demand,
+                cached,
+                self::load(inflight, reported_waiting(row)),
+            );
+            count(&mut others, flags, inflight);
         }
     }
     hard.verdict(recorded.len() + others.iter().map(|(count, _)| count).sum::<usize>())?;
@@ -642,17 +678,18 @@ fn read_pods(
         partials: Vec::new(),
         others,
         recorded_by_flags,
-        could_fit,
-        best_cached,
-        least_load,
+        could_fit: tally.could_fit,
+        best_cached: tally.best_cached,
+        least_load: tally.least_load,
     })
 }
 
 /// [`read_pods`] recording only the candidates that pass every soft filter
 /// ([`Record::Passing`]), each scored by `scorer` as it is read. For requests no pod
-/// holds half the prompt of, and only when some pod passes: a pass that recorded none
-/// (and counted nothing, nor found the hard filters' verdict) is read again with
-/// [`read_pods`].
+/// holds half the prompt of. Until some pod passes, each pod is also read in full, as
+/// [`read_pods`] with no floor reads it: a pass in which none passes (every pick at
+/// overload) is then that pass, and the fleet is not read again; the pods read before
+/// the first that passes are forgotten.
 ///
 /// As `pruning` says, a passing pod whose total cannot reach the ranking's kept few is
 /// counted but not recorded ([`Prune`]); the ranking comes out the same.
@@ -666,10 +703,13 @@ fn read_passing<const MATCHES: bool>(
     pruning: Pruning,
 ) -> Result<Pass, PickError> {
     let mut hard = HardFilters::new(request, fleet, config)?;
+    let reading = Reading::new(demand, config);
+    if let Some(none_passes) = read_until_passing::<MATCHES>(&mut hard, fleet, demand, &reading)? {
+        return Ok(none_passes);
+    }
     let pods = fleet.snapshot().pods().len();
     let (mut recorded, mut partials) = (Vec::with_capacity(pods), Vec::with_capacity(pods));
     let mut recorded_by_flags = [(0usize, 0u32); COMBINATIONS];
-    let reading = Reading::new(demand, config);
     let (block_tokens, blocks) = blocks_by_pod(demand, pods);
     let most_anywhere = match pruning {
         Pruning::Off => None,
@@ -679,12 +719,13 @@ fn read_passing<const MATCHES: bool>(
         Pruning::AssumingAtMost(most) => Some(most),
     };
     let mut pruning = most_anywhere.map(|most| Prune::new(most, kept(config)));
-    // Of a pod that fails a soft filter nothing is kept: when some pod passes them all,
-    // the filters keep exactly the pods that do, and the pods that fail one count
-    // nowhere (neither among the accepted nor in the in-flight scale). Neither is
-    // whether some pod could fit the request (a pod that passes fits it), nor the least
-    // load (without a holder of half the prompt stickiness, which compares loads,
-    // cannot apply). When no pod passes, the caller reads the fleet again.
+    // Some pod passes, so nothing is kept of a pod that fails a soft filter: the filters
+    // keep exactly the pods that pass, and the pods that fail one count nowhere (neither
+    // among the accepted nor in the in-flight scale). Neither is whether some pod could
+    // fit the request (a pod that passes fits it), nor the least load (without a holder
+    // of half the prompt stickiness, which compares loads, cannot apply). The pods read
+    // before the first that passes are read again, at the cost of a filter each: this
+    // loop over every pod ran faster than one over the rest (tried).
     for ((index, (row, load)), &blocks) in fleet.rows().enumerate().zip(blocks.iter()) {
         if !hard.admit(index, row) {
             continue;
@@ -694,38 +735,36 @@ fn read_passing<const MATCHES: bool>(
         } else {
             0
         };
-        if let Some((flags, free_kv)) = reading.passing_flags(row, load, cached) {
-            let candidate =
-                Candidate::with_flags(index, row, load, cached, &reading, flags, free_kv);
-            let (count, most_inflight) = &mut recorded_by_flags[usize::from(flags)];
-            *count += 1;
-            *most_inflight = (*most_inflight).max(candidate.inflight);
-            // For an adapter request the LoRA term alone often rules a pod out (one not
-            // running the adapter is at least 0.3 below one that does at the default
-            // weights, 1.2 with a free slot): first at its best without the pod's
-            // remembered adapters, then as it is.
-            if let Some(pruning) = pruning.as_mut()
-                && scorer.for_adapter()
-                && pruning.drops_unscored(scorer, &candidate, scorer.lora_term_ceiling(&candidate))
-            {
-                continue;
-            }
-            let lora = scorer.lora_term(&candidate);
-            if let Some(pruning) = pruning.as_mut()
-                && scorer.for_adapter()
-                && pruning.drops_unscored(scorer, &candidate, lora)
-            {
-                continue;
-            }
-            let partial = scorer.partial_with_lora(&candidate, row, lora);
-            if let Some(pruning) = pruning.as_mut()
-                && pruning.drops(scorer, &partial, candidate.inflight)
-            {
-                continue;
-            }
-            partials.push(partial);
-            recorded.push(candidate);
+        let Some((flags, free_kv)) = reading.passing_flags(row, load, cached) else {
+            continue;
+        };
+        let candidate = Candidate::with_flags(index, row, load, cached, &reading, flags, free_kv);
+        count(&mut recorded_by_flags, flags, candidate.inflight);
+        // For an adapter request the LoRA term alone often rules a pod out (one not
+        // running the adapter is at least 0.3 below one that does at the default
+        // weights, 1.2 with a free slot): first at its best without the pod's
+        // remembered adapters, then as it is.
+        if let Some(pruning) = pruning.as_mut()
+            && scorer.for_adapter()
+            && pruning.drops_unscored(scorer, &candidate, scorer.lora_term_ceiling(&candidate))
+        {
+            continue;
         }
+        let lora = scorer.lora_term(&candidate);
+        if let Some(pruning) = pruning.as_mut()
+            && scorer.for_adapter()
+            && pruning.drops_unscored(scorer, &candidate, lora)
+        {
+            continue;
+        }
+        let partial = scorer.partial_with_lora(&candidate, row, lora);
+        if let Some(pruning) = pruning.as_mut()
+            && pruning.drops(scorer, &partial, candidate.inflight)
+        {
+            continue;
+        }
+        partials.push(partial);
+        recorded.push(candidate);
     }
     if pruning.is_some_and(|pruning| !pruning.bound_held()) {
         // A request arrived at some pod between the two reads of the counters: the bound
@@ -733,7 +772,7 @@ fn read_passing<const MATCHES: bool>(
         return read_passing::<MATCHES>(request, fleet, demand, config, scorer, Pruning::Off);
     }
     Ok(Pass {
-        could_fit: !recorded.is_empty(),
+        could_fit: true,
         recorded,
         partials,
         others: [(0, 0); COMBINATIONS],
@@ -741,6 +780,54 @@ fn read_passing<const MATCHES: bool>(
         best_cached: 0,
         least_load: 0,
     })
+}
+
+/// The start of [`read_passing`]: each pod read in full, as [`read_pods`] with no floor
+/// reads it, until one passes every soft filter (`None`); if none does, that pass. Apart from the loop that follows, which
+/// it would slow down (it is the pick's hottest, over most of the fleet when any pod
+/// passes).
+#[inline(never)]
+fn read_until_passing<const MATCHES: bool>(
+    hard: &mut HardFilters<'_>,
+    fleet: &Fleet,
+    demand: &Demand<'_>,
+    reading: &Reading<'_>,
+) -> Result<Option<Pass>, PickError> {
+    let pods = fleet.snapshot().pods().len();
+    let (block_tokens, blocks) = blocks_by_pod(demand, pods);
+    let (mut recorded, mut recorded_by_flags) = (Vec::new(), [(0usize, 0u32); COMBINATIONS]);
+    let mut tally = Tally::EMPTY;
+    for ((index, (row, load)), &blocks) in fleet.rows().enumerate().zip(blocks.iter()) {
+        if !hard.admit(index, row) {
+            continue;
+        }
+        let cached = if MATCHES {
+            demand.cached(blocks, block_tokens)
+        } else {
+            0
+        };
+        let (flags, free_kv) = reading.flags(row, load, cached);
+        if flags & PASSES == PASSES {
+            return Ok(None);
+        }
+        let candidate = Candidate::with_flags(index, row, load, cached, reading, flags, free_kv);
+        tally.note(row, demand, cached, candidate.load());
+        count(&mut recorded_by_flags, flags, candidate.inflight);
+        if recorded.is_empty() {
+            recorded.reserve(pods);
+        }
+        recorded.push(candidate);
+    }
+    hard.verdict(recorded.len())?;
+    Ok(Some(Pass {
+        recorded,
+        partials: Vec::new(),
+        others: [(0, 0); COMBINATIONS],
+        recorded_by_flags,
+        could_fit: tally.could_fit,
+        best_cached: tally.best_cached,
+        least_load: tally.least_load,
+    }))
 }
 
 /// The sticky floor ([`sticky_floor`]) if the pod caching the most of the prompt is a
