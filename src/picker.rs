@@ -25,7 +25,7 @@ use kvroute_core::flow::{
 };
 use kvroute_core::kvevents::{PromptBlocks, TokenBlocks, matches_with_events, token_block_hashes};
 use kvroute_core::request::RouteRequest;
-use kvroute_core::scheduler::{self, Decision, Outlook, PickError, Picked, SchedulerConfig};
+use kvroute_core::scheduler::{Decision, Outlook, PickError, Picked, SchedulerConfig};
 use serde::Serialize;
 use tokio::sync::{broadcast, oneshot};
 use tracing::{debug, warn};
@@ -692,14 +692,7 @@ impl LivePicker {
         // Matching reads the indexes' own shards: concurrent requests match in parallel.
         let (matches, prefix) = self.matches(blocks, fleet);
         let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
-        let picked = scheduler::pick_unless(
-            request,
-            Some(&matches),
-            fleet,
-            config,
-            &mut rand::rng(),
-            |outlook| hold.declines(outlook),
-        )?;
+        let picked = hold.pick(request, Some(&matches), fleet, config, &mut rand::rng())?;
         let decision = match picked {
             Picked::Decided(decision) => decision,
             // Nothing scored: at overload, held requests are tried again and again.

@@ -11,8 +11,11 @@
 use std::borrow::Cow;
 use std::hash::{Hash, Hasher};
 
-use crate::fleet::{ModelClass, Snapshot};
-use crate::scheduler::{Outlook, SchedulerConfig};
+use rand::Rng;
+
+use crate::fleet::{Fleet, ModelClass, PrefixMatches, Snapshot};
+use crate::request::RouteRequest;
+use crate::scheduler::{self, Outlook, PickError, Picked, SchedulerConfig};
 
 use super::{Priority, TenantShares, is_sheddable};
 
@@ -70,6 +73,25 @@ impl Hold {
             Hold::WithoutKv => outlook.lacks_room(),
             Hold::WhenSaturated => outlook.lacks_room() || outlook.relaxed.saturation,
         }
+    }
+
+    /// Picks the pod for `request` unless this hold declines the pick
+    /// ([`scheduler::pick_unless`]; [`scheduler::pick`] where it never declines, which
+    /// reads the fleet once where no pod passes the soft filters).
+    pub fn pick<R: Rng + ?Sized>(
+        self,
+        request: &RouteRequest<'_>,
+        prefix: Option<&PrefixMatches>,
+        fleet: &Fleet,
+        config: &SchedulerConfig,
+        rng: &mut R,
+    ) -> Result<Picked, PickError> {
+        if self == Hold::Never {
+            return scheduler::pick(request, prefix, fleet, config, rng).map(Picked::Decided);
+        }
+        scheduler::pick_unless(request, prefix, fleet, config, rng, |outlook| {
+            self.declines(outlook)
+        })
     }
 }
 

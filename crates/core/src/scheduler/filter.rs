@@ -386,6 +386,86 @@ pub(super) fn filter(
     filter_reading(request, fleet, demand, config, scorer, first)
 }
 
+/// What [`filter_unless`] found.
+#[derive(Debug)]
+pub(super) enum Screened {
+    /// The candidates, as [`filter`] keeps them.
+    Kept(Filtered),
+    /// What the caller declined, before the pods were read in full.
+    Declined { relaxed: Relaxed, could_fit: bool },
+}
+
+/// [`filter`], unless `declines` declines what the soft filters found (`relaxed`, and
+/// whether some pod could fit the request). Where stickiness cannot apply and no pod
+/// passes every soft filter (every pick at overload), that is known from the pods'
+/// flags alone, and a declined pick reads nothing more; otherwise the fleet is read as
+/// [`filter`] reads it and the caller judges its outcome.
+pub(super) fn filter_unless(
+    request: &RouteRequest<'_>,
+    fleet: &Fleet,
+    demand: &Demand<'_>,
+    config: &SchedulerConfig,
+    scorer: &Scorer<'_>,
+    declines: &dyn Fn(Relaxed, bool) -> bool,
+) -> Result<Screened, PickError> {
+    if likely_sticky_floor(demand) > 0 {
+        return filter(request, fleet, demand, config, scorer).map(Screened::Kept);
+    }
+    let flags = if demand.prefix.is_some_and(PrefixMatches::any) {
+        flags_unless_passing::<true>(request, fleet, demand, config)?
+    } else {
+        flags_unless_passing::<false>(request, fleet, demand, config)?
+    };
+    let Some((present, could_fit)) = flags else {
+        return filter_reading(request, fleet, demand, config, scorer, Record::Passing)
+            .map(Screened::Kept);
+    };
+    // No pod passes: the soft filters relax as they will once every pod is read (without
+    // a holder of half the prompt, stickiness cannot apply).
+    let (_, relaxed) = soft_filters(&present);
+    if declines(relaxed, could_fit) {
+        return Ok(Screened::Declined { relaxed, could_fit });
+    }
+    filter_reading(request, fleet, demand, config, scorer, Record::Caching(0)).map(Screened::Kept)
+}
+
+/// The soft-filter flag combinations present among the pods that pass the hard filters,
+/// and whether one could fit the request ([`read_pods`]' `could_fit`), unless some pod
+/// passes every soft filter (`None`).
+#[inline(never)]
+fn flags_unless_passing<const MATCHES: bool>(
+    request: &RouteRequest<'_>,
+    fleet: &Fleet,
+    demand: &Demand<'_>,
+    config: &SchedulerConfig,
+) -> Result<Option<([bool; COMBINATIONS], bool)>, PickError> {
+    let mut hard = HardFilters::new(request, fleet, config)?;
+    let pods = fleet.snapshot().pods().len();
+    let reading = Reading::new(demand, config);
+    let (block_tokens, blocks) = blocks_by_pod(demand, pods);
+    let (mut present, mut admitted, mut tally) = ([false; COMBINATIONS], 0, Tally::EMPTY);
+    for ((index, (row, load)), &blocks) in fleet.rows().enumerate().zip(blocks.iter()) {
+        if !hard.admit(index, row) {
+            continue;
+        }
+        let cached = if MATCHES {
+            demand.cached(blocks, block_tokens)
+        } else {
+            0
+        };
+        let (flags, _) = reading.flags(row, load, cached);
+        if flags & PASSES == PASSES {
+            return Ok(None);
+        }
+        present[usize::from(flags)] = true;
+        admitted += 1;
+        // The least load and the best cached share matter only to stickiness.
+        tally.note(row, demand, cached, 0);
+    }
+    hard.verdict(admitted)?;
+    Ok(Some((present, tally.could_fit)))
+}
+
 /// [`filter`], whose first pass records as `first` says.
 fn filter_reading(
     request: &RouteRequest<'_>,

@@ -244,50 +244,68 @@ pub fn pick<R: Rng + ?Sized>(
     config: &SchedulerConfig,
     rng: &mut R,
 ) -> Result<Decision, PickError> {
-    let stage = Filtering::run(request, prefix, fleet, config)?;
-    Ok(stage.decide(request, config, rng.next_u64()))
+    let ask = Ask::new(request, prefix, fleet, config);
+    let filtered = filter::filter(request, fleet, &ask.demand, config, &ask.scorer)?;
+    Ok(ask.decide(request, filtered, config, rng.next_u64()))
 }
 
 /// [`pick`], unless `declines` declines the [`Outlook`] its filters find: then the pods
-/// are neither scored nor ranked (at overload, where flow control declines most picks of
-/// the requests it holds, that is most of their cost). `rng` is left as [`pick`] leaves
-/// it, so that declining early changes no later decision.
+/// are neither scored nor ranked, and where no pod passes every soft filter (at
+/// overload, where flow control declines most picks of the requests it holds) only
+/// their flags are read. `rng` is left as [`pick`] leaves it, so that declining early
+/// changes no later decision.
 pub fn pick_unless<R: Rng + ?Sized>(
     request: &RouteRequest<'_>,
     prefix: Option<&PrefixMatches>,
     fleet: &Fleet,
     config: &SchedulerConfig,
     rng: &mut R,
-    declines: impl FnOnce(&Outlook) -> bool,
+    declines: impl Fn(&Outlook) -> bool,
 ) -> Result<Picked, PickError> {
-    let stage = Filtering::run(request, prefix, fleet, config)?;
+    let ask = Ask::new(request, prefix, fleet, config);
+    let tokens_needed = ask.tokens_needed;
+    let outlook = |relaxed, could_fit| Outlook {
+        relaxed,
+        could_fit,
+        tokens_needed,
+    };
+    let screened = filter::filter_unless(
+        request,
+        fleet,
+        &ask.demand,
+        config,
+        &ask.scorer,
+        &|relaxed, could_fit| declines(&outlook(relaxed, could_fit)),
+    )?;
     // Drawn whether or not the pick goes on: one draw per pick that passed the filters.
     let draw = rng.next_u64();
-    let outlook = Outlook {
-        relaxed: stage.filtered.relaxed,
-        could_fit: stage.filtered.could_fit,
-        tokens_needed: stage.tokens_needed,
+    let filtered = match screened {
+        filter::Screened::Declined { relaxed, could_fit } => {
+            return Ok(Picked::Declined(outlook(relaxed, could_fit)));
+        }
+        filter::Screened::Kept(filtered) => filtered,
     };
-    if declines(&outlook) {
-        return Ok(Picked::Declined(outlook));
+    let found = outlook(filtered.relaxed, filtered.could_fit);
+    if declines(&found) {
+        return Ok(Picked::Declined(found));
     }
-    Ok(Picked::Decided(stage.decide(request, config, draw)))
+    Ok(Picked::Decided(ask.decide(request, filtered, config, draw)))
 }
 
-/// A pick past its filters.
-struct Filtering<'a> {
+/// What a pick asks of every pod, and how it scores them.
+struct Ask<'a> {
+    demand: filter::Demand<'a>,
     scorer: score::Scorer<'a>,
-    filtered: filter::Filtered,
     tokens_needed: u64,
 }
 
-impl<'a> Filtering<'a> {
-    fn run(
+impl<'a> Ask<'a> {
+    fn new(
         request: &'a RouteRequest<'a>,
         prefix: Option<&'a PrefixMatches>,
         fleet: &'a Fleet,
         config: &'a SchedulerConfig,
-    ) -> Result<Self, PickError> {
+    ) -> Self {
         let tokens_needed = tokens_needed(request, config);
         let demand = filter::Demand {
             prompt: u64::from(request.prompt_tokens()).min(tokens_needed),
@@ -297,19 +315,24 @@ impl<'a> Filtering<'a> {
         let adapter = request
             .model()
             .filter(|model| lora::is_adapter(model, fleet.snapshot(), config));
-        let scorer = score::Scorer::new(fleet, prefix, demand, adapter, config);
-        let filtered = filter::filter(request, fleet, &demand, config, &scorer)?;
-        Ok(Filtering {
-            scorer: scorer.with_max_inflight(filtered.max_inflight),
-            filtered,
+        Ask {
+            demand,
+            scorer: score::Scorer::new(fleet, prefix, demand, adapter, config),
             tokens_needed,
-        })
+        }
     }
 
-    /// Ranks the candidates, `draw` breaking a tie, and decides.
-    fn decide(self, request: &RouteRequest<'_>, config: &SchedulerConfig, draw: u64) -> Decision {
-        let ranking = rank::rank(&self.filtered, &self.scorer, config, draw);
-        decide(request, &self.filtered, ranking, self.tokens_needed, config)
+    /// Ranks the candidates `filtered` kept, `draw` breaking a tie, and decides.
+    fn decide(
+        self,
+        request: &RouteRequest<'_>,
+        filtered: filter::Filtered,
+        config: &SchedulerConfig,
+        draw: u64,
+    ) -> Decision {
+        let scorer = self.scorer.with_max_inflight(filtered.max_inflight);
+        let ranking = rank::rank(&filtered, &scorer, config, draw);
+        decide(request, &filtered, ranking, self.tokens_needed, config)
     }
 }
 

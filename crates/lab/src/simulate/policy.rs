@@ -46,7 +46,7 @@ use kvroute_core::kvevents::{
     token_block_hashes,
 };
 use kvroute_core::request::{InferenceRequest, RouteRequest};
-use kvroute_core::scheduler::{self, Decision, PickError, Picked, SchedulerConfig};
+use kvroute_core::scheduler::{Decision, PickError, Picked, SchedulerConfig};
 
 use super::cache_aware::CacheAware;
 use super::flow::{
@@ -773,9 +773,7 @@ fn place(
         ),
         None => guessed,
     };
-    let decision = match scheduler::pick_unless(&route, Some(&matches), fleet, config, rng, |o| {
-        hold.declines(o)
-    })? {
+    let decision = match hold.pick(&route, Some(&matches), fleet, config, rng)? {
         Picked::Decided(decision) => decision,
         Picked::Declined(_) => return Ok(Placed::NoRoom),
     };

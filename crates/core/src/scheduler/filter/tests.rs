@@ -216,7 +216,9 @@ proptest! {
     #[test]
     fn a_pick_declined_before_scoring_is_the_whole_picks_and_draws_alike(
         pods in prop::collection::vec(pod(), 1..64),
-        prompt in 0..2_000u32,
+        // Some prompts larger than many pods' pools: often no pod passes, and sometimes
+        // none could ever fit.
+        prompt in prop_oneof![0..2_000u32, 20_000..70_000u32],
         output in 0..300u32,
         with_matches in prop::bool::weighted(0.7),
         adapter in prop::option::weighted(0.5, 0..ADAPTERS),
