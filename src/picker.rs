@@ -21,7 +21,7 @@ use kvroute_core::fleet::{
     block_hashes,
 };
 use kvroute_core::flow::{
-    FlowRules, Hold, Holds, MAX_MISSES_PER_PASS, TenantShares, is_sheddable, pods_key,
+    FlowRules, Hold, Holds, MAX_MISSES_PER_PASS, Shadows, TenantShares, is_sheddable, pods_key,
 };
 use kvroute_core::kvevents::{PromptBlocks, TokenBlocks, matches_with_events, token_block_hashes};
 use kvroute_core::request::RouteRequest;
@@ -214,6 +214,10 @@ impl LivePicker {
         let starving_after = self.room.settings.max_wait / 2;
         let mut held = self.room.lock();
         let expired = held.expire(now, |waiter| waiter.no_endpoint.load(Ordering::Relaxed));
+        // What this pass's misses say of the requests after them, on `fleet`. Other
+        // requests placed or finished meanwhile can make one wrong; it then waits for the
+        // next pass, which the next finish starts.
+        let mut shadows = Shadows::default();
         let routed = held.queue_mut().dispatch(
             MAX_MISSES_PER_PASS,
             |waiter| waiter.pods_key,
@@ -229,7 +233,7 @@ impl LivePicker {
                     Holds::Nothing
                 }
             },
-            |waiter| self.try_place(waiter, &fleet),
+            |waiter| self.try_place(waiter, &fleet, &mut shadows),
         );
         self.room.changed(&held);
         drop(held);
@@ -271,7 +275,12 @@ impl LivePicker {
     }
 
     /// Places a held request if a pod has room now; records it when it does.
-    fn try_place(&self, waiter: &Waiter, fleet: &Fleet) -> Option<Routed<InFlightRequest>> {
+    fn try_place(
+        &self,
+        waiter: &Waiter,
+        fleet: &Fleet,
+        shadows: &mut Shadows,
+    ) -> Option<Routed<InFlightRequest>> {
         let request = waiter.route_request();
         let started = Instant::now();
         let (hold, config) = self.placement(Hold::WithoutKv, waiter.priority, &waiter.tenant);
@@ -282,6 +291,7 @@ impl LivePicker {
             waiter.first_token_visible,
             hold,
             &config,
+            shadows,
         ) {
             Ok(Placed::Routed(decision, reservation, prefix)) => Some(self.routed(
                 &request,
@@ -679,7 +689,9 @@ impl LivePicker {
 
     /// Picks under the placement lock and reserves the winner's capacity, so the next
     /// pick sees this request. `blocks` are the prompt's prefix blocks.
-    /// A request `hold` declines is not placed ([`Placed::NoRoom`]).
+    /// A request `hold` declines is not placed ([`Placed::NoRoom`]). `shadows`: those of
+    /// the dispatch pass placing it ([`Hold::pick`]).
+    #[allow(clippy::too_many_arguments)]
     fn place(
         &self,
         request: &RouteRequest<'_>,
@@ -688,11 +700,19 @@ impl LivePicker {
         first_token_visible: bool,
         hold: Hold,
         config: &SchedulerConfig,
+        shadows: &mut Shadows,
     ) -> Result<Placed, PickError> {
         // Matching reads the indexes' own shards: concurrent requests match in parallel.
         let (matches, prefix) = self.matches(blocks, fleet);
         let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
-        let picked = hold.pick(request, Some(&matches), fleet, config, &mut rand::rng())?;
+        let picked = hold.pick(
+            request,
+            Some(&matches),
+            fleet,
+            config,
+            &mut rand::rng(),
+            shadows,
+        )?;
         let decision = match picked {
             Picked::Decided(decision) => decision,
             // Nothing scored: at overload, held requests are tried again and again.
@@ -811,7 +831,16 @@ impl LivePicker {
             &class.tenant,
         );
         let started = Instant::now();
-        let placed = self.place(request, &blocks, &fleet, first_token_visible, hold, &config);
+        // On arrival: no dispatch pass, no shadows.
+        let placed = self.place(
+            request,
+            &blocks,
+            &fleet,
+            first_token_visible,
+            hold,
+            &config,
+            &mut Shadows::default(),
+        );
         let elapsed = started.elapsed();
         match placed {
             Ok(Placed::Routed(decision, reservation, prefix)) => {

@@ -13,12 +13,15 @@
 //!   [`room`]: the queue with each request's deadline and a bound ([`WaitingRoom`]);
 //! - [`rules`]: when a request is held ([`Hold`]) and against which thresholds it is placed
 //!   (sheddable requests and a busy tenant leave headroom, a quiet tenant may use it);
-//! - [`shares`]: each tenant's requests in flight ([`TenantShares`]).
+//! - [`shares`]: each tenant's requests in flight ([`TenantShares`]);
+//! - [`shadows`]: what a dispatch pass's misses say of the requests after them
+//!   ([`Shadows`]).
 
 mod queue;
 mod room;
 mod rules;
 mod settings;
+mod shadows;
 mod shares;
 
 pub use queue::{EntryId, FlowQueue, Holds};
@@ -29,6 +32,7 @@ pub use settings::{
     DropReason, FlowSettings, MAX_FAIRNESS_ID_BYTES, MAX_MISSES_PER_PASS, RequestClass,
     StandingQueue,
 };
+pub use shadows::Shadows;
 pub use shares::TenantShares;
 
 /// A request's priority: higher is served first; below zero it is sheddable (refused

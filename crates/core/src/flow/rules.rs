@@ -17,7 +17,7 @@ use crate::fleet::{Fleet, ModelClass, PrefixMatches, Snapshot};
 use crate::request::RouteRequest;
 use crate::scheduler::{self, Outlook, PickError, Picked, SchedulerConfig};
 
-use super::{Priority, TenantShares, is_sheddable};
+use super::{Priority, Shadows, TenantShares, is_sheddable};
 
 /// The headroom between the thresholds of requests that must leave room and of the rest,
 /// and between those of the rest and of a tenant under its share: a tenth of each pod's KV.
@@ -77,7 +77,10 @@ impl Hold {
 
     /// Picks the pod for `request` unless this hold declines the pick
     /// ([`scheduler::pick_unless`]; [`scheduler::pick`] where it never declines, which
-    /// reads the fleet once where no pod passes the soft filters).
+    /// reads the fleet once where no pod passes the soft filters). `shadows` are those of
+    /// the dispatch pass the pick belongs to, on `fleet` (empty for a request on arrival):
+    /// a request they cover is declined without a pick, and the pick's own shadow joins
+    /// them.
     pub fn pick<R: Rng + ?Sized>(
         self,
         request: &RouteRequest<'_>,
@@ -85,13 +88,28 @@ impl Hold {
         fleet: &Fleet,
         config: &SchedulerConfig,
         rng: &mut R,
+        shadows: &mut Shadows,
     ) -> Result<Picked, PickError> {
         if self == Hold::Never {
-            return scheduler::pick(request, prefix, fleet, config, rng).map(Picked::Decided);
+            let decision = scheduler::pick(request, prefix, fleet, config, rng)?;
+            shadows.clear();
+            return Ok(Picked::Decided(decision));
         }
-        scheduler::pick_unless(request, prefix, fleet, config, rng, |outlook| {
+        if let Some(outlook) = shadows.covering(request, prefix, config) {
+            // The tie-break the pick would have drawn, so that later picks draw alike.
+            rng.next_u64();
+            return Ok(Picked::Declined(outlook));
+        }
+        let picked = scheduler::pick_unless(request, prefix, fleet, config, rng, |outlook| {
             self.declines(outlook)
-        })
+        })?;
+        match (&picked, request.model()) {
+            (Picked::Declined(outlook), Some(model)) => shadows.cast(model, config, outlook),
+            // It will be placed.
+            (Picked::Decided(_), _) => shadows.clear(),
+            (Picked::Declined(_), None) => {}
+        }
+        Ok(picked)
     }
 }
 
@@ -251,6 +269,7 @@ mod tests {
             },
             could_fit: true,
             tokens_needed: 10,
+            shadow: None,
         };
         assert!(!Hold::Never.declines(&decision));
         assert!(!Hold::WithoutKv.declines(&decision));

@@ -391,8 +391,14 @@ pub(super) fn filter(
 pub(super) enum Screened {
     /// The candidates, as [`filter`] keeps them.
     Kept(Filtered),
-    /// What the caller declined, before the pods were read in full.
-    Declined { relaxed: Relaxed, could_fit: bool },
+    /// What the caller declined, before the pods were read in full, with the largest KV
+    /// pool among the pods that may serve the request (`u64::MAX` where one does not
+    /// report its size).
+    Declined {
+        relaxed: Relaxed,
+        could_fit: bool,
+        largest_pool: u64,
+    },
 }
 
 /// [`filter`], unless `declines` declines what the soft filters found (`relaxed`, and
@@ -416,7 +422,7 @@ pub(super) fn filter_unless(
     } else {
         flags_unless_passing::<false>(request, fleet, demand, config)?
     };
-    let Some((present, could_fit)) = flags else {
+    let Some((present, could_fit, largest_pool)) = flags else {
         return filter_reading(request, fleet, demand, config, scorer, Record::Passing)
             .map(Screened::Kept);
     };
@@ -424,26 +430,32 @@ pub(super) fn filter_unless(
     // a holder of half the prompt, stickiness cannot apply).
     let (_, relaxed) = soft_filters(&present);
     if declines(relaxed, could_fit) {
-        return Ok(Screened::Declined { relaxed, could_fit });
+        return Ok(Screened::Declined {
+            relaxed,
+            could_fit,
+            largest_pool,
+        });
     }
     filter_reading(request, fleet, demand, config, scorer, Record::Caching(0)).map(Screened::Kept)
 }
 
 /// The soft-filter flag combinations present among the pods that pass the hard filters,
-/// and whether one could fit the request ([`read_pods`]' `could_fit`), unless some pod
-/// passes every soft filter (`None`).
+/// whether one could fit the request ([`read_pods`]' `could_fit`) and the largest pool
+/// among them (`u64::MAX` where one does not report its size), unless some pod passes
+/// every soft filter (`None`).
 #[inline(never)]
 fn flags_unless_passing<const MATCHES: bool>(
     request: &RouteRequest<'_>,
     fleet: &Fleet,
     demand: &Demand<'_>,
     config: &SchedulerConfig,
-) -> Result<Option<([bool; COMBINATIONS], bool)>, PickError> {
+) -> Result<Option<([bool; COMBINATIONS], bool, u64)>, PickError> {
     let mut hard = HardFilters::new(request, fleet, config)?;
     let pods = fleet.snapshot().pods().len();
     let reading = Reading::new(demand, config);
     let (block_tokens, blocks) = blocks_by_pod(demand, pods);
     let (mut present, mut admitted, mut tally) = ([false; COMBINATIONS], 0, Tally::EMPTY);
+    let mut largest_pool = 0;
     for ((index, (row, load)), &blocks) in fleet.rows().enumerate().zip(blocks.iter()) {
         if !hard.admit(index, row) {
             continue;
@@ -461,9 +473,14 @@ fn flags_unless_passing<const MATCHES: bool>(
         admitted += 1;
         // The least load and the best cached share matter only to stickiness.
         tally.note(row, demand, cached, 0);
+        largest_pool = largest_pool.max(if row.capacity == 0 {
+            u64::MAX
+        } else {
+            row.capacity
+        });
     }
     hard.verdict(admitted)?;
-    Ok(Some((present, tally.could_fit)))
+    Ok(Some((present, tally.could_fit, largest_pool)))
 }
 
 /// [`filter`], whose first pass records as `first` says.

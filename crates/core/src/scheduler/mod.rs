@@ -195,6 +195,7 @@ impl Decision {
             relaxed: self.relaxed,
             could_fit: self.could_fit,
             tokens_needed: self.tokens_needed,
+            shadow: None,
         }
     }
 
@@ -213,6 +214,41 @@ pub struct Outlook {
     pub could_fit: bool,
     /// Tokens the request is expected to occupy (prompt + expected output).
     pub tokens_needed: u64,
+    /// What the outlook says of other requests, where it can say something.
+    pub shadow: Option<Shadow>,
+}
+
+/// What a pick that lacked room says of the picks after it: on the same fleet, with
+/// nothing placed since, a request for the same model, placed by the same configuration
+/// and without a subset hint, that no pod caches any of and that needs at least `tokens`
+/// and at most `largest_pool` (so that some pod's whole pool still holds it), lacks room
+/// too. The filters were decided on the pods' flags: without a cached share a pod's
+/// saturation does not depend on the request, and a pod that cannot fit `tokens` cannot
+/// fit more; so the same soft filters relax, and no pod they accept fits. Flow control
+/// retries the requests it holds at every finish, and at overload most of them cover
+/// one another ([`crate::flow::Shadows`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Shadow {
+    pub tokens: u64,
+    pub largest_pool: u64,
+    pub relaxed: Relaxed,
+}
+
+impl Shadow {
+    /// Whether a request needing `tokens_needed`, that no pod caches any of, lacks room.
+    pub fn covers(&self, tokens_needed: u64) -> bool {
+        self.tokens <= tokens_needed && tokens_needed <= self.largest_pool
+    }
+
+    /// The outlook of a request it covers.
+    pub fn outlook(&self, tokens_needed: u64) -> Outlook {
+        Outlook {
+            relaxed: self.relaxed,
+            could_fit: true,
+            tokens_needed,
+            shadow: Some(*self),
+        }
+    }
 }
 
 impl Outlook {
@@ -268,6 +304,7 @@ pub fn pick_unless<R: Rng + ?Sized>(
         relaxed,
         could_fit,
         tokens_needed,
+        shadow: None,
     };
     let screened = filter::filter_unless(
         request,
@@ -280,8 +317,21 @@ pub fn pick_unless<R: Rng + ?Sized>(
     // Drawn whether or not the pick goes on: one draw per pick that passed the filters.
     let draw = rng.next_u64();
     let filtered = match screened {
-        filter::Screened::Declined { relaxed, could_fit } => {
-            return Ok(Picked::Declined(outlook(relaxed, could_fit)));
+        filter::Screened::Declined {
+            relaxed,
+            could_fit,
+            largest_pool,
+        } => {
+            let mut declined = outlook(relaxed, could_fit);
+            let cached_nowhere = prefix.is_none_or(|prefix| !prefix.any());
+            if declined.lacks_room() && cached_nowhere && request.subset.is_none() {
+                declined.shadow = Some(Shadow {
+                    tokens: tokens_needed,
+                    largest_pool,
+                    relaxed,
+                });
+            }
+            return Ok(Picked::Declined(declined));
         }
         filter::Screened::Kept(filtered) => filtered,
     };

@@ -40,7 +40,7 @@ use kvroute_core::fleet::{
     DEFAULT_PREFIX_BUDGET_BYTES, Fleet, PodLoad, PodMetrics, PodView, PrefillEnd, PrefixIndex,
     Reservation, ScrapeTicket, ServedModels, adapter_key, block_hashes,
 };
-use kvroute_core::flow::{EntryId, FlowRules, Hold, Holds, TenantShares, is_sheddable};
+use kvroute_core::flow::{EntryId, FlowRules, Hold, Holds, Shadows, TenantShares, is_sheddable};
 use kvroute_core::kvevents::{
     EventBatch, IndexSink, PodEvents, PrefixSource, PromptBlocks, TokenBlocks, matches_with_events,
     token_block_hashes,
@@ -417,6 +417,8 @@ impl Replica {
             &blocks,
             hold,
             &config,
+            // On arrival: no dispatch pass, no shadows.
+            &mut Shadows::default(),
         );
         drop(shares);
         match placed {
@@ -503,6 +505,7 @@ impl Replica {
             room,
             ..
         } = self;
+        let mut shadows = Shadows::default();
         let routed = room.queue_mut().dispatch(
             MAX_MISSES_PER_PASS,
             |waiter| waiter.pods_key,
@@ -534,6 +537,7 @@ impl Replica {
                     &waiter.blocks,
                     hold,
                     &config,
+                    &mut shadows,
                 ) {
                     Ok(Placed::Routed(mut routed)) => {
                         routed.start_for(&waiter.tenant, shares);
@@ -755,6 +759,7 @@ fn place(
     blocks: &PromptBlocks,
     hold: Hold,
     config: &SchedulerConfig,
+    shadows: &mut Shadows,
 ) -> Result<Placed, PickError> {
     let route = RouteRequest {
         inference: Some(request),
@@ -773,7 +778,7 @@ fn place(
         ),
         None => guessed,
     };
-    let decision = match hold.pick(&route, Some(&matches), fleet, config, rng)? {
+    let decision = match hold.pick(&route, Some(&matches), fleet, config, rng, shadows)? {
         Picked::Decided(decision) => decision,
         Picked::Declined(_) => return Ok(Placed::NoRoom),
     };

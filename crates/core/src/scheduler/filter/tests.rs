@@ -251,7 +251,11 @@ proptest! {
             }
             (Ok(whole), Ok(crate::scheduler::Picked::Declined(outlook))) => {
                 prop_assert!(declines(&whole.outlook()));
-                prop_assert_eq!(whole.outlook(), outlook);
+                // (Only a pick declined early says what its outlook means for others.)
+                prop_assert_eq!(
+                    whole.outlook(),
+                    crate::scheduler::Outlook { shadow: None, ..outlook }
+                );
             }
             (whole, early) => prop_assert!(false, "{whole:?} against {early:?}"),
         }
@@ -259,6 +263,52 @@ proptest! {
             rand::RngCore::next_u64(&mut whole_rng),
             rand::RngCore::next_u64(&mut early_rng)
         );
+    }
+}
+
+proptest! {
+    #![proptest_config(config(300))]
+
+    /// The shadow of a pick that lacked room covers only requests that lack room too, on
+    /// the same fleet: the same model, no pod caching any of the prompt, at least the
+    /// tokens and at most the largest pool. A request some pod caches part of casts none.
+    #[test]
+    fn a_request_a_shadow_covers_lacks_room_too(
+        pods in prop::collection::vec(pod(), 1..64),
+        first in prop_oneof![0..2_000u32, 20_000..70_000u32],
+        more in 0..40_000u32,
+        output in 0..300u32,
+        adapter in prop::option::weighted(0.3, 0..ADAPTERS),
+        with_matches in prop::bool::weighted(0.2),
+    ) {
+        let fleet = fleet_of(&pods);
+        let prefix = matches_of(&pods, &fleet);
+        let prefix = with_matches.then_some(&prefix);
+        let model = adapter.map_or_else(|| "base".to_owned(), adapter_name);
+        let scheduler = SchedulerConfig::default();
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
+        let inference = inference_of(&model, first, output);
+        let request = RouteRequest { inference: Some(&inference), subset: None };
+        let picked = crate::scheduler::pick_unless(
+            &request, prefix, &fleet, &scheduler, &mut rng, crate::scheduler::Outlook::lacks_room,
+        );
+        let Ok(crate::scheduler::Picked::Declined(outlook)) = picked else {
+            return Ok(());
+        };
+        let Some(shadow) = outlook.shadow else {
+            prop_assert!(prefix.is_some_and(PrefixMatches::any), "{outlook:?}");
+            return Ok(());
+        };
+        prop_assert!(prefix.is_none_or(|prefix| !prefix.any()));
+        let larger = inference_of(&model, first.saturating_add(more), output);
+        let request = RouteRequest { inference: Some(&larger), subset: None };
+        let tokens = crate::scheduler::tokens_needed(&request, &scheduler);
+        let whole = crate::scheduler::pick(&request, None, &fleet, &scheduler, &mut rng)
+            .expect("the same hard filters pass");
+        if shadow.covers(tokens) {
+            prop_assert!(whole.lacks_room(), "{shadow:?} {whole:?}");
+            prop_assert_eq!(whole.outlook().relaxed, shadow.relaxed);
+        }
     }
 }
 
