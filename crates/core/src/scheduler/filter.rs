@@ -80,6 +80,17 @@ pub(super) struct Demand<'a> {
 }
 
 impl Demand<'_> {
+    /// [`Demand::cached`] where the request has `MATCHES`, else nothing (a loop over a
+    /// fleet for a request without matches needs none).
+    #[inline(always)]
+    fn cached_if<const MATCHES: bool>(&self, blocks: u32, block_tokens: u64) -> u32 {
+        if MATCHES {
+            self.cached(blocks, block_tokens)
+        } else {
+            0
+        }
+    }
+
     /// Prompt tokens a pod holding `blocks` of the prompt's leading blocks (kvroute sent it
     /// the same ones) likely caches, for blocks of `block_tokens`.
     fn cached(&self, blocks: u32, block_tokens: u64) -> u32 {
@@ -460,11 +471,7 @@ fn flags_unless_passing<const MATCHES: bool>(
         if !hard.admit(index, row) {
             continue;
         }
-        let cached = if MATCHES {
-            demand.cached(blocks, block_tokens)
-        } else {
-            0
-        };
+        let cached = demand.cached_if::<MATCHES>(blocks, block_tokens);
         let (flags, _) = reading.flags(row, load, cached);
         if flags & PASSES == PASSES {
             return Ok(None);
@@ -827,11 +834,7 @@ fn read_passing<const MATCHES: bool>(
         if !hard.admit(index, row) {
             continue;
         }
-        let cached = if MATCHES {
-            demand.cached(blocks, block_tokens)
-        } else {
-            0
-        };
+        let cached = demand.cached_if::<MATCHES>(blocks, block_tokens);
         let Some((flags, free_kv)) = reading.passing_flags(row, load, cached) else {
             continue;
         };
@@ -898,11 +901,7 @@ fn read_until_passing<const MATCHES: bool>(
         if !hard.admit(index, row) {
             continue;
         }
-        let cached = if MATCHES {
-            demand.cached(blocks, block_tokens)
-        } else {
-            0
-        };
+        let cached = demand.cached_if::<MATCHES>(blocks, block_tokens);
         let (flags, free_kv) = reading.flags(row, load, cached);
         if flags & PASSES == PASSES {
             return Ok(None);
