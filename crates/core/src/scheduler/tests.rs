@@ -540,6 +540,40 @@ fn a_pick_can_be_declined_on_what_its_filters_found() {
     }
 }
 
+/// In a dispatch pass, a request a miss's shadow covers is declined without a pick, and
+/// the generator moves as the pick would have moved it.
+#[test]
+fn a_request_a_shadow_covers_is_declined_and_draws_as_its_pick_would() {
+    use crate::flow::{Hold, Shadows};
+    let full = |n| with_metrics(pod(n), |m| m.kv_usage = 0.9999);
+    let snapshot = fleet(vec![full(1), full(2), full(3)]);
+    let config = SchedulerConfig::default();
+    let (mut passing, mut whole) = (SmallRng::seed_from_u64(9), SmallRng::seed_from_u64(9));
+    let mut shadows = Shadows::default();
+    for prompt in [1_000, 1_500, 1_200] {
+        let ask = request("base", prompt);
+        let inference = ask.inference();
+        let route = RouteRequest {
+            inference: inference.as_ref(),
+            subset: None,
+        };
+        let picked = Hold::WithoutKv
+            .pick(&route, None, &snapshot, &config, &mut passing, &mut shadows)
+            .expect("filtered");
+        let super::Picked::Declined(outlook) = picked else {
+            panic!("no pod has room: {picked:?}");
+        };
+        // The first casts the shadow; the others, larger, are covered by it.
+        assert_eq!(outlook.shadow.map(|s| s.tokens), Some(1_100));
+        let decision = super::pick(&route, None, &snapshot, &config, &mut whole).expect("placed");
+        assert!(decision.lacks_room());
+    }
+    assert_eq!(
+        rand::RngCore::next_u64(&mut passing),
+        rand::RngCore::next_u64(&mut whole)
+    );
+}
+
 /// Waiting cannot help a request larger than any pod's whole KV pool: it is placed (and
 /// the pod answers it), not held until its wait runs out.
 #[test]

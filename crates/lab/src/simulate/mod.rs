@@ -244,6 +244,10 @@ pub struct Setup<'w> {
     /// Threads one simulation may use to advance its pods at a scrape (the cores left to
     /// it by the simulations running beside it); the results do not depend on it.
     pub threads: usize,
+    /// kvroute scores every pick in full and declines it afterwards, casting no shadows
+    /// (as before `scheduler::pick_unless`): for the test that shows declining early
+    /// changes no result. Off.
+    pub whole_picks: bool,
 }
 
 impl<'w> Setup<'w> {
@@ -308,6 +312,7 @@ impl<'w> Setup<'w> {
             diagnose: args.diagnose.map(|n| (n, args.output_dir.clone())),
             replicas: usize::from(args.replicas),
             threads: 1,
+            whole_picks: false,
         })
     }
 }

@@ -46,7 +46,7 @@ use kvroute_core::kvevents::{
     token_block_hashes,
 };
 use kvroute_core::request::{InferenceRequest, RouteRequest};
-use kvroute_core::scheduler::{Decision, PickError, Picked, SchedulerConfig};
+use kvroute_core::scheduler::{self, Decision, PickError, Picked, SchedulerConfig};
 
 use super::cache_aware::CacheAware;
 use super::flow::{
@@ -149,6 +149,8 @@ pub struct Replica {
     generation: u64,
     /// Requests that fit no pod yet.
     room: WaitingRoom,
+    /// Every pick scored in full, declined afterwards, no shadows ([`super::Setup::whole_picks`]).
+    whole_picks: bool,
 }
 
 /// The event index and each pod's event state (`kvevents::PodSubscriber`'s, without the
@@ -221,6 +223,7 @@ impl Replica {
             fleet: Arc::default(),
             generation: 0,
             room: WaitingRoom::new(flow),
+            whole_picks: false,
         }
     }
 
@@ -418,7 +421,7 @@ impl Replica {
             hold,
             &config,
             // On arrival: no dispatch pass, no shadows.
-            &mut Shadows::default(),
+            (!self.whole_picks).then_some(&mut Shadows::default()),
         );
         drop(shares);
         match placed {
@@ -503,6 +506,7 @@ impl Replica {
             rng,
             fleet,
             room,
+            whole_picks,
             ..
         } = self;
         let mut shadows = Shadows::default();
@@ -537,7 +541,7 @@ impl Replica {
                     &waiter.blocks,
                     hold,
                     &config,
-                    &mut shadows,
+                    (!*whole_picks).then_some(&mut shadows),
                 ) {
                     Ok(Placed::Routed(mut routed)) => {
                         routed.start_for(&waiter.tenant, shares);
@@ -600,6 +604,15 @@ impl Kvroute {
             replicas: vec![Replica::new(pods, models, config, flow, seed)],
             next: 0,
         }
+    }
+
+    /// Every pick scored in full and declined afterwards, casting no shadows
+    /// ([`super::Setup::whole_picks`]).
+    pub fn with_whole_picks(mut self) -> Self {
+        for replica in &mut self.replicas {
+            replica.whole_picks = true;
+        }
+        self
     }
 
     /// `n` replicas (at least one) instead of one, each configured as the first.
@@ -759,7 +772,7 @@ fn place(
     blocks: &PromptBlocks,
     hold: Hold,
     config: &SchedulerConfig,
-    shadows: &mut Shadows,
+    shadows: Option<&mut Shadows>,
 ) -> Result<Placed, PickError> {
     let route = RouteRequest {
         inference: Some(request),
@@ -778,7 +791,15 @@ fn place(
         ),
         None => guessed,
     };
-    let decision = match hold.pick(&route, Some(&matches), fleet, config, rng, shadows)? {
+    let picked = match shadows {
+        Some(shadows) => hold.pick(&route, Some(&matches), fleet, config, rng, shadows)?,
+        // Scored in full, then declined.
+        None => match scheduler::pick(&route, Some(&matches), fleet, config, rng)? {
+            decision if hold.declines(&decision.outlook()) => Picked::Declined(decision.outlook()),
+            decision => Picked::Decided(decision),
+        },
+    };
+    let decision = match picked {
         Picked::Decided(decision) => decision,
         Picked::Declined(_) => return Ok(Placed::NoRoom),
     };

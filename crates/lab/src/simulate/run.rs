@@ -268,7 +268,12 @@ impl<'s> World<'s> {
                 } else {
                     kvroute
                 };
-                Policy::Kvroute(Box::new(kvroute.with_replicas(setup.replicas)))
+                let kvroute = kvroute.with_replicas(setup.replicas);
+                Policy::Kvroute(Box::new(if setup.whole_picks {
+                    kvroute.with_whole_picks()
+                } else {
+                    kvroute
+                }))
             }
             Router::RoundRobin => Policy::RoundRobin { next: 0 },
             Router::CacheAware => Policy::CacheAware(Box::new(CacheAware::new(setup.pods))),
@@ -1213,6 +1218,30 @@ mod tests {
             );
             assert!(helped.requests >= 2_000, "{name}: {helped:?}");
         }
+    }
+
+    /// Past the knee flow control holds requests and retries them at every finish: picks
+    /// declined on their filters (`pick_unless`) and the misses' shadows (`Hold::pick`)
+    /// must give the results of scoring every pick in full and declining it afterwards.
+    #[test]
+    fn declining_picks_early_gives_the_results_of_scoring_every_pick() {
+        let file = Path::new(crate::WORKLOADS_DIR).join("kv-pressure.yaml");
+        let w = Workload::from_file(&file).expect("shipped");
+        let args = SimulateArgs {
+            pods: Some(16),
+            requests: Some(3_000),
+            rates: vec![28.0],
+            scrape_interval: Duration::from_millis(50),
+            scrape_delay: Duration::from_millis(50),
+            ..setup_args()
+        };
+        let mut setup = Setup::new(&args, &w, &file).expect("setup");
+        let (early_run, early) = simulate(&setup, Router::Kvroute).expect("runs");
+        setup.whole_picks = true;
+        let (whole_run, whole) = simulate(&setup, Router::Kvroute).expect("runs");
+        assert_eq!(outcome(&early_run, &early), outcome(&whole_run, &whole));
+        // Past the knee: requests were held, and retried.
+        assert!(early.held >= 300, "{early:?}");
     }
 
     #[test]
