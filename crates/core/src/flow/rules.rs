@@ -103,11 +103,10 @@ impl Hold {
         let picked = scheduler::pick_unless(request, prefix, fleet, config, rng, |outlook| {
             self.declines(outlook)
         })?;
-        match (&picked, request.model()) {
-            (Picked::Declined(outlook), Some(model)) => shadows.cast(model, config, outlook),
+        match &picked {
+            Picked::Declined(outlook) => shadows.cast(request, config, outlook),
             // It will be placed.
-            (Picked::Decided(_), _) => shadows.clear(),
-            (Picked::Declined(_), None) => {}
+            Picked::Decided(_) => shadows.clear(),
         }
         Ok(picked)
     }

@@ -39,10 +39,14 @@ impl Shadows {
             .map(|(_, _, shadow)| shadow.outlook(tokens))
     }
 
-    /// Keeps the shadow `outlook` casts, if any, for a request of `model` placed by
-    /// `config`.
-    pub fn cast(&mut self, model: &str, config: &SchedulerConfig, outlook: &Outlook) {
-        let Some(shadow) = outlook.shadow else {
+    /// Keeps the shadow `outlook` casts, if any, for `request` placed by `config`.
+    pub fn cast(
+        &mut self,
+        request: &RouteRequest<'_>,
+        config: &SchedulerConfig,
+        outlook: &Outlook,
+    ) {
+        let (Some(shadow), Some(model)) = (outlook.shadow, request.model()) else {
             return;
         };
         self.cast.push((model.to_owned(), config.clone(), shadow));
@@ -90,7 +94,12 @@ mod tests {
         let config = SchedulerConfig::default();
         let mut shadows = Shadows::default();
         // 1,000 prompt + 100 output tokens.
-        shadows.cast("m", &config, &outlook(1_100, 5_000));
+        let first = inference("m", 1_000);
+        let first = RouteRequest {
+            inference: Some(&first),
+            subset: None,
+        };
+        shadows.cast(&first, &config, &outlook(1_100, 5_000));
         let covered = |shadows: &Shadows, model: &str, prompt: u32, config: &SchedulerConfig| {
             let inference = inference(model, prompt);
             let request = RouteRequest {
