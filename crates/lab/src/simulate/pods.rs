@@ -117,6 +117,32 @@ impl<R: Send + 'static> Errand<R> {
     }
 }
 
+/// A hand to give the helper chores from beyond [`Pods`] (a router's own work, such as
+/// kvroute's prefix records): a second end of the helper's queue, so its chores take their
+/// turn among those of [`Pods::hand_over`]. Without a helper (or once it is gone), a chore
+/// is done at once on the caller's thread.
+#[derive(Clone, Default)]
+pub struct Chores(Option<mpsc::Sender<Task>>);
+
+impl std::fmt::Debug for Chores {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Chores").field(&self.0.is_some()).finish()
+    }
+}
+
+impl Chores {
+    /// Has the helper do `chore` after what it was given before; without one, does it now.
+    pub fn hand_over(&self, chore: Chore) {
+        let Some(tasks) = &self.0 else {
+            return chore();
+        };
+        if let Err(mpsc::SendError(Task::Chore(chore))) = tasks.send(Task::Chore(chore)) {
+            // The helper is gone (it only stops on a panic): carry on alone.
+            chore();
+        }
+    }
+}
+
 /// What the helper is sent, in the order it does them.
 enum Task {
     CatchUp(Job),
@@ -214,6 +240,11 @@ impl Pods {
                 chore();
             }
         }
+    }
+
+    /// A hand that gives the helper chores in the same queue as [`Pods::hand_over`].
+    pub fn chores(&self) -> Chores {
+        Chores(self.helper.as_ref().map(|helper| helper.tasks.clone()))
     }
 
     pub fn len(&self) -> usize {

@@ -52,7 +52,7 @@ use super::cache_aware::CacheAware;
 use super::flow::{
     DropReason, FlowClass, FlowSettings, MAX_MISSES_PER_PASS, Waiter, WaitingRoom, pods_key,
 };
-use super::pods::{Chore, Errand};
+use super::pods::{Chore, Chores, Errand};
 
 /// The address standing for pod `i`: ordered as the pods, so a snapshot's position of a pod
 /// is its index.
@@ -133,7 +133,7 @@ pub struct Replica {
     /// Requests in flight per tenant. In a cell: a dispatch pass reads it to order the
     /// queue while placing (which counts each routed request in at once), as the live one.
     shares: RefCell<TenantShares>,
-    prefix: PrefixIndex,
+    prefix: Remembered,
     /// The index the pods' KV events feed, when they publish them.
     events: Option<EventIndex>,
     rng: SmallRng,
@@ -163,6 +163,53 @@ struct EventIndex {
     seq: Vec<u64>,
     /// Tokens per block of the pods' engines.
     block_tokens: u32,
+}
+
+/// kvroute's approximate prefix index, whose latest record the simulation's helper thread
+/// may still be making. A record (a hundred blocks set and as many evicted at kv-pressure's
+/// prompt lengths, two cache misses each) was a quarter of the loop's time at 1,000 pods;
+/// nothing reads the index until the next match, so the loop goes on meanwhile. Every
+/// match and every record first waits for the record before it (or makes it itself, if the
+/// helper has not started it: [`Errand`]), so each sees the index exactly as when records
+/// were made in place, and the records keep their order.
+#[derive(Debug)]
+struct Remembered {
+    index: Arc<PrefixIndex>,
+    /// The latest record, handed to the helper.
+    recording: Option<Errand<()>>,
+    chores: Chores,
+}
+
+impl Remembered {
+    fn new() -> Self {
+        Remembered {
+            index: Arc::new(PrefixIndex::with_budget(DEFAULT_PREFIX_BUDGET_BYTES)),
+            recording: None,
+            chores: Chores::default(),
+        }
+    }
+
+    /// The index with every record made.
+    fn settled(&mut self) -> &PrefixIndex {
+        if let Some(recording) = self.recording.take() {
+            // It fails only where the helper panicked in it; the simulation's thread
+            // scope raises that panic again when it ends, so nothing made after it is
+            // reported.
+            let _ = recording.result();
+        }
+        &self.index
+    }
+
+    /// [`PrefixIndex::record`], made by the helper when there is one.
+    fn record(&mut self, endpoint: SocketAddr, blocks: Vec<u64>, capacity_tokens: u64) {
+        self.settled();
+        let index = Arc::clone(&self.index);
+        let chores = &self.chores;
+        self.recording = Some(Errand::new(
+            move || index.record(endpoint, &blocks, capacity_tokens),
+            &mut |chore| chores.hand_over(chore),
+        ));
+    }
 }
 
 /// What placing a request came to (`LivePicker::place`'s `Placed`).
@@ -213,7 +260,7 @@ impl Replica {
             rules: FlowRules::new(&config),
             config,
             shares: RefCell::default(),
-            prefix: PrefixIndex::with_budget(DEFAULT_PREFIX_BUDGET_BYTES),
+            prefix: Remembered::new(),
             events: None,
             rng: SmallRng::seed_from_u64(seed),
             loads: (0..pods).map(|_| Arc::new(PodLoad::default())).collect(),
@@ -412,7 +459,7 @@ impl Replica {
             &shares,
         );
         let placed = place(
-            &self.prefix,
+            &mut self.prefix,
             self.events.as_ref(),
             &self.fleet,
             &mut self.rng,
@@ -640,6 +687,14 @@ impl Kvroute {
         self
     }
 
+    /// Each replica's prefix records are made by `chores` (the simulation's helper
+    /// thread) while the loop goes on.
+    pub fn lend_helper(&mut self, chores: &Chores) {
+        for replica in &mut self.replicas {
+            replica.prefix.chores = chores.clone();
+        }
+    }
+
     /// Every replica matches prompts on the pods' KV events.
     pub fn with_kv_events(mut self, block_tokens: u32) -> Self {
         self.replicas = self
@@ -764,7 +819,7 @@ impl Kvroute {
 /// record.
 #[allow(clippy::too_many_arguments)]
 fn place(
-    prefix: &PrefixIndex,
+    prefix: &mut Remembered,
     events: Option<&EventIndex>,
     fleet: &Fleet,
     rng: &mut SmallRng,
@@ -778,7 +833,7 @@ fn place(
         inference: Some(request),
         subset: None,
     };
-    let guessed = prefix.matches(&blocks.text, fleet.snapshot());
+    let guessed = prefix.settled().matches(&blocks.text, fleet.snapshot());
     let matches = match events {
         // Every simulated pod's events flow.
         Some(events) => matches_with_events(
@@ -823,7 +878,7 @@ fn place(
         // The shipped gateways show kvroute no response body: prefill ends at a scrape.
         load.reserve(tokens, prompt, PrefillEnd::NextScrape)
     });
-    prefix.record(decision.endpoint, &blocks.text, capacity);
+    prefix.record(decision.endpoint, blocks.text.clone(), capacity);
     Ok(Placed::Routed(Routed {
         pod,
         reservation,
@@ -843,6 +898,13 @@ pub enum Policy {
 }
 
 impl Policy {
+    /// Has `chores` (the simulation's helper thread) do what the policy can hand over.
+    pub fn lend_helper(&mut self, chores: &Chores) {
+        if let Policy::Kvroute(k) = self {
+            k.lend_helper(chores);
+        }
+    }
+
     /// Routes one request arriving at `now`; `inflight` is each pod's active requests
     /// (Envoy's `rq_active`), `request` builds kvroute's parsed request when needed (and,
     /// when asked, the prompt's engine tokens), `class` is its place in kvroute's flow

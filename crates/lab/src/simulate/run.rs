@@ -938,6 +938,7 @@ fn simulate_stepping(
         world.stepping = stepping;
         if setup.threads > 1 && setup.pods >= HELPER_FROM_PODS {
             world.pods.start_helper(scope);
+            world.policy.lend_helper(&world.pods.chores());
         }
         run_world(world, router, wall)
     })
@@ -1196,8 +1197,9 @@ mod tests {
     #[test]
     fn a_simulation_helped_by_a_second_thread_gives_the_results_of_one_thread() {
         // The helper advances half the pods at catch-ups, builds the fleets scrapes
-        // publish, makes requests ready and reads pods' finish bounds ahead.
-        for name in ["kv-pressure.yaml", "multi-lora.yaml"] {
+        // publish, makes requests ready, reads pods' finish bounds ahead and makes
+        // kvroute's prefix records (which shared-prefix's next requests match at once).
+        for name in ["kv-pressure.yaml", "multi-lora.yaml", "shared-prefix.yaml"] {
             let file = Path::new(crate::WORKLOADS_DIR).join(name);
             let w = Workload::from_file(&file).expect("shipped");
             let args = SimulateArgs {
