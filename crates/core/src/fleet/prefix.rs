@@ -626,6 +626,19 @@ impl PrefixIndex {
             .store(snapshot.endpoints_version, Ordering::Release);
     }
 
+    /// Whether the index follows `snapshot`'s pods already: a match against it changes
+    /// nothing but its own result.
+    pub fn follows(&self, snapshot: &Snapshot) -> bool {
+        let following = self.following.load(Ordering::Acquire);
+        following != u64::MAX && snapshot.endpoints_version <= following
+    }
+
+    /// Whether some pod holds `block`: where none does, no pod holds any block chained
+    /// after it either, and a match of a prompt starting with it finds nothing.
+    pub fn is_held(&self, block: u64) -> bool {
+        self.shard(block).count(block) > 0
+    }
+
     /// For each pod of `snapshot`, how many of `blocks` it holds from the first one on.
     /// Costs one shard lookup per matched block, plus a copy of the holder set wherever
     /// it shrinks along the chain (see the module docs).

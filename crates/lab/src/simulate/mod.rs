@@ -29,7 +29,9 @@
 //! what a scrape of a simulated pod reads, `policy` the routers, `flow` kvroute's waiting
 //! room and requests' classes, `run` the event loop, `stats` the per-step accumulators
 //! behind `compare`'s report types, `diagnose` the optional decision and per-pod traces
-//! (`--diagnose N`).
+//! (`--diagnose N`), `pods` the engines and the helper thread that shares their work,
+//! `ready` and `records` what else the helper does (requests made ready ahead, kvroute's
+//! prefix records).
 
 mod cache_aware;
 mod diagnose;
@@ -38,6 +40,7 @@ mod observe;
 mod pods;
 mod policy;
 mod ready;
+mod records;
 mod run;
 mod stats;
 pub mod trace;

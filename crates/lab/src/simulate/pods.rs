@@ -131,6 +131,11 @@ impl std::fmt::Debug for Chores {
 }
 
 impl Chores {
+    /// Whether a helper takes the chores (otherwise they are done at once).
+    pub fn is_helper(&self) -> bool {
+        self.0.is_some()
+    }
+
     /// Has the helper do `chore` after what it was given before; without one, does it now.
     pub fn hand_over(&self, chore: Chore) {
         let Some(tasks) = &self.0 else {

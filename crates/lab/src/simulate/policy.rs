@@ -53,6 +53,7 @@ use super::flow::{
     DropReason, FlowClass, FlowSettings, MAX_MISSES_PER_PASS, Waiter, WaitingRoom, pods_key,
 };
 use super::pods::{Chore, Chores, Errand};
+use super::records::Remembered;
 
 /// The address standing for pod `i`: ordered as the pods, so a snapshot's position of a pod
 /// is its index.
@@ -163,53 +164,6 @@ struct EventIndex {
     seq: Vec<u64>,
     /// Tokens per block of the pods' engines.
     block_tokens: u32,
-}
-
-/// kvroute's approximate prefix index, whose latest record the simulation's helper thread
-/// may still be making. A record (a hundred blocks set and as many evicted at kv-pressure's
-/// prompt lengths, two cache misses each) was a quarter of the loop's time at 1,000 pods;
-/// nothing reads the index until the next match, so the loop goes on meanwhile. Every
-/// match and every record first waits for the record before it (or makes it itself, if the
-/// helper has not started it: [`Errand`]), so each sees the index exactly as when records
-/// were made in place, and the records keep their order.
-#[derive(Debug)]
-struct Remembered {
-    index: Arc<PrefixIndex>,
-    /// The latest record, handed to the helper.
-    recording: Option<Errand<()>>,
-    chores: Chores,
-}
-
-impl Remembered {
-    fn new() -> Self {
-        Remembered {
-            index: Arc::new(PrefixIndex::with_budget(DEFAULT_PREFIX_BUDGET_BYTES)),
-            recording: None,
-            chores: Chores::default(),
-        }
-    }
-
-    /// The index with every record made.
-    fn settled(&mut self) -> &PrefixIndex {
-        if let Some(recording) = self.recording.take() {
-            // It fails only where the helper panicked in it; the simulation's thread
-            // scope raises that panic again when it ends, so nothing made after it is
-            // reported.
-            let _ = recording.result();
-        }
-        &self.index
-    }
-
-    /// [`PrefixIndex::record`], made by the helper when there is one.
-    fn record(&mut self, endpoint: SocketAddr, blocks: Vec<u64>, capacity_tokens: u64) {
-        self.settled();
-        let index = Arc::clone(&self.index);
-        let chores = &self.chores;
-        self.recording = Some(Errand::new(
-            move || index.record(endpoint, &blocks, capacity_tokens),
-            &mut |chore| chores.hand_over(chore),
-        ));
-    }
 }
 
 /// What placing a request came to (`LivePicker::place`'s `Placed`).
@@ -691,7 +645,7 @@ impl Kvroute {
     /// thread) while the loop goes on.
     pub fn lend_helper(&mut self, chores: &Chores) {
         for replica in &mut self.replicas {
-            replica.prefix.chores = chores.clone();
+            replica.prefix.lend_helper(chores.clone());
         }
     }
 
@@ -833,7 +787,7 @@ fn place(
         inference: Some(request),
         subset: None,
     };
-    let guessed = prefix.settled().matches(&blocks.text, fleet.snapshot());
+    let guessed = prefix.matches(&blocks.text, fleet.snapshot());
     let matches = match events {
         // Every simulated pod's events flow.
         Some(events) => matches_with_events(
@@ -878,7 +832,11 @@ fn place(
         // The shipped gateways show kvroute no response body: prefill ends at a scrape.
         load.reserve(tokens, prompt, PrefillEnd::NextScrape)
     });
-    prefix.record(decision.endpoint, blocks.text.clone(), capacity);
+    prefix.record(
+        decision.endpoint,
+        Arc::from(blocks.text.as_slice()),
+        capacity,
+    );
     Ok(Placed::Routed(Routed {
         pod,
         reservation,
