@@ -79,6 +79,11 @@ struct Seq {
 impl Seq {
     fn extend_hashes(&mut self, block_size: u32) {
         let bs = block_size as usize;
+        // Room for every block the tokens' room holds (the prompt and the output to come).
+        let blocks = self.tokens.capacity() / bs.max(1);
+        if self.hashes.capacity() < blocks {
+            self.hashes.reserve_exact(blocks - self.hashes.len());
+        }
         while (self.hashes.len() + 1) * bs <= self.tokens.len() {
             let i = self.hashes.len();
             let parent = if i == 0 { 0 } else { self.hashes[i - 1] };

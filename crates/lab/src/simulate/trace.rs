@@ -246,7 +246,11 @@ impl TraceRequest {
     /// (`tokenize` of the prompt, or of the chat template's rendering of the messages).
     pub fn engine_tokens(&self, api: Api, buf: &mut Vec<u8>) -> Vec<u32> {
         let system = self.system_words(buf);
-        let mut t = Tokenizer::new(system.map_or(0, <[u8]>::len) + self.own.len() + 32);
+        // A token per word, a few for the chat template, and room for the output the
+        // engine appends (without it the prompt was copied once more as the output came).
+        let mut t = Tokenizer::new(
+            system.map_or(0, <[u8]>::len) + self.own.len() + 32 + self.max_tokens as usize,
+        );
         match api {
             Api::Completions => {
                 if let Some(s) = system {
