@@ -150,8 +150,19 @@ fn empty(index: &PrefixIndex, queue: &Mutex<Queue>) {
         };
         shared.making = Some(Arc::clone(&record.blocks));
         drop(shared);
+        let _made = Made(queue);
         record.make(index);
-        lock(queue).making = None;
+    }
+}
+
+/// Clears the record being made however its making ends: one that panics on the helper
+/// must not leave the loop waiting for it (the simulation's thread scope raises the panic
+/// again when the run ends).
+struct Made<'a>(&'a Mutex<Queue>);
+
+impl Drop for Made<'_> {
+    fn drop(&mut self) {
+        lock(self.0).making = None;
     }
 }
 
