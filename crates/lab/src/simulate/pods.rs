@@ -138,12 +138,25 @@ impl Chores {
 
     /// Has the helper do `chore` after what it was given before; without one, does it now.
     pub fn hand_over(&self, chore: Chore) {
-        let Some(tasks) = &self.0 else {
-            return chore();
-        };
-        if let Err(mpsc::SendError(Task::Chore(chore))) = tasks.send(Task::Chore(chore)) {
-            // The helper is gone (it only stops on a panic): carry on alone.
-            chore();
+        match &self.0 {
+            Some(tasks) => {
+                send_chore(tasks, chore);
+            }
+            None => chore(),
+        }
+    }
+}
+
+/// Queues `chore` for the helper; when the helper is gone (it only stops on a panic), does
+/// it here and says so (false).
+fn send_chore(tasks: &mpsc::Sender<Task>, chore: Chore) -> bool {
+    match tasks.send(Task::Chore(chore)) {
+        Ok(()) => true,
+        Err(mpsc::SendError(task)) => {
+            if let Task::Chore(chore) = task {
+                chore();
+            }
+            false
         }
     }
 }
@@ -238,12 +251,9 @@ impl Pods {
         let Some(helper) = &self.helper else {
             return chore();
         };
-        if let Err(mpsc::SendError(task)) = helper.tasks.send(Task::Chore(chore)) {
-            // The helper is gone (it only stops on a panic): carry on alone.
+        if !send_chore(&helper.tasks, chore) {
+            // Carry on alone.
             self.helper = None;
-            if let Task::Chore(chore) = task {
-                chore();
-            }
         }
     }
 

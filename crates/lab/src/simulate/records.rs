@@ -86,14 +86,12 @@ impl Remembered {
 
     /// [`PrefixIndex::matches`] as if every record routed so far had been made.
     pub fn matches(&mut self, blocks: &[u64], snapshot: &Snapshot) -> PrefixMatches {
-        let independent = match blocks.first() {
-            None => true,
-            Some(&first) => {
-                self.index.follows(snapshot)
-                    && !lock(&self.queue).names(first)
-                    && !self.index.is_held(first)
-            }
-        };
+        // Following a newer snapshot changes which pods records land on: never ahead of
+        // them.
+        let independent = self.index.follows(snapshot)
+            && blocks
+                .first()
+                .is_none_or(|&first| !lock(&self.queue).names(first) && !self.index.is_held(first));
         if !independent {
             self.settle();
         }
