@@ -193,6 +193,36 @@ impl PrefixMatches {
         &self.by_pod
     }
 
+    /// The pod holding the most leading blocks (the first in the snapshot among equals),
+    /// if any pod holds one.
+    pub fn best_pod(&self) -> Option<usize> {
+        let mut best: Option<(usize, u32)> = None;
+        for (i, &blocks) in self.by_pod.iter().enumerate() {
+            if blocks > 0 && best.is_none_or(|(_, most)| blocks > most) {
+                best = Some((i, blocks));
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+
+    /// Whether the pod at `pod_index` holds at least half of the request's blocks.
+    pub fn holds_half(&self, pod_index: usize) -> bool {
+        self.request_blocks > 0 && self.blocks_at(pod_index) * 2 >= self.request_blocks
+    }
+
+    /// These matches with every pod's but `pod_index`'s dropped.
+    pub fn only(mut self, pod_index: usize) -> PrefixMatches {
+        for (i, blocks) in self.by_pod.iter_mut().enumerate() {
+            if i != pod_index {
+                *blocks = 0;
+            }
+        }
+        if self.blocks_at(pod_index) == 0 {
+            self.by_pod.clear();
+        }
+        self
+    }
+
     /// The most leading prompt tokens of the request that one pod holds (0: none).
     pub fn most_tokens(&self) -> u64 {
         let most = self.by_pod.iter().copied().max().unwrap_or(0);

@@ -520,3 +520,119 @@ fn a_data_parallel_pod_holds_a_block_while_any_of_its_engines_does() {
     rank0.reset(&mut counts.sink(sink(&index, 1)));
     assert_eq!(index.held(pod(1)), 2);
 }
+
+/// Pods 1 and 2 both store the whole 3-block prompt; pod 3 stores nothing.
+fn two_copies() -> (PrefixIndex, Snapshot, TokenBlocks) {
+    let (index, snapshot) = index_for(&[1, 2, 3]);
+    let prompt = tokens(700, 3);
+    for (port, hashes) in [(1, [0xC1, 0xC2, 0xC3]), (2, [0xD1, 0xD2, 0xD3])] {
+        let mut state = PodEvents::new();
+        let mut events = Vec::new();
+        stored_map(&mut events, &hashes, None, &prompt);
+        apply(&mut state, &index, port, 0, 1, &events);
+    }
+    let chains = token_block_hashes(None, &prompt, BS);
+    let blocks = TokenBlocks {
+        chains,
+        block_tokens: BS,
+    };
+    (index, snapshot, blocks)
+}
+
+#[test]
+fn where_the_events_show_copies_the_pod_kvroute_sent_the_context_to_alone_holds_it() {
+    let (index, snapshot, blocks) = two_copies();
+    let at = |port| snapshot.position(pod(port)).expect("pod");
+    // kvroute's memory: it sent the prompt (8 text blocks of 8) to pod 2, and a little of
+    // it to pod 1.
+    let sent = |home: &[(SocketAddr, u32)]| PrefixMatches::new(8, &snapshot, home);
+    for source in [PrefixSource::Auto, PrefixSource::Precise] {
+        let homed = matches_with_events(
+            source,
+            &index,
+            Some(&blocks),
+            sent(&[(pod(1), 1), (pod(2), 8)]),
+            &snapshot,
+            |_| true,
+        );
+        assert_eq!(
+            homed.blocks_at(at(2)),
+            3,
+            "{source:?}: the home keeps its match"
+        );
+        assert_eq!(
+            homed.blocks_at(at(1)),
+            0,
+            "{source:?}: the other copy is dropped"
+        );
+        assert_eq!(homed.most_tokens(), 3 * u64::from(BS));
+    }
+
+    // The home the memory names lost the context (pod 3 holds nothing by its events):
+    // the events decide alone, every copy counting.
+    let lost = matches_with_events(
+        PrefixSource::Auto,
+        &index,
+        Some(&blocks),
+        sent(&[(pod(3), 8)]),
+        &snapshot,
+        |_| true,
+    );
+    assert_eq!((lost.blocks_at(at(1)), lost.blocks_at(at(2))), (3, 3));
+    assert_eq!(lost.blocks_at(at(3)), 0);
+
+    // The memory's best pod holds under half of the prompt by the memory: no home.
+    let weak = matches_with_events(
+        PrefixSource::Auto,
+        &index,
+        Some(&blocks),
+        sent(&[(pod(2), 3)]),
+        &snapshot,
+        |_| true,
+    );
+    assert_eq!((weak.blocks_at(at(1)), weak.blocks_at(at(2))), (3, 3));
+
+    // Without tokens (not tokenized) or in approximate mode, the memory is the matches.
+    let untokenized = matches_with_events(
+        PrefixSource::Auto,
+        &index,
+        None,
+        sent(&[(pod(1), 1), (pod(2), 8)]),
+        &snapshot,
+        |_| true,
+    );
+    assert_eq!(untokenized.blocks_at(at(1)), 1);
+    assert_eq!(untokenized.request_blocks, 8);
+}
+
+#[test]
+fn a_home_whose_events_hold_under_half_the_prompt_is_no_home() {
+    let (index, snapshot) = index_for(&[1, 2]);
+    let prompt = tokens(900, 4);
+    // Pod 1 holds all 4 blocks; pod 2 (where kvroute last sent the prompt) only the first.
+    for (port, n, hashes) in [(1, 4, vec![0xE1, 0xE2, 0xE3, 0xE4]), (2, 1, vec![0xF1])] {
+        let mut state = PodEvents::new();
+        let mut events = Vec::new();
+        stored_map(&mut events, &hashes, None, &prompt[..(n * BS) as usize]);
+        apply(&mut state, &index, port, 0, 1, &events);
+    }
+    let blocks = TokenBlocks {
+        chains: token_block_hashes(None, &prompt, BS),
+        block_tokens: BS,
+    };
+    let at = |port| snapshot.position(pod(port)).expect("pod");
+    let matches = matches_with_events(
+        PrefixSource::Auto,
+        &index,
+        Some(&blocks),
+        PrefixMatches::new(8, &snapshot, &[(pod(2), 8)]),
+        &snapshot,
+        |_| true,
+    );
+    assert_eq!(
+        matches.blocks_at(at(1)),
+        4,
+        "the copy the events show stays"
+    );
+    assert_eq!(matches.blocks_at(at(2)), 1);
+}
