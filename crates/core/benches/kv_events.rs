@@ -1,5 +1,6 @@
 //! Cost of following vLLM's KV events: decoding a published batch, and applying it to the
-//! event index; and the index's memory per (pod, block) it holds.
+//! event index; matching a prompt against the index at 1,000 pods; and the index's memory
+//! per (pod, block) it holds.
 //! Run: `cargo bench -p kvroute-core --bench kv_events`.
 //!
 //! A steady stream as an engine under load publishes it: each batch is one engine step with
@@ -17,8 +18,11 @@ use std::net::SocketAddr;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use rmp::encode as enc;
 
-use kvroute_core::fleet::{PodView, PrefixIndex, Snapshot};
-use kvroute_core::kvevents::{IndexSink, PodEvents, decode_batch};
+use kvroute_core::fleet::{PodView, PrefixIndex, PrefixMatches, Snapshot};
+use kvroute_core::kvevents::{
+    IndexSink, PodEvents, PrefixSource, TokenBlocks, decode_batch, matches_with_events,
+    token_block_hashes,
+};
 
 mod support;
 use support::live_bytes;
@@ -200,5 +204,48 @@ fn memory(_: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, events, memory);
+/// A 3,000-token context held by two of 1,000 pods by their events, matched as `auto`
+/// does, with kvroute's memory naming one of them (the home rule applies) or a pod that
+/// lost it (the rule is checked, the events decide).
+fn matching(c: &mut Criterion) {
+    const PODS: usize = 1000;
+    let endpoint = |i: usize| SocketAddr::from(([10, 1, (i / 250) as u8, (i % 250) as u8], 8000));
+    let snapshot = Snapshot::new(
+        (0..PODS)
+            .map(|i| PodView::new(endpoint(i), true, None, None, None))
+            .collect(),
+        1,
+        1,
+    );
+    let index = PrefixIndex::new();
+    index.follow(&snapshot);
+    let tokens: Vec<u32> = (0..3000).map(|t| (t * 7919 + 13) % 128_000).collect();
+    let blocks = TokenBlocks {
+        chains: token_block_hashes(None, &tokens, BLOCK),
+        block_tokens: BLOCK,
+    };
+    for holder in [3, 700] {
+        index.record(endpoint(holder), &blocks.chains, 0);
+    }
+    let text_blocks = 188;
+    let mut group = c.benchmark_group("kv_events_matching");
+    for (case, home) in [("home_holds", 700), ("home_lost", 5)] {
+        let guessed = PrefixMatches::new(text_blocks, &snapshot, &[(endpoint(home), text_blocks)]);
+        group.bench_function(case, |b| {
+            b.iter(|| {
+                black_box(matches_with_events(
+                    PrefixSource::Auto,
+                    &index,
+                    Some(&blocks),
+                    guessed.clone(),
+                    &snapshot,
+                    |_| true,
+                ))
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, events, matching, memory);
 criterion_main!(benches);
