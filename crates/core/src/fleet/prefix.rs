@@ -204,7 +204,8 @@ impl PrefixMatches {
 
     /// Whether the pod at `pod_index` holds at least half of the request's blocks.
     pub fn holds_half(&self, pod_index: usize) -> bool {
-        self.request_blocks > 0 && self.blocks_at(pod_index) * 2 >= self.request_blocks
+        self.request_blocks > 0
+            && u64::from(self.blocks_at(pod_index)) * 2 >= u64::from(self.request_blocks)
     }
 
     /// These matches with every pod's but `pod_index`'s dropped.
