@@ -521,22 +521,29 @@ fn a_data_parallel_pod_holds_a_block_while_any_of_its_engines_does() {
     assert_eq!(index.held(pod(1)), 2);
 }
 
+/// Pod `port`'s engine, just subscribed to, stores `prompt`'s blocks under `hashes` in its
+/// first batch.
+fn stored_once(index: &PrefixIndex, port: u16, hashes: &[u64], prompt: &[u32]) {
+    let mut events = Vec::new();
+    stored_map(&mut events, hashes, None, prompt);
+    apply(&mut PodEvents::new(), index, port, 0, 1, &events);
+}
+
+/// `prompt`'s token blocks as a tokenized request carries them.
+fn token_blocks(prompt: &[u32]) -> TokenBlocks {
+    TokenBlocks {
+        chains: token_block_hashes(None, prompt, BS),
+        block_tokens: BS,
+    }
+}
+
 /// Pods 1 and 2 both store the whole 3-block prompt; pod 3 stores nothing.
 fn two_copies() -> (PrefixIndex, Snapshot, TokenBlocks) {
     let (index, snapshot) = index_for(&[1, 2, 3]);
     let prompt = tokens(700, 3);
-    for (port, hashes) in [(1, [0xC1, 0xC2, 0xC3]), (2, [0xD1, 0xD2, 0xD3])] {
-        let mut state = PodEvents::new();
-        let mut events = Vec::new();
-        stored_map(&mut events, &hashes, None, &prompt);
-        apply(&mut state, &index, port, 0, 1, &events);
-    }
-    let chains = token_block_hashes(None, &prompt, BS);
-    let blocks = TokenBlocks {
-        chains,
-        block_tokens: BS,
-    };
-    (index, snapshot, blocks)
+    stored_once(&index, 1, &[0xC1, 0xC2, 0xC3], &prompt);
+    stored_once(&index, 2, &[0xD1, 0xD2, 0xD3], &prompt);
+    (index, snapshot, token_blocks(&prompt))
 }
 
 #[test]
@@ -568,39 +575,28 @@ fn where_the_events_show_copies_the_pod_kvroute_sent_the_context_to_alone_holds_
         assert_eq!(homed.most_tokens(), 3 * u64::from(BS));
     }
 
+    let auto = |tokens: Option<&TokenBlocks>, memory| {
+        matches_with_events(
+            PrefixSource::Auto,
+            &index,
+            tokens,
+            memory,
+            &snapshot,
+            |_| true,
+        )
+    };
     // The home the memory names lost the context (pod 3 holds nothing by its events):
     // the events decide alone, every copy counting.
-    let lost = matches_with_events(
-        PrefixSource::Auto,
-        &index,
-        Some(&blocks),
-        sent(&[(pod(3), 8)]),
-        &snapshot,
-        |_| true,
-    );
+    let lost = auto(Some(&blocks), sent(&[(pod(3), 8)]));
     assert_eq!((lost.blocks_at(at(1)), lost.blocks_at(at(2))), (3, 3));
     assert_eq!(lost.blocks_at(at(3)), 0);
 
     // The memory's best pod holds under half of the prompt by the memory: no home.
-    let weak = matches_with_events(
-        PrefixSource::Auto,
-        &index,
-        Some(&blocks),
-        sent(&[(pod(2), 3)]),
-        &snapshot,
-        |_| true,
-    );
+    let weak = auto(Some(&blocks), sent(&[(pod(2), 3)]));
     assert_eq!((weak.blocks_at(at(1)), weak.blocks_at(at(2))), (3, 3));
 
-    // Without tokens (not tokenized) or in approximate mode, the memory is the matches.
-    let untokenized = matches_with_events(
-        PrefixSource::Auto,
-        &index,
-        None,
-        sent(&[(pod(1), 1), (pod(2), 8)]),
-        &snapshot,
-        |_| true,
-    );
+    // Without tokens (not tokenized), the memory is the matches.
+    let untokenized = auto(None, sent(&[(pod(1), 1), (pod(2), 8)]));
     assert_eq!(untokenized.blocks_at(at(1)), 1);
     assert_eq!(untokenized.request_blocks, 8);
 }
@@ -610,16 +606,9 @@ fn a_home_whose_events_hold_under_half_the_prompt_is_no_home() {
     let (index, snapshot) = index_for(&[1, 2]);
     let prompt = tokens(900, 4);
     // Pod 1 holds all 4 blocks; pod 2 (where kvroute last sent the prompt) only the first.
-    for (port, n, hashes) in [(1, 4, vec![0xE1, 0xE2, 0xE3, 0xE4]), (2, 1, vec![0xF1])] {
-        let mut state = PodEvents::new();
-        let mut events = Vec::new();
-        stored_map(&mut events, &hashes, None, &prompt[..(n * BS) as usize]);
-        apply(&mut state, &index, port, 0, 1, &events);
-    }
-    let blocks = TokenBlocks {
-        chains: token_block_hashes(None, &prompt, BS),
-        block_tokens: BS,
-    };
+    stored_once(&index, 1, &[0xE1, 0xE2, 0xE3, 0xE4], &prompt);
+    stored_once(&index, 2, &[0xF1], &prompt[..BS as usize]);
+    let blocks = token_blocks(&prompt);
     let at = |port| snapshot.position(pod(port)).expect("pod");
     let matches = matches_with_events(
         PrefixSource::Auto,
