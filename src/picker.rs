@@ -339,7 +339,7 @@ impl LivePicker {
         lock(&self.shares).started(&tenant, decision.tokens_needed);
         telemetry::record_pick(elapsed, decision.reason.as_str());
         let prediction = decision.ranked.first().map(|winner| PrefixPrediction {
-            cached_tokens: winner.cached_tokens,
+            cached_tokens: winner.held_tokens,
             source: prefix.as_str(),
             pod: decision.endpoint,
             block_tokens: fleet
@@ -737,6 +737,8 @@ impl LivePicker {
             };
             // Cached prompt blocks are neither recomputed nor allocated again.
             let winner = decision.ranked.first();
+            // What the scheduler credited: a copy of a context whose home is another pod is
+            // reserved as if it held nothing (`PrefixMatches::homed`).
             let cached = winner.map_or(0, |c| c.cached_tokens);
             let prompt = u64::from(request.prompt_tokens()).saturating_sub(cached);
             let tokens = winner.map_or(decision.tokens_needed, |c| {

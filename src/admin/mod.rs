@@ -194,6 +194,7 @@ fn candidate(score: &CandidateScore) -> pb::CandidateScore {
         prefix: score.prefix,
         prefill_queue: score.prefill_queue,
         cached_tokens: score.cached_tokens,
+        held_tokens: score.held_tokens,
         weighted: Some(pb::WeightedTerms {
             kv_headroom: score.weighted.kv_headroom,
             queue: score.weighted.queue,

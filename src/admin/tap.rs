@@ -189,6 +189,9 @@ pub fn render_event(event: &pb::DecisionEvent, top: usize) -> String {
                 if score.cached_tokens > 0 {
                     let _ = write!(out, " cached={}", score.cached_tokens);
                 }
+                if score.held_tokens > score.cached_tokens {
+                    let _ = write!(out, " held={}", score.held_tokens);
+                }
                 if let Some(free) = score.free_kv_tokens {
                     let _ = write!(out, " free_kv={free}");
                 }

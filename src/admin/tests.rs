@@ -36,6 +36,7 @@ fn record(model: Option<&str>) -> DecisionRecord {
                 prefill_queue: 0.5,
                 free_kv_tokens: Some(14_000),
                 cached_tokens: 0,
+                held_tokens: 0,
                 weighted: WeightedTerms {
                     kv_headroom: 0.9,
                     queue: 1.0,

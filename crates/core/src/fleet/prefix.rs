@@ -145,6 +145,9 @@ pub struct PrefixMatches {
     pub block_tokens: u32,
     /// Matched blocks by snapshot position; empty when no pod matches.
     by_pod: Vec<u32>,
+    /// The context's home ([`PrefixMatches::homed`]): where set, the one pod whose match
+    /// draws the request.
+    home: Option<u32>,
 }
 
 impl Default for PrefixMatches {
@@ -153,6 +156,7 @@ impl Default for PrefixMatches {
             request_blocks: 0,
             block_tokens: BLOCK_TOKENS as u32,
             by_pod: Vec::new(),
+            home: None,
         }
     }
 }
@@ -175,6 +179,7 @@ impl PrefixMatches {
             request_blocks,
             block_tokens: BLOCK_TOKENS as u32,
             by_pod,
+            home: None,
         }
     }
 
@@ -208,21 +213,46 @@ impl PrefixMatches {
             && u64::from(self.blocks_at(pod_index)) * 2 >= u64::from(self.request_blocks)
     }
 
-    /// These matches with every pod's but `pod_index`'s dropped.
-    pub fn only(mut self, pod_index: usize) -> PrefixMatches {
-        let kept = self.blocks_at(pod_index);
-        self.by_pod.fill(0);
-        match self.by_pod.get_mut(pod_index) {
-            Some(blocks) if kept > 0 => *blocks = kept,
-            _ => self.by_pod.clear(),
+    /// These matches with the pod at `pod_index` as the context's home, if it holds any
+    /// of it: only the home draws the request (prefix stickiness and the prefix score read
+    /// [`PrefixMatches::drawing_blocks_at`]), while every pod's match still counts as the
+    /// prompt it caches (the KV the request needs there, its saturation, its prefill).
+    /// The other copies then age out unless the home cannot take the request, and a
+    /// request that goes to one is credited what it finds there.
+    pub fn homed(mut self, pod_index: usize) -> PrefixMatches {
+        if self.blocks_at(pod_index) > 0 {
+            self.home = u32::try_from(pod_index).ok();
         }
         self
+    }
+
+    /// The pod whose match alone draws the request, if the matches name one.
+    pub fn home(&self) -> Option<usize> {
+        self.home.map(|home| home as usize)
+    }
+
+    /// Leading blocks of the request that draw it to the pod at `pod_index`: what it
+    /// holds, unless the context has another home.
+    #[inline]
+    pub fn drawing_blocks_at(&self, pod_index: usize) -> u32 {
+        match self.home {
+            Some(home) if home as usize != pod_index => 0,
+            _ => self.blocks_at(pod_index),
+        }
     }
 
     /// The most leading prompt tokens of the request that one pod holds (0: none).
     pub fn most_tokens(&self) -> u64 {
         let most = self.by_pod.iter().copied().max().unwrap_or(0);
         u64::from(most) * u64::from(self.block_tokens)
+    }
+
+    /// [`PrefixMatches::most_tokens`] of the pods that draw the request.
+    pub fn most_drawing_tokens(&self) -> u64 {
+        match self.home() {
+            Some(home) => self.tokens_at(home),
+            None => self.most_tokens(),
+        }
     }
 
     /// Whether some pod holds part of the prompt.
@@ -257,6 +287,7 @@ impl PrefixMatches {
             request_blocks: exact.request_blocks,
             block_tokens,
             by_pod,
+            home: None,
         }
     }
 }
@@ -686,6 +717,7 @@ impl PrefixIndex {
             request_blocks,
             block_tokens,
             by_pod: Vec::new(),
+            home: None,
         };
         // Levels: where the holder set shrinks, the slots holding from there on (sorted).
         let mut slots: Vec<u32> = Vec::new();
@@ -768,6 +800,7 @@ impl PrefixIndex {
             request_blocks,
             block_tokens,
             by_pod,
+            home: None,
         }
     }
 

@@ -64,11 +64,12 @@ pub struct PromptBlocks {
 ///
 /// One rule joins the two sources: where the pod kvroute's own memory credits most (the
 /// one it last sent the prompt's context to, its *home*) holds half the prompt by that
-/// memory and by the events too, it alone keeps its match. The events show every copy of
+/// memory and by the events too, it alone draws the request ([`PrefixMatches::homed`]:
+/// the other copies still count as the prompt they cache). The events show every copy of
 /// a context, and a tenant whose requests follow the copies by load keeps several warm;
 /// past a fleet's knee those copies take the KV other tenants' contexts need (on
 /// `shared-prefix-pressure`, 32 seeds: prefix hit rate 0.843 against 0.880 for the memory
-/// alone, docs/kv-events.md). Sent home, a tenant's other copies age out. Where the home
+/// alone, docs/kv-events.md). Drawn home, a tenant's other copies age out. Where the home
 /// lost the context, the events decide as before.
 pub fn matches_with_events(
     source: PrefixSource,
@@ -90,7 +91,7 @@ pub fn matches_with_events(
         PrefixSource::Precise | PrefixSource::Approximate => exact,
     };
     match guessed.best_pod() {
-        Some(home) if guessed.holds_half(home) && matches.holds_half(home) => matches.only(home),
+        Some(home) if guessed.holds_half(home) && matches.holds_half(home) => matches.homed(home),
         _ => matches,
     }
 }

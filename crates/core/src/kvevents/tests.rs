@@ -562,17 +562,18 @@ fn where_the_events_show_copies_the_pod_kvroute_sent_the_context_to_alone_holds_
             &snapshot,
             |_| true,
         );
+        assert_eq!(homed.home(), Some(at(2)), "{source:?}: pod 2 is the home");
         assert_eq!(
-            homed.blocks_at(at(2)),
-            3,
-            "{source:?}: the home keeps its match"
+            (homed.drawing_blocks_at(at(2)), homed.blocks_at(at(2))),
+            (3, 3),
+            "{source:?}: the home draws the request by its match"
         );
         assert_eq!(
-            homed.blocks_at(at(1)),
-            0,
-            "{source:?}: the other copy is dropped"
+            (homed.drawing_blocks_at(at(1)), homed.blocks_at(at(1))),
+            (0, 3),
+            "{source:?}: the other copy draws nothing, but still holds the prompt"
         );
-        assert_eq!(homed.most_tokens(), 3 * u64::from(BS));
+        assert_eq!(homed.most_drawing_tokens(), 3 * u64::from(BS));
     }
 
     let auto = |tokens: Option<&TokenBlocks>, memory| {
@@ -588,11 +589,13 @@ fn where_the_events_show_copies_the_pod_kvroute_sent_the_context_to_alone_holds_
     // The home the memory names lost the context (pod 3 holds nothing by its events):
     // the events decide alone, every copy counting.
     let lost = auto(Some(&blocks), sent(&[(pod(3), 8)]));
+    assert_eq!(lost.home(), None);
     assert_eq!((lost.blocks_at(at(1)), lost.blocks_at(at(2))), (3, 3));
     assert_eq!(lost.blocks_at(at(3)), 0);
 
     // The memory's best pod holds under half of the prompt by the memory: no home.
     let weak = auto(Some(&blocks), sent(&[(pod(2), 3)]));
+    assert_eq!(weak.home(), None);
     assert_eq!((weak.blocks_at(at(1)), weak.blocks_at(at(2))), (3, 3));
 
     // Without tokens (not tokenized), the memory is the matches.
@@ -618,10 +621,11 @@ fn a_home_whose_events_hold_under_half_the_prompt_is_no_home() {
         &snapshot,
         |_| true,
     );
+    assert_eq!(matches.home(), None);
     assert_eq!(
-        matches.blocks_at(at(1)),
+        matches.drawing_blocks_at(at(1)),
         4,
-        "the copy the events show stays"
+        "the copy the events show draws the request"
     );
     assert_eq!(matches.blocks_at(at(2)), 1);
 }

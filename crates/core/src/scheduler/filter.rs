@@ -62,9 +62,11 @@ pub(super) struct Candidate {
     pub(super) inflight: u32,
     /// Prompt tokens sent to the pod and not yet past prefill.
     pub(super) prefill: u64,
-    /// Prompt tokens the pod likely holds in its prefix cache for this request (a prompt
-    /// estimate fits in 32 bits; kept small, as every pass over thousands of candidates
-    /// streams this record).
+    /// Prompt tokens the pod likely holds in its prefix cache for this request, where
+    /// they draw the request to it ([`Demand::drawing`]): what stickiness and the scores
+    /// read (a prompt estimate fits in 32 bits; kept small, as every pass over thousands
+    /// of candidates streams this record). The soft filters' flags credit every pod what
+    /// it caches.
     pub(super) cached: u32,
     /// Estimated free KV tokens, or [`UNKNOWN`].
     free_kv: u64,
@@ -77,6 +79,22 @@ pub(super) struct Demand<'a> {
     /// Prompt plus expected output.
     pub(super) tokens: u64,
     pub(super) prefix: Option<&'a PrefixMatches>,
+    /// `prefix`'s home ([`PrefixMatches::home`]), or `usize::MAX` where every holder
+    /// draws the request: read once, not at every pod of a pass.
+    home: usize,
+}
+
+impl<'a> Demand<'a> {
+    /// A request needing `tokens` (prompt plus expected output) for a `prompt`-token
+    /// prompt that pods hold as `prefix` says.
+    pub(super) fn new(prompt: u64, tokens: u64, prefix: Option<&'a PrefixMatches>) -> Self {
+        Demand {
+            prompt,
+            tokens,
+            prefix,
+            home: prefix.and_then(PrefixMatches::home).unwrap_or(usize::MAX),
+        }
+    }
 }
 
 impl Demand<'_> {
@@ -93,7 +111,7 @@ impl Demand<'_> {
 
     /// Prompt tokens a pod holding `blocks` of the prompt's leading blocks (kvroute sent it
     /// the same ones) likely caches, for blocks of `block_tokens`.
-    fn cached(&self, blocks: u32, block_tokens: u64) -> u32 {
+    pub(super) fn cached(&self, blocks: u32, block_tokens: u64) -> u32 {
         let tokens = (u64::from(blocks) * block_tokens).min(self.prompt);
         u32::try_from(tokens).unwrap_or(u32::MAX)
     }
@@ -106,6 +124,18 @@ impl Demand<'_> {
     /// Prompt tokens a pod caching `cached` of them must prefill.
     pub(super) fn uncached_prompt(&self, cached: u32) -> u64 {
         self.prompt.saturating_sub(u64::from(cached))
+    }
+
+    /// Of the `cached` prompt tokens the pod at `index` caches, those that draw the
+    /// request to it (prefix stickiness): all of them, unless the context has another
+    /// home ([`PrefixMatches::homed`]).
+    #[inline(always)]
+    pub(super) fn drawing(&self, index: usize, cached: u32) -> u32 {
+        if self.home == usize::MAX || self.home == index {
+            cached
+        } else {
+            0
+        }
     }
 }
 
@@ -266,7 +296,7 @@ impl Candidate {
             waiting: reported_waiting(row),
             inflight: load.inflight(),
             prefill: load.prefill_tokens(),
-            cached,
+            cached: reading.demand.drawing(index, cached),
             free_kv,
         }
     }
@@ -359,8 +389,9 @@ struct Pass {
     /// The same of the recorded candidates.
     recorded_by_flags: [(usize, u32); COMBINATIONS],
     could_fit: bool,
-    /// The most prompt tokens one candidate caches.
-    best_cached: u32,
+    /// The most prompt tokens that draw the request to one candidate
+    /// ([`Demand::drawing`]).
+    best_drawing: u32,
     /// The least [`Candidate::load`] of all candidates.
     least_load: u32,
 }
@@ -479,7 +510,7 @@ fn flags_unless_passing<const MATCHES: bool>(
         present[usize::from(flags)] = true;
         admitted += 1;
         // The least load and the best cached share matter only to stickiness.
-        tally.note(row, demand, cached, 0);
+        tally.note(row, demand, cached, demand.drawing(index, cached), 0);
         largest_pool = largest_pool.max(if row.capacity == 0 {
             u64::MAX
         } else {
@@ -700,24 +731,26 @@ fn blocks_by_pod<'a>(demand: &Demand<'a>, pods: usize) -> (u64, Cow<'a, [u32]>) 
 #[derive(Clone, Copy)]
 struct Tally {
     could_fit: bool,
-    best_cached: u32,
+    /// The most prompt tokens that draw the request to one pod ([`Demand::drawing`]).
+    best_drawing: u32,
     least_load: u32,
 }
 
 impl Tally {
     const EMPTY: Tally = Tally {
         could_fit: false,
-        best_cached: 0,
+        best_drawing: 0,
         least_load: u32::MAX,
     };
 
-    /// Notes the pod in `row`, caching `cached` of the prompt, with `load` requests on it.
+    /// Notes the pod in `row`, caching `cached` of the prompt (`drawing` of them drawing
+    /// the request there, [`Demand::drawing`]), with `load` requests on it.
     #[inline(always)]
-    fn note(&mut self, row: &PodRow, demand: &Demand<'_>, cached: u32, load: u32) {
+    fn note(&mut self, row: &PodRow, demand: &Demand<'_>, cached: u32, drawing: u32, load: u32) {
         // A pod that does not report its pool's size might hold anything.
         self.could_fit =
             self.could_fit || row.capacity == 0 || row.capacity >= demand.needed(cached);
-        self.best_cached = self.best_cached.max(cached);
+        self.best_drawing = self.best_drawing.max(drawing);
         self.least_load = self.least_load.min(load);
     }
 }
@@ -758,9 +791,10 @@ fn read_pods(
             continue;
         }
         let cached = demand.cached(blocks, block_tokens);
-        if cached >= record_floor {
+        let drawing = demand.drawing(index, cached);
+        if drawing >= record_floor {
             let candidate = Candidate::read(index, row, load, cached, &reading);
-            tally.note(row, demand, cached, candidate.load());
+            tally.note(row, demand, cached, drawing, candidate.load());
             count(&mut recorded_by_flags, candidate.flags, candidate.inflight);
             recorded.push(candidate);
         } else {
@@ -771,6 +805,7 @@ fn read_pods(
                 row,
                 demand,
                 cached,
+                drawing,
                 self::load(inflight, reported_waiting(row)),
             );
             count(&mut others, flags, inflight);
@@ -783,7 +818,7 @@ fn read_pods(
         others,
         recorded_by_flags,
         could_fit: tally.could_fit,
-        best_cached: tally.best_cached,
+        best_drawing: tally.best_drawing,
         least_load: tally.least_load,
     })
 }
@@ -877,7 +912,7 @@ fn read_passing<const MATCHES: bool>(
         partials,
         others: [(0, 0); COMBINATIONS],
         recorded_by_flags,
-        best_cached: 0,
+        best_drawing: 0,
         least_load: 0,
     })
 }
@@ -910,7 +945,7 @@ fn read_until_passing<const MATCHES: bool>(
             return Ok(None);
         }
         let candidate = Candidate::with_flags(index, row, load, cached, reading, flags, free_kv);
-        tally.note(row, demand, cached, candidate.load());
+        tally.note(row, demand, cached, candidate.cached, candidate.load());
         count(&mut recorded_by_flags, flags, candidate.inflight);
         if recorded.is_empty() {
             recorded.reserve(pods);
@@ -924,7 +959,7 @@ fn read_until_passing<const MATCHES: bool>(
         others: [(0, 0); COMBINATIONS],
         recorded_by_flags,
         could_fit: tally.could_fit,
-        best_cached: tally.best_cached,
+        best_drawing: tally.best_drawing,
         least_load: tally.least_load,
     }))
 }
@@ -936,7 +971,7 @@ fn likely_sticky_floor(demand: &Demand<'_>) -> u32 {
     let Some(prefix) = demand.prefix else {
         return 0;
     };
-    let most = prefix.most_tokens().min(demand.prompt);
+    let most = prefix.most_drawing_tokens().min(demand.prompt);
     holders_floor(u32::try_from(most).unwrap_or(u32::MAX), demand.prompt)
 }
 
@@ -952,7 +987,8 @@ fn holders_floor(best: u32, prompt: u64) -> u32 {
 }
 
 /// Prefix stickiness: when a candidate caches at least half of the prompt, only
-/// candidates caching at least half as much compete, unless even the least loaded of them
+/// candidates caching at least half as much compete (counting only what draws the
+/// request, [`Demand::drawing`]: where the context has a home, its home alone), unless even the least loaded of them
 /// carries [`STICKY_SLACK`] more requests ([`Candidate::load`]) than the least loaded
 /// candidate of all.
 /// Copying a long context to another pod costs KV the whole fleet shares, so the context
@@ -960,7 +996,7 @@ fn holders_floor(best: u32, prompt: u64) -> u32 {
 /// tokens a candidate needs to compete (0: everyone). Valid when the pass recorded every
 /// candidate caching that much (the caller reads the fleet again when it did not).
 fn sticky_floor(pass: &Pass, prompt: u64) -> u32 {
-    let floor = holders_floor(pass.best_cached, prompt);
+    let floor = holders_floor(pass.best_drawing, prompt);
     if floor == 0 {
         return 0;
     }

@@ -16,7 +16,9 @@
 //!    `kv·headroom + queue·limit/(limit + waiting) + inflight·(1 − inflight/max) +
 //!    lora·tier + prefix·matched/blocks + prefill·scale/(scale + queued + own)`, where
 //!    `matched` counts the prompt's leading blocks kvroute sent to the pod before (the
-//!    caller looks them up in its [`crate::fleet::PrefixIndex`]), `queued` the prompt
+//!    caller looks them up in its [`crate::fleet::PrefixIndex`]; where the matches name
+//!    a context's home, [`PrefixMatches::homed`], the other pods' copies count only in
+//!    the soft filters' credit, and as nothing here and in stickiness), `queued` the prompt
 //!    tokens kvroute sent there that have not streamed a first token yet, and `own` the
 //!    part of this request's prompt the pod does not cache. `headroom` and the KV filters
 //!    use the request's need on that pod: its uncached prompt plus its expected output.
@@ -152,7 +154,9 @@ pub struct CandidateScore {
     pub inflight: f64,
     pub lora: f64,
     pub lora_tier: Option<LoraTier>,
-    /// Share of the prompt's blocks the pod likely holds, 0..=1.
+    /// Share of the prompt's blocks the pod likely holds, 0..=1, where they draw the
+    /// request: 0 at a copy of a context whose home is another pod
+    /// ([`crate::fleet::PrefixMatches::homed`]), though `cached_tokens` counts it.
     pub prefix: f64,
     /// `scale / (scale + queued prefill tokens + this request's uncached prompt)`, 0..=1.
     pub prefill_queue: f64,
@@ -160,6 +164,10 @@ pub struct CandidateScore {
     pub free_kv_tokens: Option<u64>,
     /// Prompt tokens the pod likely caches for this request, credited against its need.
     pub cached_tokens: u64,
+    /// Prompt tokens the pod likely caches for this request, whether or not credited:
+    /// a copy of a context whose home is another pod holds it but is credited nothing
+    /// ([`crate::fleet::PrefixMatches::homed`]).
+    pub held_tokens: u64,
 }
 
 impl CandidateScore {
@@ -357,11 +365,11 @@ impl<'a> Ask<'a> {
         config: &'a SchedulerConfig,
     ) -> Self {
         let tokens_needed = tokens_needed(request, config);
-        let demand = filter::Demand {
-            prompt: u64::from(request.prompt_tokens()).min(tokens_needed),
-            tokens: tokens_needed,
+        let demand = filter::Demand::new(
+            u64::from(request.prompt_tokens()).min(tokens_needed),
+            tokens_needed,
             prefix,
-        };
+        );
         let adapter = request
             .model()
             .filter(|model| lora::is_adapter(model, fleet.snapshot(), config));

@@ -200,10 +200,22 @@ impl<'a> Scorer<'a> {
         )
     }
 
-    /// Share of the prompt's leading blocks the pod holds.
+    /// Share of the prompt's leading blocks the pod holds, where they draw the request
+    /// to it ([`PrefixMatches::drawing_blocks_at`]: not at a copy of a context whose home
+    /// is elsewhere).
     fn prefix(&self, c: &Candidate) -> f64 {
         self.prefix.map_or(0.0, |p| {
-            f64::from(p.blocks_at(c.index as usize)) * self.inverse_request_blocks
+            f64::from(p.drawing_blocks_at(c.index as usize)) * self.inverse_request_blocks
+        })
+    }
+
+    /// Prompt tokens the pod caches, whether or not they draw the request to it
+    /// (`Candidate::cached`): what the trace shows and the per-request check compares with
+    /// what the engine served.
+    fn held_tokens(&self, c: &Candidate) -> u64 {
+        self.demand.prefix.map_or(0, |p| {
+            let blocks = p.blocks_at(c.index as usize);
+            u64::from(self.demand.cached(blocks, u64::from(p.block_tokens)))
         })
     }
 
@@ -321,6 +333,7 @@ impl<'a> Scorer<'a> {
             prefill_queue: self.prefill_queue(c),
             free_kv_tokens: c.free_kv(),
             cached_tokens: u64::from(c.cached),
+            held_tokens: self.held_tokens(c),
         }
     }
 }

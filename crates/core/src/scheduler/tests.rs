@@ -1284,6 +1284,74 @@ fn a_prefix_holder_loaded_past_the_slack_gives_the_prefix_up() {
     );
 }
 
+/// Where the matches name a context's home, another pod's copy of the context draws
+/// nothing (no stickiness, no prefix score) and is scored and reserved as holding nothing,
+/// but the soft filters credit it what it caches, and the trace shows what it holds.
+#[test]
+fn a_copy_of_a_context_whose_home_is_another_pod_is_credited_only_by_the_filters() {
+    // Pods 1 and 2 both cache 2,992 of the 3,200 prompt tokens; pod 1 is the home.
+    let copies = matches(200, &[(1, 187), (2, 187)]);
+    let homed = copies.clone().homed(0);
+    assert_eq!(homed.home(), Some(0));
+    let held = 187 * 16;
+
+    // All idle: the home alone draws the request; without a home either copy could win.
+    let idle = fleet(vec![
+        pressed(1, 0.1, 0),
+        pressed(2, 0.1, 0),
+        pressed(3, 0.1, 0),
+    ]);
+    let mut winners = std::collections::HashSet::new();
+    for decision in pick_under_seeds(&context_request(&homed), &idle) {
+        let decision = decision.expect("placed");
+        assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+        assert_eq!(decision.candidates, 3, "{decision:?}");
+        assert_eq!(
+            decision.ranked.len(),
+            1,
+            "only the home competes: {decision:?}"
+        );
+    }
+    for decision in pick_under_seeds(&context_request(&copies), &idle) {
+        let decision = decision.expect("placed");
+        assert_eq!(
+            decision.ranked.len(),
+            2,
+            "both copies compete: {decision:?}"
+        );
+        winners.insert(decision.endpoint);
+    }
+    assert_eq!(
+        winners,
+        [endpoint(1), endpoint(2)].into_iter().collect(),
+        "ties between copies are broken at random"
+    );
+
+    // The home is loaded past the slack, pods 2 and 3 are at 95 % KV use (1,500 tokens
+    // free). Pod 3 is saturated and short of the 3,400 tokens the request needs; pod 2's
+    // copy makes it neither (it needs 408 there): it alone passes the filters.
+    let pressed_fleet = fleet(vec![
+        pressed(1, 0.5, 17),
+        pressed(2, 0.95, 0),
+        pressed(3, 0.95, 0),
+    ]);
+    let decision = pick_seeded(&context_request(&homed), &pressed_fleet).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2), "{decision:?}");
+    assert!(!decision.relaxed.any(), "{decision:?}");
+    let copy = &decision.ranked[0];
+    assert_eq!(copy.prefix, 0.0, "a copy away from home draws nothing");
+    assert_eq!(copy.cached_tokens, 0, "and is sized as holding nothing");
+    assert_eq!(copy.held_tokens, held, "the trace shows what it holds");
+    assert_eq!(copy.kv_tokens_needed(decision.tokens_needed), 3_400);
+
+    // Without a home, the same copy competes as a holder and is credited in full.
+    let decision = pick_seeded(&context_request(&copies), &pressed_fleet).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(2), "{decision:?}");
+    let copy = &decision.ranked[0];
+    assert!(copy.prefix > 0.9, "{copy:?}");
+    assert_eq!((copy.cached_tokens, copy.held_tokens), (held, held));
+}
+
 /// A request told to leave `keep_free_tokens` free (a busy tenant beside a quiet one) lacks
 /// room on a pod whose free KV covers only its own need, and fits one that has both.
 #[test]

@@ -824,6 +824,8 @@ fn place(
             load.note_adapter(adapter_key(&request.model));
         }
         let winner = decision.ranked.first();
+        // What the scheduler credited: a copy of a context whose home is another pod is
+        // reserved as if it held nothing (`PrefixMatches::homed`).
         let cached = winner.map_or(0, |c| c.cached_tokens);
         let prompt = u64::from(request.prompt_tokens).saturating_sub(cached);
         let tokens = winner.map_or(decision.tokens_needed, |c| {

@@ -169,11 +169,11 @@ proptest! {
         let adapter = adapter.map(adapter_name);
         let inference = inference_of(adapter.as_deref().unwrap_or("base"), prompt, output);
         let request = RouteRequest { inference: Some(&inference), subset: None };
-        let demand = Demand {
-            prompt: u64::from(prompt),
-            tokens: u64::from(prompt) + u64::from(output),
-            prefix: with_matches.then_some(&prefix),
-        };
+        let demand = Demand::new(
+            u64::from(prompt),
+            u64::from(prompt) + u64::from(output),
+            with_matches.then_some(&prefix),
+        );
         let scheduler = SchedulerConfig::default();
         let scorer = Scorer::new(&fleet, demand.prefix, demand, adapter.as_deref(), &scheduler);
         let quick = filter(&request, &fleet, &demand, &scheduler, &scorer);
@@ -398,11 +398,7 @@ impl Unmatched {
 }
 
 fn demand_without_matches() -> Demand<'static> {
-    Demand {
-        prompt: u64::from(PROMPT),
-        tokens: u64::from(PROMPT + OUTPUT),
-        prefix: None,
-    }
+    Demand::new(u64::from(PROMPT), u64::from(PROMPT + OUTPUT), None)
 }
 
 /// A healthy pod with empty KV and queues and a 50,000-token pool, holding nothing of
@@ -545,11 +541,7 @@ fn a_holder_below_the_likely_floor_competes_when_the_best_holder_is_unhealthy() 
         inference: Some(&inference),
         subset: None,
     };
-    let demand = Demand {
-        prompt,
-        tokens: prompt + 100,
-        prefix: Some(&prefix),
-    };
+    let demand = Demand::new(prompt, prompt + 100, Some(&prefix));
     let config = SchedulerConfig::default();
     let scorer = Scorer::new(&fleet, demand.prefix, demand, None, &config);
     let filtered = filter(&request, &fleet, &demand, &config, &scorer).expect("some");
@@ -651,11 +643,7 @@ fn sweep_the_cached_blocks(
             .collect();
         let fleet = fleet_of(&pods);
         let prefix = matches_of(&pods, &fleet);
-        let demand = Demand {
-            prompt: u64::from(prompt),
-            tokens: u64::from(prompt + OUTPUT),
-            prefix: Some(&prefix),
-        };
+        let demand = Demand::new(u64::from(prompt), u64::from(prompt + OUTPUT), Some(&prefix));
         let scorer = Scorer::new(&fleet, demand.prefix, demand, Some(adapter), config);
         let (quick, full) = both_passes(request, &fleet, &demand, config, &scorer);
         let quick = decision(request, &fleet, demand, Some(adapter), &quick, config, 0);
