@@ -80,6 +80,14 @@ async fn wait_for_gauge(kvroute: &Kvroute, name: &str, at_least: f64) -> String 
     }
 }
 
+/// Waits until the counter `name` reaches `at_least`, then scrapes again: a scrape samples
+/// the gauges before it reads the counters, so a gauge in the scrape that showed the
+/// counter may predate what the counter counts, and one in the next scrape does not.
+async fn scrape_after(kvroute: &Kvroute, name: &str, at_least: f64) -> String {
+    wait_for_gauge(kvroute, name, at_least).await;
+    kvroute.metrics_text().await
+}
+
 /// Has each prompt computed on its pod directly, not through kvroute.
 async fn compute_on(client: &reqwest::Client, prompts: &[(String, SocketAddr)]) {
     for (text, pod) in prompts {
@@ -555,7 +563,9 @@ async fn a_gap_is_replayed_and_a_restarted_publisher_starts_the_pod_over() {
     // The pod restarts: its publisher counts from 0 again and its cache is empty. The
     // pod's 16 blocks are dropped; only what the new publisher stores is indexed.
     publish(&mut publisher, &kept, 0, &stored(500, 2)).await;
-    let text = wait_for_gauge(&kvroute, "kvroute_kv_event_resets_total", 1.0).await;
+    let applied = "kvroute_kv_event_blocks_total{action=\"stored\"}";
+    let text = scrape_after(&kvroute, applied, 18.0).await;
+    assert_eq!(value(&text, "kvroute_kv_event_resets_total"), 1.0, "{text}");
     assert_eq!(
         value(&text, "kvroute_kv_event_index_entries"),
         2.0,
@@ -665,7 +675,7 @@ async fn a_data_parallel_pod_holds_a_block_while_any_of_its_ranks_does() {
     // Rank 1 evicts the prompt: rank 0 still holds it, so the pod does.
     publish(&mut publisher1, &kept1, 1, &removed(100, 4)).await;
     let removed_total = "kvroute_kv_event_blocks_total{action=\"removed\"}";
-    let text = wait_for_gauge(&kvroute, removed_total, 4.0).await;
+    let text = scrape_after(&kvroute, removed_total, 4.0).await;
     assert_eq!(
         value(&text, "kvroute_kv_event_index_entries"),
         6.0,
