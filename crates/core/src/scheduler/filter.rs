@@ -126,6 +126,11 @@ impl Demand<'_> {
         self.prompt.saturating_sub(u64::from(cached))
     }
 
+    /// Whether the matches name the context's home ([`PrefixMatches::homed`]).
+    pub(super) fn homed(&self) -> bool {
+        self.home != usize::MAX
+    }
+
     /// Of the `cached` prompt tokens the pod at `index` caches, those that draw the
     /// request to it (prefix stickiness): all of them, unless the context has another
     /// home ([`PrefixMatches::homed`]).
@@ -541,7 +546,7 @@ fn filter_reading(
         }
     };
     let mut pass = read(first)?;
-    let mut sticky_floor = sticky_floor(&pass, demand.prompt);
+    let mut sticky_floor = sticky_floor(&pass, demand);
     let likely_floor = match first {
         Record::Caching(floor) => floor,
         Record::Passing => 0,
@@ -549,7 +554,7 @@ fn filter_reading(
     // (A pass of passing pods in which none passed read every pod in full.)
     if sticky_floor < likely_floor {
         pass = read(Record::Caching(0))?;
-        sticky_floor = self::sticky_floor(&pass, demand.prompt);
+        sticky_floor = self::sticky_floor(&pass, demand);
     }
     let present =
         std::array::from_fn(|flags| pass.others[flags].0 + pass.recorded_by_flags[flags].0 > 0);
@@ -995,8 +1000,8 @@ fn holders_floor(best: u32, prompt: u64) -> u32 {
 /// moves only for a real imbalance, as with the cache-aware peers. Returns the cached
 /// tokens a candidate needs to compete (0: everyone). Valid when the pass recorded every
 /// candidate caching that much (the caller reads the fleet again when it did not).
-fn sticky_floor(pass: &Pass, prompt: u64) -> u32 {
-    let floor = holders_floor(pass.best_drawing, prompt);
+fn sticky_floor(pass: &Pass, demand: &Demand<'_>) -> u32 {
+    let floor = holders_floor(pass.best_drawing, demand.prompt);
     if floor == 0 {
         return 0;
     }
@@ -1007,7 +1012,12 @@ fn sticky_floor(pass: &Pass, prompt: u64) -> u32 {
         .map(Candidate::load)
         .min()
         .unwrap_or(u32::MAX);
-    if holders_least > pass.least_load.saturating_add(STICKY_SLACK) {
+    let slack = if demand.homed() {
+        HOME_SLACK
+    } else {
+        STICKY_SLACK
+    };
+    if holders_least > pass.least_load.saturating_add(slack) {
         0
     } else {
         floor
@@ -1020,6 +1030,18 @@ fn sticky_floor(pass: &Pass, prompt: u64) -> u32 {
 /// p90 TTFT below the knee, 64 a lower one at and past it, 4 lost most of the gain; with
 /// no limit, one pod could take every request of a hot prefix.
 const STICKY_SLACK: u32 = 16;
+
+/// [`STICKY_SLACK`] where the context has a home ([`PrefixMatches::homed`]): the pod
+/// kvroute last sent it to, which the engine's KV events show still holds it. The
+/// approximate memory cannot see an eviction, so a larger slack would hold requests on a
+/// pod that may have to compute the context again (32 and 64 lost below the knee on
+/// `shared-prefix-pressure`: 1.4-1.8× the p90 at 28 req/s); a home the events confirm
+/// holds it. Chosen with `kvroute-lab simulate` on `shared-prefix-pressure` under
+/// `kvroute-events` over 32 seeds and two scrape timings (docs/kv-events.md): 32 took
+/// the knee's p90 to 0.62-0.73× that of 16 and past it 0.84-1.02×, with the p90 below
+/// the knee within 6 % (medians equal); 64 did about as well, and a larger slack lets one
+/// pod keep more of a hot context's requests.
+const HOME_SLACK: u32 = 32;
 
 /// Applies the soft filters in order to the flag combinations present (`present[f]`:
 /// some candidate has flags `f`). Returns the set of accepted combinations as a bitmap

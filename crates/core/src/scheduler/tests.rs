@@ -1284,6 +1284,27 @@ fn a_prefix_holder_loaded_past_the_slack_gives_the_prefix_up() {
     );
 }
 
+/// A home the KV events confirm keeps its context's requests through twice the slack of
+/// a holder kvroute only remembers.
+#[test]
+fn a_confirmed_home_keeps_its_context_through_a_larger_imbalance() {
+    let held = matches(200, &[(1, 187)]);
+    let homed = held.clone().homed(0);
+    let endpoint_for = |prefix: &PrefixMatches, waiting: u32| {
+        let snapshot = fleet(vec![pressed(1, 0.5, waiting), pressed(2, 0.1, 0)]);
+        pick_seeded(&context_request(prefix), &snapshot)
+            .expect("placed")
+            .endpoint
+    };
+    // 17 more requests than the idle pod: a remembered holder gives the context up, a
+    // home keeps it.
+    assert_eq!(endpoint_for(&held, 17), endpoint(2));
+    assert_eq!(endpoint_for(&homed, 17), endpoint(1));
+    // At 32 more the home keeps it still; past that it gives it up too.
+    assert_eq!(endpoint_for(&homed, 32), endpoint(1));
+    assert_eq!(endpoint_for(&homed, 33), endpoint(2));
+}
+
 /// Where the matches name a context's home, another pod's copy of the context draws
 /// nothing (no stickiness, no prefix score) and is scored and reserved as holding nothing,
 /// but the soft filters credit it what it caches, and the trace shows what it holds.
@@ -1327,11 +1348,11 @@ fn a_copy_of_a_context_whose_home_is_another_pod_is_credited_only_by_the_filters
         "ties between copies are broken at random"
     );
 
-    // The home is loaded past the slack, pods 2 and 3 are at 95 % KV use (1,500 tokens
+    // The home is loaded past its slack, pods 2 and 3 are at 95 % KV use (1,500 tokens
     // free). Pod 3 is saturated and short of the 3,400 tokens the request needs; pod 2's
     // copy makes it neither (it needs 408 there): it alone passes the filters.
     let pressed_fleet = fleet(vec![
-        pressed(1, 0.5, 17),
+        pressed(1, 0.5, 33),
         pressed(2, 0.95, 0),
         pressed(3, 0.95, 0),
     ]);
