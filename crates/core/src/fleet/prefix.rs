@@ -217,8 +217,9 @@ impl PrefixMatches {
     /// of it: only the home draws the request (prefix stickiness and the prefix score read
     /// [`PrefixMatches::drawing_blocks_at`]), while every pod's match still counts as the
     /// prompt it caches (the KV the request needs there, its saturation, its prefill).
-    /// The other copies then age out unless the home cannot take the request, and a
-    /// request that goes to one is credited what it finds there.
+    /// The other copies then age out unless the home cannot take the request; one that
+    /// takes it anyway is credited its copy by the soft filters alone (the scheduler
+    /// scores and reserves it as holding nothing).
     pub fn homed(mut self, pod_index: usize) -> PrefixMatches {
         if self.blocks_at(pod_index) > 0 {
             self.home = u32::try_from(pod_index).ok();

@@ -547,7 +547,7 @@ fn two_copies() -> (PrefixIndex, Snapshot, TokenBlocks) {
 }
 
 #[test]
-fn where_the_events_show_copies_the_pod_kvroute_sent_the_context_to_alone_holds_it() {
+fn where_the_events_show_copies_the_pod_kvroute_sent_the_context_to_alone_draws_it() {
     let (index, snapshot, blocks) = two_copies();
     let at = |port| snapshot.position(pod(port)).expect("pod");
     // kvroute's memory: it sent the prompt (8 text blocks of 8) to pod 2, and a little of

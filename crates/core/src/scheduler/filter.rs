@@ -993,9 +993,9 @@ fn holders_floor(best: u32, prompt: u64) -> u32 {
 
 /// Prefix stickiness: when a candidate caches at least half of the prompt, only
 /// candidates caching at least half as much compete (counting only what draws the
-/// request, [`Demand::drawing`]: where the context has a home, its home alone), unless even the least loaded of them
-/// carries [`STICKY_SLACK`] more requests ([`Candidate::load`]) than the least loaded
-/// candidate of all.
+/// request, [`Demand::drawing`]: where the context has a home, its home alone), unless
+/// even the least loaded of them carries [`STICKY_SLACK`] ([`HOME_SLACK`] for a home)
+/// more requests ([`Candidate::load`]) than the least loaded candidate of all.
 /// Copying a long context to another pod costs KV the whole fleet shares, so the context
 /// moves only for a real imbalance, as with the cache-aware peers. Returns the cached
 /// tokens a candidate needs to compete (0: everyone). Valid when the pass recorded every
