@@ -16,9 +16,10 @@
 //!   already is in the pod's report (their prompts, once running, are in it too; a queued
 //!   request's prompt is in `committed`).
 //!
-//! The scheduler takes the largest of `reported + unscraped`, `committed` and
-//! `reported + growth` as the pod's use: each is a lower bound of what the pod will need,
-//! and none counts a request the pod already reports twice (see
+//! The scheduler takes the largest of `reported + queued + unscraped`, `committed` and
+//! `reported + growth` as the pod's use, where `queued` is the pod's reported queue at the
+//! mean need of kvroute's requests here ([`PodLoad::mean_need`]): each is a lower bound of
+//! what the pod will need, and none counts a request the pod already reports twice (see
 //! [`crate::scheduler::free_kv_tokens`]). The in-flight request count is held until the
 //! request finishes.
 //!
@@ -45,6 +46,9 @@ pub struct PodLoad {
     prefill_tokens: AtomicU64,
     /// Prompt tokens of non-streaming requests that no successful scrape has seen yet.
     prefill_unscraped: AtomicU64,
+    /// `committed_tokens / inflight` (at most `u32::MAX`), kept as they change so that a
+    /// pick over thousands of pods divides nothing.
+    mean_need: AtomicU32,
     ledger: Mutex<Ledger>,
     /// Keys of the LoRA adapters kvroute last sent here, most recent first (0: empty).
     /// vLLM reports only the adapters of requests running *now*; an adapter whose
@@ -138,6 +142,23 @@ impl PodLoad {
         self.committed_tokens.load(Ordering::Relaxed)
     }
 
+    /// KV tokens a request in flight here needs on average (uncached prompt + expected
+    /// output); 0 with none in flight.
+    pub fn mean_need(&self) -> u32 {
+        self.mean_need.load(Ordering::Relaxed)
+    }
+
+    /// Sets [`PodLoad::mean_need`] after a request came or went. Concurrent changes may
+    /// interleave between the two loads: the mean is an estimate, and the next change
+    /// sets it again.
+    fn refresh_mean_need(&self) {
+        let inflight = u64::from(self.inflight.load(Ordering::Relaxed));
+        let committed = self.committed_tokens.load(Ordering::Relaxed);
+        let mean = committed.checked_div(inflight).unwrap_or(0);
+        self.mean_need
+            .store(u32::try_from(mean).unwrap_or(u32::MAX), Ordering::Relaxed);
+    }
+
     /// Output tokens the streaming requests kvroute watches here have yet to generate:
     /// KV the pod will allocate that its report cannot show.
     pub fn growth_tokens(&self) -> u64 {
@@ -182,6 +203,7 @@ impl PodLoad {
         };
         self.inflight.fetch_add(1, Ordering::Relaxed);
         self.committed_tokens.fetch_add(tokens, Ordering::Relaxed);
+        self.refresh_mean_need();
         // Only a request whose first token and streamed tokens kvroute sees can say how
         // much it has yet to allocate.
         let growth = if prefill_end == PrefillEnd::FirstToken {
@@ -285,6 +307,7 @@ impl PodLoad {
         // Never underflow: every decrement pairs with the increment in `reserve`.
         self.committed_tokens.fetch_sub(tokens, Ordering::Relaxed);
         self.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.refresh_mean_need();
     }
 }
 

@@ -104,6 +104,9 @@ pub struct LoadSignals {
     /// Requests waiting per engine (rounded up): a data-parallel pod runs one queue per
     /// engine, so its queue depth compares with a single engine's, not its total.
     pub waiting: u32,
+    /// Requests waiting over all engines: KV the pod will allocate that `kv_usage` does
+    /// not show yet ([`crate::scheduler::free_kv_tokens`]).
+    pub queued: u32,
     /// KV-cache use, 0..=1.
     pub kv_usage: f32,
     /// KV capacity in tokens; 0 when the pod does not report it.
@@ -119,6 +122,7 @@ impl LoadSignals {
         let kv_capacity_tokens = metrics.kv_capacity_tokens.unwrap_or(0);
         LoadSignals {
             waiting: metrics.waiting.div_ceil(metrics.engines.max(1)),
+            queued: metrics.waiting,
             kv_usage,
             kv_capacity_tokens,
             // `+ 0.5`, not `round()`: a library call on x86-64.
@@ -230,6 +234,9 @@ pub(crate) struct PodRow {
     pub(crate) healthy: bool,
     /// The pod has been scraped successfully: the fields above hold its report.
     pub(crate) has_metrics: bool,
+    /// [`LoadSignals::queued`], at most `u16::MAX` (the two bytes the row had spare; the
+    /// free-KV estimate reads no more of a queue).
+    pub(crate) queued: u16,
 }
 
 impl PodRow {
@@ -274,6 +281,7 @@ fn rows_of(pods: &[PodView]) -> (Vec<PodRow>, Vec<Arc<ServedModels>>) {
                 models,
                 healthy: pod.healthy,
                 has_metrics: signals.is_some(),
+                queued: signals.map_or(0, |s| u16::try_from(s.queued).unwrap_or(u16::MAX)),
             }
         })
         .collect();

@@ -204,9 +204,14 @@ impl Reading<'_> {
         if is_saturated(row, unscraped, u64::from(cached), demand.prompt, config) {
             flags &= !NOT_SATURATED;
         }
-        let Some(free) =
-            free_kv_tokens_of(row.capacity, row.used, unscraped, load, config.replicas)
-        else {
+        let Some(free) = free_kv_tokens_of(
+            row.capacity,
+            row.used,
+            row.queued,
+            unscraped,
+            load,
+            config.replicas,
+        ) else {
             return (flags, UNKNOWN);
         };
         if !self.fits(row, free, cached) {
@@ -252,7 +257,14 @@ impl Reading<'_> {
             return None;
         }
         let flags = NOT_SATURATED | FITS | HAS_METRICS;
-        match free_kv_tokens_of(row.capacity, row.used, unscraped, load, config.replicas) {
+        match free_kv_tokens_of(
+            row.capacity,
+            row.used,
+            row.queued,
+            unscraped,
+            load,
+            config.replicas,
+        ) {
             None => Some((flags, UNKNOWN)),
             Some(free) => self.fits(row, free, cached).then_some((flags, free)),
         }

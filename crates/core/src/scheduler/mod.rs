@@ -451,13 +451,17 @@ pub fn tokens_needed(request: &RouteRequest<'_>, config: &SchedulerConfig) -> u6
 }
 
 /// Free KV tokens: capacity minus the largest of three lower bounds of what the pod will
-/// use (see [`crate::fleet::PodLoad`]): what it reports in use plus what kvroute sent since
-/// the last scrape; what the requests kvroute has in flight there need at their peak; and
-/// what it reports plus the output the streaming requests kvroute watches have yet to
-/// generate.
+/// use (see [`crate::fleet::PodLoad`]): what it reports in use, plus what the requests it
+/// reported queued will allocate, plus what kvroute sent since the last scrape; what the
+/// requests kvroute has in flight there need at their peak; and what it reports plus the
+/// output the streaming requests kvroute watches have yet to generate.
 /// The report alone misses queued requests and output still to come, the commitments miss
 /// other gateways' traffic and the prompt blocks shared with other requests; adding them
-/// would count running requests twice. With `replicas` kvroute replicas behind the same
+/// would count running requests twice. A request the pod reported queued holds no block
+/// yet (vLLM allocates a prompt's blocks when it admits it), so its need is taken as the
+/// mean need of kvroute's own requests there ([`PodLoad::mean_need`]): without it a pod
+/// whose queue was full but whose running batch left a few blocks free looked free, took
+/// more requests into its queue, and preempted when they were admitted. With `replicas` kvroute replicas behind the same
 /// gateways, each of kvroute's own terms counts that many times
 /// ([`SchedulerConfig::replicas`]). `None` when the pod did not report its capacity.
 pub fn free_kv_tokens(pod: &PodView, load: &PodLoad, replicas: u32) -> Option<u64> {
@@ -465,19 +469,21 @@ pub fn free_kv_tokens(pod: &PodView, load: &PodLoad, replicas: u32) -> Option<u6
     free_kv_tokens_of(
         signals.kv_capacity_tokens,
         signals.kv_used_tokens,
+        u16::try_from(signals.queued).unwrap_or(u16::MAX),
         load.unscraped_tokens(),
         load,
         replicas,
     )
 }
 
-/// [`free_kv_tokens`] of a pod whose capacity, reported use and unscraped tokens the
-/// caller has in hand (inlined: the filter's pass over thousands of pods calls it for
+/// [`free_kv_tokens`] of a pod whose capacity, reported use and queue and unscraped tokens
+/// the caller has in hand (inlined: the filter's pass over thousands of pods calls it for
 /// each).
 #[inline(always)]
 fn free_kv_tokens_of(
     capacity: u64,
     reported: u64,
+    queued: u16,
     unscraped: u64,
     load: &PodLoad,
     replicas: u32,
@@ -491,7 +497,11 @@ fn free_kv_tokens_of(
             own.saturating_mul(u64::from(replicas))
         }
     };
+    // The pod's queue is the pod's own count, every replica's requests in it. (At most
+    // 2¹⁶ × 2³²: no overflow, and no check in a pass over thousands of pods.)
+    let queued = u64::from(queued) * u64::from(load.mean_need());
     let used = reported
+        .saturating_add(queued)
         .saturating_add(all(unscraped))
         .max(all(load.committed_tokens()))
         .max(reported.saturating_add(all(load.growth_tokens())));

@@ -1087,6 +1087,64 @@ fn output_still_to_come_counts_where_shared_contexts_fill_the_report() {
 }
 
 #[test]
+fn requests_the_pod_reported_queued_count_at_the_mean_need_of_kvroutes_own_there() {
+    // 80 % in use by the running batch; 10 requests queued, which hold no block yet. kvroute
+    // has 4 requests in flight there, needing 1,000 tokens each, all seen by a scrape.
+    let fleet = fleet(vec![with_metrics(pod(1), |m| {
+        m.kv_usage = 0.8;
+        m.waiting = 10;
+    })]);
+    let (pod, load) = fleet.pod(endpoint(1)).expect("known");
+    let sent: Vec<_> = (0..4)
+        .map(|_| load.reserve(1_000, 500, PrefillEnd::NextScrape))
+        .collect();
+    scrape_all(&fleet);
+    assert_eq!(load.mean_need(), 1_000);
+    assert_eq!(
+        free_kv_tokens(pod, load, 1),
+        Some(10_000),
+        "not 20,000: the queue will take 10,000 when admitted"
+    );
+    assert_eq!(
+        free_kv_tokens(pod, load, 2),
+        Some(10_000),
+        "the queue is the pod's count, every replica's requests in it"
+    );
+    drop(sent);
+    assert_eq!(load.mean_need(), 0);
+    assert_eq!(
+        free_kv_tokens(pod, load, 1),
+        Some(20_000),
+        "with nothing of kvroute's in flight there, the queue's need is unknown"
+    );
+}
+
+#[test]
+fn a_pod_whose_queue_will_take_its_last_free_blocks_has_no_room() {
+    // The knee of a shared-context load: the pod's running batch leaves 20 % free, but 10
+    // requests wait in its queue, each needing what kvroute's own 10 there need (1,500).
+    let fleet = fleet(vec![with_metrics(pod(1), |m| {
+        m.kv_usage = 0.8;
+        m.waiting = 10;
+    })]);
+    let (_, load) = fleet.pod(endpoint(1)).expect("known");
+    let _sent: Vec<_> = (0..10)
+        .map(|_| load.reserve(1_500, 1_000, PrefillEnd::NextScrape))
+        .collect();
+    scrape_all(&fleet);
+    let ask = Ask {
+        max_output_tokens: Some(5_000),
+        ..request("base", 5_000)
+    };
+    let decision = pick_seeded(&ask, &fleet).expect("placed");
+    assert_eq!(decision.ranked[0].free_kv_tokens, Some(5_000));
+    assert!(
+        decision.relaxed.kv_headroom && decision.lacks_room(),
+        "placed now it would preempt: flow control holds it ({decision:?})"
+    );
+}
+
+#[test]
 fn cached_prompt_tokens_are_credited_against_the_kv_a_pod_must_find() {
     // 3,000-token shared context, 100-token question: pod 1 holds the context and is
     // 85 % full (mostly of that context, shared by its running requests); pod 2 is cold
