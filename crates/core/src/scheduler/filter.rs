@@ -204,20 +204,27 @@ impl Reading<'_> {
         if is_saturated(row, unscraped, u64::from(cached), demand.prompt, config) {
             flags &= !NOT_SATURATED;
         }
-        let Some(free) = free_kv_tokens_of(
-            row.capacity,
-            row.used,
-            row.queued,
-            unscraped,
-            load,
-            config.replicas,
-        ) else {
+        let Some(free) = self.free_kv(row, load, unscraped) else {
             return (flags, UNKNOWN);
         };
         if !self.fits(row, free, cached) {
             flags &= !FITS;
         }
         (flags, free)
+    }
+
+    /// The free KV tokens of the pod in `row`, whose unscraped tokens the caller read
+    /// ([`free_kv_tokens_of`]); `None` where it does not report its capacity.
+    #[inline(always)]
+    fn free_kv(&self, row: &PodRow, load: &PodLoad, unscraped: u64) -> Option<u64> {
+        free_kv_tokens_of(
+            row.capacity,
+            row.used,
+            row.queued,
+            unscraped,
+            load,
+            self.config.replicas,
+        )
     }
 
     /// Whether `free` KV tokens of the pod in `row` hold the request's need besides what
@@ -257,14 +264,7 @@ impl Reading<'_> {
             return None;
         }
         let flags = NOT_SATURATED | FITS | HAS_METRICS;
-        match free_kv_tokens_of(
-            row.capacity,
-            row.used,
-            row.queued,
-            unscraped,
-            load,
-            config.replicas,
-        ) {
+        match self.free_kv(row, load, unscraped) {
             None => Some((flags, UNKNOWN)),
             Some(free) => self.fits(row, free, cached).then_some((flags, free)),
         }

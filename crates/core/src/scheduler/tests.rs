@@ -1086,19 +1086,26 @@ fn output_still_to_come_counts_where_shared_contexts_fill_the_report() {
     assert_eq!(free_kv_tokens(pod, load, 1), Some(6_000), "not 10,000");
 }
 
-#[test]
-fn requests_the_pod_reported_queued_count_at_the_mean_need_of_kvroutes_own_there() {
-    // 80 % in use by the running batch; 10 requests queued, which hold no block yet. kvroute
-    // has 4 requests in flight there, needing 1,000 tokens each, all seen by a scrape.
+/// One pod 80 % in use by its running batch with 10 requests in its queue (which hold no
+/// block yet), where kvroute has `sent` requests in flight needing `need` tokens each,
+/// all seen by a scrape.
+fn pod_with_a_queue(sent: usize, need: u64) -> (Fleet, Vec<crate::fleet::Reservation>) {
     let fleet = fleet(vec![with_metrics(pod(1), |m| {
         m.kv_usage = 0.8;
         m.waiting = 10;
     })]);
-    let (pod, load) = fleet.pod(endpoint(1)).expect("known");
-    let sent: Vec<_> = (0..4)
-        .map(|_| load.reserve(1_000, 500, PrefillEnd::NextScrape))
+    let (_, load) = fleet.pod(endpoint(1)).expect("known");
+    let sent = (0..sent)
+        .map(|_| load.reserve(need, need / 2, PrefillEnd::NextScrape))
         .collect();
     scrape_all(&fleet);
+    (fleet, sent)
+}
+
+#[test]
+fn requests_the_pod_reported_queued_count_at_the_mean_need_of_kvroutes_own_there() {
+    let (fleet, sent) = pod_with_a_queue(4, 1_000);
+    let (pod, load) = fleet.pod(endpoint(1)).expect("known");
     assert_eq!(load.mean_need(), 1_000);
     assert_eq!(
         free_kv_tokens(pod, load, 1),
@@ -1121,17 +1128,9 @@ fn requests_the_pod_reported_queued_count_at_the_mean_need_of_kvroutes_own_there
 
 #[test]
 fn a_pod_whose_queue_will_take_its_last_free_blocks_has_no_room() {
-    // The knee of a shared-context load: the pod's running batch leaves 20 % free, but 10
-    // requests wait in its queue, each needing what kvroute's own 10 there need (1,500).
-    let fleet = fleet(vec![with_metrics(pod(1), |m| {
-        m.kv_usage = 0.8;
-        m.waiting = 10;
-    })]);
-    let (_, load) = fleet.pod(endpoint(1)).expect("known");
-    let _sent: Vec<_> = (0..10)
-        .map(|_| load.reserve(1_500, 1_000, PrefillEnd::NextScrape))
-        .collect();
-    scrape_all(&fleet);
+    // The knee of a shared-context load: the pod's running batch leaves 20 % free, but its
+    // queue of 10 will take 15,000 when admitted (kvroute's own 10 there need 1,500 each).
+    let (fleet, _sent) = pod_with_a_queue(10, 1_500);
     let ask = Ask {
         max_output_tokens: Some(5_000),
         ..request("base", 5_000)
