@@ -18,8 +18,10 @@
 //!
 //! The scheduler takes the largest of `reported + queued + unscraped`, `committed` and
 //! `reported + growth` as the pod's use, where `queued` is the pod's reported queue at the
-//! mean need of kvroute's requests here ([`PodLoad::mean_need`]): each is a lower bound of
-//! what the pod will need, and none counts a request the pod already reports twice (see
+//! mean need of kvroute's requests here ([`PodLoad::mean_need`]) and `reported` is the
+//! report less what kvroute's requests in it freed since, as they finished
+//! ([`PodLoad::released_tokens`]): each is a lower bound of what the pod will need, and
+//! none counts a request the pod already reports twice (see
 //! [`crate::scheduler::free_kv_tokens`]). The in-flight request count is held until the
 //! request finishes.
 //!
@@ -46,6 +48,9 @@ pub struct PodLoad {
     prefill_tokens: AtomicU64,
     /// Prompt tokens of non-streaming requests that no successful scrape has seen yet.
     prefill_unscraped: AtomicU64,
+    /// KV tokens of requests that finished since the last successful scrape started, sent
+    /// before it: the pod's report still counts blocks they have freed.
+    released_tokens: AtomicU64,
     /// `committed_tokens / inflight` (at most `u32::MAX`), kept as they change so that a
     /// pick over thousands of pods divides nothing.
     mean_need: AtomicU32,
@@ -88,6 +93,9 @@ struct Ledger {
     pending: Vec<(u64, u64)>,
     /// The same for the prompt tokens of non-streaming requests' queued prefill.
     prefill_pending: Vec<(u64, u64)>,
+    /// KV tokens of requests a scrape had seen that finished since, per the number of
+    /// scrapes started when they finished: a scrape started after a finish shows it.
+    released: Vec<(u64, u64)>,
 }
 
 fn total(entries: &[(u64, u64)]) -> u64 {
@@ -140,6 +148,12 @@ impl PodLoad {
     /// KV tokens the requests in flight here will need at their peak, scraped or not.
     pub fn committed_tokens(&self) -> u64 {
         self.committed_tokens.load(Ordering::Relaxed)
+    }
+
+    /// KV tokens of kvroute's requests here that finished after the last successful scrape
+    /// saw them: the report still counts what they held, and the pod has freed it.
+    pub fn released_tokens(&self) -> u64 {
+        self.released_tokens.load(Ordering::Relaxed)
     }
 
     /// KV tokens a request in flight here needs on average (uncached prompt + expected
@@ -283,10 +297,13 @@ impl PodLoad {
         let mut ledger = self.lock();
         ledger.pending.retain(|(tag, _)| *tag >= ticket.0);
         ledger.prefill_pending.retain(|(tag, _)| *tag >= ticket.0);
+        ledger.released.retain(|(tag, _)| *tag >= ticket.0);
         self.unscraped_tokens
             .store(total(&ledger.pending), Ordering::Relaxed);
         self.prefill_unscraped
             .store(total(&ledger.prefill_pending), Ordering::Relaxed);
+        self.released_tokens
+            .store(total(&ledger.released), Ordering::Relaxed);
     }
 
     /// A non-streaming request answered: its prefill is over, absorbed or not.
@@ -300,9 +317,18 @@ impl PodLoad {
     fn release(&self, tag: u64, tokens: u64) {
         {
             let mut ledger = self.lock();
-            subtract(&mut ledger.pending, tag, tokens);
-            self.unscraped_tokens
-                .store(total(&ledger.pending), Ordering::Relaxed);
+            if ledger.pending.iter().any(|(t, _)| *t == tag) {
+                subtract(&mut ledger.pending, tag, tokens);
+                self.unscraped_tokens
+                    .store(total(&ledger.pending), Ordering::Relaxed);
+            } else {
+                // A scrape saw it (running, or queued), and the report still counts it
+                // until a scrape that starts from now on.
+                let now = ledger.scrapes_started;
+                add(&mut ledger.released, now, tokens);
+                self.released_tokens
+                    .store(total(&ledger.released), Ordering::Relaxed);
+            }
         }
         // Never underflow: every decrement pairs with the increment in `reserve`.
         self.committed_tokens.fetch_sub(tokens, Ordering::Relaxed);

@@ -1017,8 +1017,15 @@ fn a_request_counts_against_free_kv_after_the_next_scrape_until_it_ends() {
     drop(held);
     assert_eq!(
         free_kv_tokens(&pod, load, 1),
-        Some(60_000),
-        "released at the end"
+        Some(100_000),
+        "released at the end, and what it held in the report freed before the next scrape"
+    );
+    scrape_all(&fleet);
+    let emptied = with_metrics(pod.clone(), |m| m.kv_usage = 0.0);
+    assert_eq!(
+        free_kv_tokens(&emptied, load, 1),
+        Some(100_000),
+        "the next scrape shows it freed, and it is not subtracted again"
     );
 }
 
@@ -1121,8 +1128,9 @@ fn requests_the_pod_reported_queued_count_at_the_mean_need_of_kvroutes_own_there
     assert_eq!(load.mean_need(), 0);
     assert_eq!(
         free_kv_tokens(pod, load, 1),
-        Some(20_000),
-        "with nothing of kvroute's in flight there, the queue's need is unknown"
+        Some(24_000),
+        "with nothing of kvroute's in flight there the queue's need is unknown, and what \
+         its four requests held in the report (4,000) is freed"
     );
 }
 

@@ -62,6 +62,34 @@ fn a_scrape_started_before_the_request_does_not_absorb_it() {
 }
 
 #[test]
+fn a_request_a_scrape_saw_frees_its_share_of_the_report_when_it_ends_until_a_later_scrape() {
+    let load = Arc::new(PodLoad::default());
+    let seen = load.reserve(1_000, 400, PrefillEnd::NextScrape);
+    let first = load.scrape_started();
+    let unseen = load.reserve(300, 100, PrefillEnd::NextScrape);
+    load.scrape_succeeded(first);
+    drop(unseen);
+    assert_eq!(
+        load.released_tokens(),
+        0,
+        "no report counted it: it leaves the unscraped sum instead"
+    );
+    // A scrape under way when the request ends may have read the pod before it ended.
+    let during = load.scrape_started();
+    drop(seen);
+    assert_eq!(load.released_tokens(), 1_000);
+    load.scrape_succeeded(during);
+    assert_eq!(load.released_tokens(), 1_000);
+    let after = load.scrape_started();
+    load.scrape_succeeded(after);
+    assert_eq!(
+        load.released_tokens(),
+        0,
+        "a scrape started after the end shows it"
+    );
+}
+
+#[test]
 fn recently_sent_adapters_are_remembered_most_recent_first() {
     let load = PodLoad::default();
     let (a, b, c) = (adapter_key("a"), adapter_key("b"), adapter_key("c"));
