@@ -151,7 +151,10 @@ impl PodLoad {
     }
 
     /// KV tokens of kvroute's requests here that finished after the last successful scrape
-    /// saw them: the report still counts what they held, and the pod has freed it.
+    /// saw them: the report still counts what they held, and the pod has freed it. Each
+    /// counts its whole need; one that was still queued at that scrape, or never reached
+    /// the pod, held nothing in the report, so the estimate errs toward room until the next
+    /// scrape.
     pub fn released_tokens(&self) -> u64 {
         self.released_tokens.load(Ordering::Relaxed)
     }
