@@ -110,15 +110,18 @@ fn add(entries: &mut Vec<(u64, u64)>, tag: u64, tokens: u64) {
     }
 }
 
-/// Takes `tokens` off the entry of `tag`, if a scrape has not absorbed it already.
-fn subtract(entries: &mut Vec<(u64, u64)>, tag: u64, tokens: u64) {
-    if let Some(index) = entries.iter().position(|(t, _)| *t == tag) {
-        let sum = &mut entries[index].1;
-        *sum = sum.saturating_sub(tokens);
-        if *sum == 0 {
-            entries.swap_remove(index);
-        }
+/// Takes `tokens` off the entry of `tag`, if a scrape has not absorbed it already;
+/// whether there was one.
+fn subtract(entries: &mut Vec<(u64, u64)>, tag: u64, tokens: u64) -> bool {
+    let Some(index) = entries.iter().position(|(t, _)| *t == tag) else {
+        return false;
+    };
+    let sum = &mut entries[index].1;
+    *sum = sum.saturating_sub(tokens);
+    if *sum == 0 {
+        entries.swap_remove(index);
     }
+    true
 }
 
 impl PodLoad {
@@ -320,8 +323,7 @@ impl PodLoad {
     fn release(&self, tag: u64, tokens: u64) {
         {
             let mut ledger = self.lock();
-            if ledger.pending.iter().any(|(t, _)| *t == tag) {
-                subtract(&mut ledger.pending, tag, tokens);
+            if subtract(&mut ledger.pending, tag, tokens) {
                 self.unscraped_tokens
                     .store(total(&ledger.pending), Ordering::Relaxed);
             } else {
