@@ -405,8 +405,7 @@ mod tests {
     }
 
     #[test]
-    fn a_catch_up_reads_every_pod_in_order_whoever_advances_it_and_never_waits_on_a_busy_helper()
-    {
+    fn a_catch_up_reads_every_pod_in_order_whoever_advances_it_and_never_waits_on_a_busy_helper() {
         let n = 5 * CHUNK as u32 + 3;
         let in_order: Vec<u64> = (0..n).map(|i| u64::from(100 + i)).collect();
         std::thread::scope(|scope| {
