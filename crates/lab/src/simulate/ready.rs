@@ -1,7 +1,10 @@
-//! The trace's requests made ready ahead, on the helper thread: each one's body as
-//! kvroute's parser reads it and its prompt as the engine tokenizes it. Both are pure
-//! functions of the request, so the results are the same whoever computes them; at a
-//! thousand requests a second they were a sixteenth of the loop's time.
+//! The trace's requests drawn and made ready ahead, on the helper thread: each one drawn
+//! from the trace (its arrival, lengths and words), its body as kvroute's parser reads it
+//! and its prompt as the engine tokenizes it. The trace travels with each batch and comes
+//! back with it, so its draws are made in the same order whoever makes them, and the
+//! rest are pure functions of the request: the results are the same. At a thousand
+//! requests a second making them ready was a sixteenth of the loop's time, and drawing
+//! long prompts' words another twentieth.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -53,19 +56,23 @@ impl Preparation {
     }
 }
 
-/// A trace whose requests are made ready a batch ahead, in the trace's order.
+/// A trace whose requests are drawn and made ready a batch ahead, in the trace's order.
 pub struct ReadyTrace<I> {
-    trace: I,
+    /// The trace, here between batches (away while a batch is being drawn from it).
+    trace: Option<I>,
+    /// Whether the trace has run out.
+    ended: bool,
     preparation: Preparation,
     ready: VecDeque<Ready>,
-    /// The next batch, being made ready.
-    coming: Option<Errand<Vec<Ready>>>,
+    /// The next batch, being drawn and made ready (with the trace, to come back).
+    coming: Option<Errand<(I, Vec<Ready>)>>,
 }
 
-impl<I: Iterator<Item = TraceRequest>> ReadyTrace<I> {
+impl<I: Iterator<Item = TraceRequest> + Send + 'static> ReadyTrace<I> {
     pub fn new(trace: I, preparation: Preparation) -> Self {
         ReadyTrace {
-            trace,
+            trace: Some(trace),
+            ended: false,
             preparation,
             ready: VecDeque::with_capacity(2 * BATCH),
             coming: None,
@@ -81,7 +88,11 @@ impl<I: Iterator<Item = TraceRequest>> ReadyTrace<I> {
                 self.order(&mut |chore| chore());
             }
             if let Some(coming) = self.coming.take() {
-                self.ready.extend(coming.result()?);
+                let (trace, batch) = coming.result()?;
+                // A short batch is the trace's last.
+                self.ended = batch.len() < BATCH;
+                self.trace = Some(trace);
+                self.ready.extend(batch);
             }
         }
         if self.coming.is_none() {
@@ -90,19 +101,23 @@ impl<I: Iterator<Item = TraceRequest>> ReadyTrace<I> {
         Ok(self.ready.pop_front())
     }
 
-    /// Has the trace's next batch made ready by `hand_over`'s means.
+    /// Has the trace's next batch drawn and made ready by `hand_over`'s means.
     fn order(&mut self, hand_over: &mut dyn FnMut(Chore)) {
-        let batch: Vec<TraceRequest> = self.trace.by_ref().take(BATCH).collect();
-        if batch.is_empty() {
+        if self.ended {
             return;
         }
+        let Some(mut trace) = self.trace.take() else {
+            return;
+        };
         let preparation = self.preparation.clone();
         let work = move || {
             let mut words = Vec::new();
-            batch
-                .into_iter()
+            let batch = trace
+                .by_ref()
+                .take(BATCH)
                 .map(|request| preparation.ready(request, &mut words))
-                .collect()
+                .collect();
+            (trace, batch)
         };
         self.coming = Some(Errand::new(work, hand_over));
     }
@@ -121,51 +136,56 @@ mod tests {
     type Made = Vec<(Duration, Option<InferenceRequest>, Vec<u32>)>;
 
     #[test]
-    fn requests_made_ready_on_the_helper_are_the_trace_made_ready_here_in_order() {
+    fn requests_drawn_and_made_ready_on_the_helper_are_the_trace_made_ready_here_in_order() {
         let file = std::path::Path::new(crate::WORKLOADS_DIR).join("shared-prefix.yaml");
         let w = Workload::from_file(&file).expect("shipped");
         let scale = Scale {
             rate: 1.0,
             copies: 2,
         };
-        let trace = || StepTrace::new(&w, 3, 0, 8.0, scale, Duration::from_secs(60), Some(150));
+        let trace =
+            |n: usize| StepTrace::new(&w, 3, 0, 8.0, scale, Duration::from_secs(60), Some(n));
         let preparation = Preparation {
             api: w.api,
             model: Arc::from(w.model.as_str()),
             adapters: Arc::from(scale.adapter_names(&w).as_slice()),
             bodies: true,
         };
-        let mut words = Vec::new();
-        let want: Made = trace()
-            .map(|r| {
-                let body = r.inference(w.api, &w.model, &mut words);
-                let tokens = r.engine_tokens(w.api, &mut words);
-                (r.at, Some(body), tokens)
-            })
-            .collect();
-        assert_eq!(want.len(), 150);
-        let made = |helper: bool| -> Made {
-            std::thread::scope(|scope| {
-                let mut pods = Pods::new(Vec::new());
-                if helper {
-                    pods.start_helper(scope);
-                }
-                let mut ready = ReadyTrace::new(trace(), preparation.clone());
-                let mut made = Vec::new();
-                while let Some(r) = ready.next(&mut pods).expect("made ready") {
-                    made.push((r.request.at, r.inference, r.tokens));
-                }
-                made
-            })
-        };
-        assert!(want == made(false), "without a helper");
-        assert!(want == made(true), "with a helper");
+        // A trace that ends inside a batch, and one that ends with one (its last batch,
+        // drawn on the helper, is empty).
+        for n in [150, 2 * BATCH] {
+            let mut words = Vec::new();
+            let want: Made = trace(n)
+                .map(|r| {
+                    let body = r.inference(w.api, &w.model, &mut words);
+                    let tokens = r.engine_tokens(w.api, &mut words);
+                    (r.at, Some(body), tokens)
+                })
+                .collect();
+            assert_eq!(want.len(), n);
+            let made = |helper: bool| -> Made {
+                std::thread::scope(|scope| {
+                    let mut pods = Pods::new(Vec::new());
+                    if helper {
+                        pods.start_helper(scope);
+                    }
+                    let mut ready = ReadyTrace::new(trace(n), preparation.clone());
+                    let mut made = Vec::new();
+                    while let Some(r) = ready.next(&mut pods).expect("made ready") {
+                        made.push((r.request.at, r.inference, r.tokens));
+                    }
+                    made
+                })
+            };
+            assert!(want == made(false), "without a helper, {n} requests");
+            assert!(want == made(true), "with a helper, {n} requests");
+        }
         let blind = Preparation {
             bodies: false,
             ..preparation.clone()
         };
         let mut pods = Pods::new(Vec::new());
-        let first = ReadyTrace::new(trace(), blind)
+        let first = ReadyTrace::new(trace(150), blind)
             .next(&mut pods)
             .expect("made ready")
             .expect("a request");

@@ -877,7 +877,7 @@ impl<'s> World<'s> {
         &mut self,
         start: SimTime,
         step: usize,
-        trace: impl Iterator<Item = TraceRequest>,
+        trace: impl Iterator<Item = TraceRequest> + Send + 'static,
     ) -> anyhow::Result<SimTime> {
         let mut now = start;
         self.routed.fill(0);

@@ -342,16 +342,17 @@ fn words(rng: &mut impl Rng, n: u32) -> Vec<u8> {
 /// The load generator's request contents (`loadgen::workload::generator::Generator`),
 /// drawing word indices where it draws words.
 #[derive(Debug)]
-struct Contents<'w> {
-    workload: &'w Workload,
+struct Contents {
+    /// The workload, owned: a trace travels to the helper thread to draw its requests.
+    workload: Workload,
     adapters: usize,
     zipf_cdf: Vec<Vec<f64>>,
     class_cdf: Vec<f64>,
     pools: Vec<Option<PrefixPool>>,
 }
 
-impl<'w> Contents<'w> {
-    fn new(workload: &'w Workload, seed: u64, step: usize) -> Contents<'w> {
+impl Contents {
+    fn new(workload: &Workload, seed: u64, step: usize) -> Contents {
         let adapters = workload.fleet.adapters.names().len();
         let zipf_cdf = workload
             .classes
@@ -387,7 +388,7 @@ impl<'w> Contents<'w> {
             })
             .collect();
         Contents {
-            workload,
+            workload: workload.clone(),
             adapters,
             zipf_cdf,
             class_cdf,
@@ -435,8 +436,8 @@ impl<'w> Contents<'w> {
 /// The requests of one ladder step, in arrival order, drawn as they are taken: Poisson
 /// arrivals at `rate × scale.rate` until `duration` or `max_requests`.
 #[derive(Debug)]
-pub struct StepTrace<'w> {
-    contents: Contents<'w>,
+pub struct StepTrace {
+    contents: Contents,
     rng: SmallRng,
     copy_rng: SmallRng,
     copies: u32,
@@ -447,17 +448,17 @@ pub struct StepTrace<'w> {
     left: usize,
 }
 
-impl<'w> StepTrace<'w> {
+impl StepTrace {
     /// Step `step` of the ladder at `rate` (the workload's rate, before scaling).
     pub fn new(
-        workload: &'w Workload,
+        workload: &Workload,
         seed: u64,
         step: usize,
         rate: f64,
         scale: Scale,
         duration: Duration,
         max_requests: Option<usize>,
-    ) -> StepTrace<'w> {
+    ) -> StepTrace {
         StepTrace {
             contents: Contents::new(workload, seed, step),
             rng: SmallRng::seed_from_u64(mix(mix(seed, 0xa771), step as u64)),
@@ -472,7 +473,7 @@ impl<'w> StepTrace<'w> {
     }
 }
 
-impl Iterator for StepTrace<'_> {
+impl Iterator for StepTrace {
     type Item = TraceRequest;
 
     fn next(&mut self) -> Option<TraceRequest> {
