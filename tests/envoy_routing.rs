@@ -67,7 +67,7 @@ async fn a_large_prompt_goes_where_it_fits_even_if_another_pod_has_a_shorter_que
         waiting: 3,
         ..FakeMetrics::default()
     });
-    let (_kvroute, envoy) =
+    let (kvroute, envoy) =
         behind_envoy(&pods, test_config(addrs(&pods)), Gateway::OriginalDst).await;
     let client = http_client();
 
@@ -86,6 +86,17 @@ async fn a_large_prompt_goes_where_it_fits_even_if_another_pod_has_a_shorter_que
         answer["prompt_bytes"].as_u64().is_some_and(|n| n > 32_000),
         "the whole body reached the pod"
     );
+
+    // The fake pod's report never held the large request's blocks, yet kvroute reads it
+    // less what that request freed at its end, if a scrape saw the request, until a scrape
+    // started after the end (as a real pod's report would show them gone): wait for a
+    // report of pod-1 taken after the end, so that pod-1 is read as it reports itself.
+    pods[1].set_metrics(FakeMetrics {
+        kv_usage: 0.31,
+        waiting: 3,
+        ..FakeMetrics::default()
+    });
+    kvroute.wait_for_pod(pods[1].addr, 0.31, 3).await;
 
     // A small prompt fits both, and pod-0's empty queue wins.
     let (_, pod, _) = complete(
