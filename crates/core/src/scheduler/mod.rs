@@ -495,7 +495,25 @@ fn free_kv_tokens_of(
     load: &PodLoad,
     replicas: u32,
 ) -> Option<u64> {
-    let capacity = Some(capacity).filter(|c| *c > 0)?;
+    let used = kv_used_tokens_of(capacity, reported, queued, unscraped, load, replicas)?;
+    Some(capacity.saturating_sub(used))
+}
+
+/// The KV tokens the pod will use by kvroute's accounting, which may exceed its capacity
+/// (the excess waits in its queue): [`free_kv_tokens_of`] before it is taken from the
+/// capacity. `None` when the pod did not report its capacity.
+#[inline(always)]
+fn kv_used_tokens_of(
+    capacity: u64,
+    reported: u64,
+    queued: u16,
+    unscraped: u64,
+    load: &PodLoad,
+    replicas: u32,
+) -> Option<u64> {
+    if capacity == 0 {
+        return None;
+    }
     // One replica (the usual case) without the three multiplications.
     let all = |own: u64| {
         if replicas == 1 {
@@ -513,12 +531,13 @@ fn free_kv_tokens_of(
     // made two replicas place into room not yet there (1.24× one replica's p90 at the
     // knee of shared-prefix-pressure, against 1.02×).
     let reported = reported.saturating_sub(load.released_tokens());
-    let used = reported
-        .saturating_add(queued)
-        .saturating_add(all(unscraped))
-        .max(all(load.committed_tokens()))
-        .max(reported.saturating_add(all(load.growth_tokens())));
-    Some(capacity.saturating_sub(used))
+    Some(
+        reported
+            .saturating_add(queued)
+            .saturating_add(all(unscraped))
+            .max(all(load.committed_tokens()))
+            .max(reported.saturating_add(all(load.growth_tokens()))),
+    )
 }
 
 #[cfg(test)]

@@ -1332,6 +1332,41 @@ fn a_queued_holder_without_kv_to_start_the_prompt_lacks_room_for_flow_control() 
 }
 
 #[test]
+fn requests_sent_since_the_scrape_that_a_holders_kv_cannot_hold_count_as_its_queue() {
+    // Pod 1 reported no queue and 1,500 tokens free, and caches 2,992 of the prompt's
+    // 3,200 tokens. kvroute has sent it seven requests of 1,000 tokens since that scrape:
+    // they overfill its KV by 5,500 tokens, so five or six of them wait in its queue
+    // before the report shows one. With four sent (two waiting) the holder still takes the
+    // request, below the queue depth of 5; with seven the queue reaches the depth, and with
+    // no KV left for the prompt the request lacks room: flow control holds it at the
+    // gateway.
+    let prefix = matches(200, &[(1, 187)]);
+    let ask = context_request(&prefix);
+    let sent_since_scrape = |sent: usize| {
+        let snapshot = fleet(vec![pressed(1, 0.95, 0), pressed(2, 0.1, 0)]);
+        let (_, load) = snapshot.pod(endpoint(1)).expect("known");
+        let reservations: Vec<_> = (0..sent)
+            .map(|_| load.reserve(1_000, 500, PrefillEnd::NextScrape))
+            .collect();
+        (snapshot, reservations)
+    };
+    let (snapshot, _sent) = sent_since_scrape(4);
+    let decision = pick_seeded(&ask, &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+    assert!(!decision.lacks_room(), "{decision:?}");
+
+    let (snapshot, _sent) = sent_since_scrape(7);
+    let decision = pick_seeded(&ask, &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+    assert_eq!(decision.ranked[0].free_kv_tokens, Some(0));
+    assert!(
+        decision.relaxed.kv_headroom && decision.lacks_room(),
+        "the queue kvroute's own requests make counts before a scrape shows it: \
+         {decision:?}"
+    );
+}
+
+#[test]
 fn a_prefix_holder_loaded_past_the_slack_gives_the_prefix_up() {
     let prefix = matches(200, &[(1, 187)]);
     let ask = context_request(&prefix);
