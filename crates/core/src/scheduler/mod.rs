@@ -473,35 +473,22 @@ pub fn tokens_needed(request: &RouteRequest<'_>, config: &SchedulerConfig) -> u6
 /// is only what this replica saw end. `None` when the pod did not report its capacity.
 pub fn free_kv_tokens(pod: &PodView, load: &PodLoad, replicas: u32) -> Option<u64> {
     let signals = pod.signals()?;
-    free_kv_tokens_of(
+    let used = kv_used_tokens_of(
         signals.kv_capacity_tokens,
         signals.kv_used_tokens,
         u16::try_from(signals.queued).unwrap_or(u16::MAX),
         load.unscraped_tokens(),
         load,
         replicas,
-    )
+    )?;
+    Some(signals.kv_capacity_tokens.saturating_sub(used))
 }
 
-/// [`free_kv_tokens`] of a pod whose capacity, reported use and queue and unscraped tokens
-/// the caller has in hand (inlined: the filter's pass over thousands of pods calls it for
-/// each).
-#[inline(always)]
-fn free_kv_tokens_of(
-    capacity: u64,
-    reported: u64,
-    queued: u16,
-    unscraped: u64,
-    load: &PodLoad,
-    replicas: u32,
-) -> Option<u64> {
-    let used = kv_used_tokens_of(capacity, reported, queued, unscraped, load, replicas)?;
-    Some(capacity.saturating_sub(used))
-}
-
-/// The KV tokens the pod will use by kvroute's accounting, which may exceed its capacity
-/// (the excess waits in its queue): [`free_kv_tokens_of`] before it is taken from the
-/// capacity. `None` when the pod did not report its capacity.
+/// The KV tokens a pod whose capacity, reported use and queue and unscraped tokens the
+/// caller has in hand will use by kvroute's accounting ([`free_kv_tokens`] before it is
+/// taken from the capacity), which may exceed its capacity: the excess waits in its queue.
+/// `None` when the pod did not report its capacity. Inlined: the filter's pass over
+/// thousands of pods calls it for each.
 #[inline(always)]
 fn kv_used_tokens_of(
     capacity: u64,
