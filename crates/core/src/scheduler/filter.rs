@@ -295,7 +295,10 @@ impl Reading<'_> {
 /// kvroute's requests there) when more. Between two scrapes the report misses the
 /// requests kvroute sent since that the pod could not admit: a context's home kept taking
 /// its tenants' requests at once, its report showing a short queue, until the next scrape
-/// showed the long one. (Compared without dividing: the pass over thousands of pods.)
+/// showed the long one. (Compared without dividing: the pass over thousands of pods.) On
+/// a data-parallel pod the report's queue is per engine while the requests beyond its KV
+/// are the whole pod's: between two scrapes such a pod reads saturated when its KV is
+/// overfilled by `depth` requests, rather than `depth` per engine.
 #[inline(always)]
 fn queue_reaches(row: &PodRow, load: &PodLoad, used: Option<u64>, depth: u32) -> bool {
     row.waiting >= depth
@@ -1115,12 +1118,11 @@ fn soft_filters(present: &[bool; COMBINATIONS]) -> (u16, Relaxed) {
 
 /// A long queue (`queue_full`: the report's, or the requests kvroute sent since that the
 /// pod's KV will not hold, at the saturation depth: [`queue_reaches`]), or KV use at the
-/// threshold. KV use
-/// does not make a pod saturated for a
-/// request whose prompt it mostly caches (`cached`, at least half of `prompt`): on a
-/// shared-prefix load pods run near full *because* their requests share cached contexts,
-/// and sending a request away from its context allocates the context again elsewhere and
-/// evicts others' (the filter that checks free KV still applies to what it needs anew).
+/// threshold. KV use does not make a pod saturated for a request whose prompt it mostly
+/// caches (`cached`, at least half of `prompt`): on a shared-prefix load pods run near
+/// full *because* their requests share cached contexts, and sending a request away from
+/// its context allocates the context again elsewhere and evicts others' (the filter that
+/// checks free KV still applies to what it needs anew).
 ///
 /// KV use is the pod's report plus the KV that the requests kvroute sent it since will
 /// need (their uncached prompt and expected output: the report cannot show them), as free
