@@ -58,10 +58,9 @@ impl Preparation {
 
 /// A trace whose requests are drawn and made ready a batch ahead, in the trace's order.
 pub struct ReadyTrace<I> {
-    /// The trace, here between batches (away while a batch is being drawn from it).
+    /// The trace, here between batches; away while a batch is being drawn from it, and
+    /// gone once a batch came back short (the trace ran out).
     trace: Option<I>,
-    /// Whether the trace has run out.
-    ended: bool,
     preparation: Preparation,
     ready: VecDeque<Ready>,
     /// The next batch, being drawn and made ready (with the trace, to come back).
@@ -72,7 +71,6 @@ impl<I: Iterator<Item = TraceRequest> + Send + 'static> ReadyTrace<I> {
     pub fn new(trace: I, preparation: Preparation) -> Self {
         ReadyTrace {
             trace: Some(trace),
-            ended: false,
             preparation,
             ready: VecDeque::with_capacity(2 * BATCH),
             coming: None,
@@ -90,8 +88,7 @@ impl<I: Iterator<Item = TraceRequest> + Send + 'static> ReadyTrace<I> {
             if let Some(coming) = self.coming.take() {
                 let (trace, batch) = coming.result()?;
                 // A short batch is the trace's last.
-                self.ended = batch.len() < BATCH;
-                self.trace = Some(trace);
+                self.trace = (batch.len() == BATCH).then_some(trace);
                 self.ready.extend(batch);
             }
         }
@@ -103,9 +100,6 @@ impl<I: Iterator<Item = TraceRequest> + Send + 'static> ReadyTrace<I> {
 
     /// Has the trace's next batch drawn and made ready by `hand_over`'s means.
     fn order(&mut self, hand_over: &mut dyn FnMut(Chore)) {
-        if self.ended {
-            return;
-        }
         let Some(mut trace) = self.trace.take() else {
             return;
         };
