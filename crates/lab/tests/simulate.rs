@@ -287,6 +287,51 @@ fn the_command_writes_compares_report_shape() {
 }
 
 #[test]
+fn diagnostics_list_every_completed_request_with_the_waits_its_ttft_is_made_of() {
+    let out = tempfile::tempdir().unwrap();
+    let file = workload_file("shared-prefix-pressure");
+    let w = Workload::from_file(&file).unwrap();
+    let mut a = args(Some(4), &[28.0], Duration::from_secs(10));
+    a.diagnose = Some(1);
+    a.replicas = 2;
+    a.output_dir = out.path().to_path_buf();
+    let setup = Setup::new(&a, &w, &file).unwrap();
+    let (run, _) = run(&setup, Router::KvrouteEvents);
+    let csv = std::fs::read_to_string(
+        out.path()
+            .join("shared-prefix-pressure-kvroute-events-requests.csv"),
+    )
+    .unwrap();
+    let mut lines = csv.lines();
+    assert_eq!(
+        lines.next(),
+        Some("arrived,step,pod,replica,waited_s,pod_ttft_s,ttft_s,prompt_tokens,cached_tokens")
+    );
+    let rows: Vec<Vec<f64>> = lines
+        .map(|line| line.split(',').map(|f| f.parse().unwrap()).collect())
+        .collect();
+    // The warm-up step, then the measured one.
+    let measured: Vec<&Vec<f64>> = rows.iter().filter(|r| r[1] == 1.0).collect();
+    let step = &run.bench.steps[0];
+    assert_eq!(measured.len(), step.requests.ok);
+    let mean = measured.iter().map(|r| r[6]).sum::<f64>() / measured.len() as f64;
+    assert!(
+        (mean - step.ttft_s.mean.unwrap()).abs() < 1e-3,
+        "the listed TTFTs average {mean}, the report's {:?}",
+        step.ttft_s.mean
+    );
+    for r in &measured {
+        assert!((r[4] + r[5] - r[6]).abs() < 2e-4, "{r:?}");
+        assert!(r[2] < 4.0 && r[3] < 2.0, "pod and replica in range: {r:?}");
+        assert!(r[8] <= r[7], "cached tokens within the prompt: {r:?}");
+    }
+    assert!(
+        measured.iter().any(|r| r[3] == 1.0) && measured.iter().any(|r| r[8] > 0.0),
+        "both replicas routed, and some prompts were cached"
+    );
+}
+
+#[test]
 fn the_command_reports_each_objectives_statistics_and_the_target_checks() {
     let out = tempfile::tempdir().unwrap();
     let status = Command::new(env!("CARGO_BIN_EXE_kvroute-lab"))

@@ -182,9 +182,11 @@ pub struct SimulateArgs {
     #[arg(long, env = "KVROUTE_SIMULATE_NO_WARMUP")]
     pub no_warmup: bool,
     /// Diagnostics: write every N-th kvroute decision (relaxed filters, the best
-    /// candidates' score breakdowns) to `<workload>-kvroute-decisions.jsonl` and each pod's
+    /// candidates' score breakdowns) to `<workload>-kvroute-decisions.jsonl`, each pod's
     /// queue, running requests, KV use, requests in flight and requests routed at every
-    /// fleet sample to `<workload>-<policy>-pods.csv` in the output directory.
+    /// fleet sample to `<workload>-<policy>-pods.csv`, and every N-th completed request's
+    /// arrival, pod, replica, waits and cached tokens to `<workload>-<policy>-requests.csv`
+    /// in the output directory.
     #[arg(long, env = "KVROUTE_SIMULATE_DIAGNOSE", value_name = "N")]
     pub diagnose: Option<u64>,
     /// kvroute replicas behind the one gateway (requests go to them in turn; each scrapes

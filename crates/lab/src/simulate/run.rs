@@ -35,7 +35,7 @@ use kvroute_sim::engine::{
 use kvroute_sim::kv::mix;
 
 use super::cache_aware::CacheAware;
-use super::diagnose::{Diagnostics, PodSample};
+use super::diagnose::{Diagnostics, PodSample, RequestOutcome};
 use super::flow::{self, FlowClass, FlowSettings};
 use super::observe::served_models;
 use super::pods::{Errand, HELPER_FROM_PODS, Pod, Pods};
@@ -458,6 +458,18 @@ impl<'s> World<'s> {
                             cached: summary.cached_tokens,
                             end_s: secs(ev.at),
                         });
+                        if let Some(d) = &mut self.diagnostics {
+                            d.request(&RequestOutcome {
+                                arrived: secs(open.arrived),
+                                step: open.step,
+                                pod: sent.pod as usize,
+                                replica: sent.replica,
+                                waited: secs(sent.waited),
+                                pod_ttft: secs(summary.ttft),
+                                prompt_tokens: summary.prompt_tokens,
+                                cached_tokens: summary.cached_tokens,
+                            });
+                        }
                     }
                 }
             }
