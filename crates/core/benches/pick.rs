@@ -3,7 +3,8 @@
 //! 1,000 and ≤ 50 µs at 4,096, with LoRA affinity and a shared-prefix match (every pod
 //! holds the request's 2 KiB system prompt, one pod its whole prompt), with LoRA
 //! affinity alone and for the base model, on a fleet about half of whose pods are
-//! saturated; `base_model_light` on a fleet where every pod passes every filter. Also the
+//! saturated; `base_model_light` on a fleet where every pod passes every filter;
+//! `pick_cold`: some of the same with the fleet out of cache before each pick. Also the
 //! per-snapshot model index build.
 
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
@@ -15,13 +16,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use criterion::{BenchmarkId, Criterion, criterion_group};
+use criterion::{BatchSize, BenchmarkId, Criterion, criterion_group};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use kvroute_core::fleet::{
     AdapterIndex, Fleet, LoraStatus, ModelIndex, PodLoad, PodMetrics, PodView, PrefixMatches,
-    ServedModels,
+    ServedModels, adapter_key,
 };
 use kvroute_core::request::{InferenceRequest, RouteRequest};
 use kvroute_core::scheduler::{Outlook, Picked, SchedulerConfig, pick, pick_unless};
@@ -198,6 +199,60 @@ fn bench_pick(c: &mut Criterion) {
     group.finish();
 }
 
+/// The same picks with the caches' contents replaced before each (not timed): every pick
+/// reads the fleet from memory, as in a gateway whose other work (tokio's other tasks,
+/// the scrapes' parsing) ran since the last pick, rather than from the core's own cache
+/// as `pick` measures it.
+fn bench_pick_cold(c: &mut Criterion) {
+    let mut group = c.benchmark_group("pick_cold");
+    group.measurement_time(Duration::from_secs(3));
+    group.warm_up_time(Duration::from_secs(1));
+    let config = SchedulerConfig::default();
+    // Larger than the last-level cache (32 MiB on the machine the docs quote).
+    let mut other_work = vec![0u64; 64 << 20 >> 3];
+    for size in [1000usize, 4096] {
+        for case in ["base_model_light", "lora_adapter_light", "lora_adapter"] {
+            let mut rng = SmallRng::seed_from_u64(42);
+            let snapshot = fleet_of(case, size, &mut rng);
+            // Each pod was lately sent requests for the adapters it runs and one other.
+            for (pod, load) in snapshot.pods() {
+                let running = pod.metrics().and_then(|m| m.lora.as_ref());
+                for adapter in running.iter().flat_map(|lora| &lora.running) {
+                    load.note_adapter(adapter_key(adapter));
+                }
+                load.note_adapter(adapter_key(&format!(
+                    "adapter-{}",
+                    rng.random_range(0..ADAPTERS)
+                )));
+            }
+            with_case(case, &snapshot, |request, prefix| {
+                group.bench_with_input(BenchmarkId::new(case, size), &snapshot, |b, snapshot| {
+                    b.iter_batched(
+                        || {
+                            for word in other_work.iter_mut().step_by(8) {
+                                *word = word.wrapping_add(1);
+                            }
+                            black_box(&other_work);
+                        },
+                        |()| {
+                            picked(
+                                case,
+                                black_box(request),
+                                prefix,
+                                snapshot,
+                                &config,
+                                &mut rng,
+                            )
+                        },
+                        BatchSize::PerIteration,
+                    )
+                });
+            });
+        }
+    }
+    group.finish();
+}
+
 /// `PICK_COUNT=case/pods/picks`: builds the fleet and runs that many picks, nothing
 /// else, for an instruction count under `valgrind --tool=cachegrind` (`scripts/pick-
 /// instructions`). This VM's timings move 2× between runs; instruction counts do not.
@@ -280,7 +335,7 @@ fn bench_model_index(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_pick, bench_model_index);
+criterion_group!(benches, bench_pick, bench_pick_cold, bench_model_index);
 
 fn main() {
     if let Ok(spec) = std::env::var("PICK_COUNT") {

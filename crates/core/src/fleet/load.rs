@@ -35,9 +35,14 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Load counters of one pod, shared by the pod store, snapshots and reservations.
+///
+/// A pick reads every pod's counters, mostly from cache lines that the traffic in between
+/// has evicted, so the layout is fixed: the counters a pick reads share the first cache
+/// line (the pod's `Arc` puts it on a line of its own), and the remembered adapters, read
+/// only for adapter requests, the second. Left to the compiler they spread over three.
 #[derive(Debug, Default)]
+#[repr(C, align(64))]
 pub struct PodLoad {
-    inflight: AtomicU32,
     unscraped_tokens: AtomicU64,
     /// KV tokens of every request in flight here (uncached prompt + expected output).
     committed_tokens: AtomicU64,
@@ -51,16 +56,50 @@ pub struct PodLoad {
     /// KV tokens of requests that finished since the last successful scrape started, sent
     /// before it: the pod's report still counts blocks they have freed.
     released_tokens: AtomicU64,
+    inflight: AtomicU32,
     /// `committed_tokens / inflight` (at most `u32::MAX`), kept as they change so that a
     /// pick over thousands of pods divides nothing.
     mean_need: AtomicU32,
-    ledger: Mutex<Ledger>,
+    /// [`RecentSummary`] of `recent_adapters`, on the counters' line: most pods a pick
+    /// reads never had the request's adapter, which this tells without reading the list.
+    recent_summary: AtomicU64,
     /// Keys of the LoRA adapters kvroute last sent here, most recent first (0: empty).
     /// vLLM reports only the adapters of requests running *now*; an adapter whose
     /// requests just finished usually still sits in a GPU slot, and this remembers it.
     /// Readers load the slots without the lock: a torn read only blurs a heuristic.
-    recent_adapters: [AtomicU64; RECENT_ADAPTERS],
+    recent_adapters: RecentAdapters,
     recent_adapters_lock: Mutex<()>,
+    ledger: Mutex<Ledger>,
+}
+
+/// [`PodLoad`]'s remembered adapters, on a cache line of their own.
+#[derive(Debug, Default)]
+#[repr(C, align(64))]
+struct RecentAdapters([AtomicU64; RECENT_ADAPTERS]);
+
+/// How many adapters a pod remembers and a 60-bit filter of their keys, in one word:
+/// a key whose bit is clear is not among them.
+struct RecentSummary;
+
+impl RecentSummary {
+    const FILTER_BITS: u64 = 60;
+
+    fn bit(key: u64) -> u64 {
+        1 << (key % Self::FILTER_BITS)
+    }
+
+    fn of(keys: &[u64]) -> u64 {
+        let remembered = keys.iter().filter(|&&key| key != 0);
+        let filter = remembered
+            .clone()
+            .fold(0, |bits, &key| bits | Self::bit(key));
+        filter | (remembered.count() as u64) << Self::FILTER_BITS
+    }
+
+    /// `None` when `key` is certainly not remembered; else `Some` (perhaps remembered).
+    fn absent(summary: u64, key: u64) -> Option<usize> {
+        (summary & Self::bit(key) == 0).then_some((summary >> Self::FILTER_BITS) as usize)
+    }
 }
 
 /// How many adapters [`PodLoad`] remembers per pod (vLLM's `--max-loras` is rarely more).
@@ -250,35 +289,39 @@ impl PodLoad {
             .recent_adapters_lock
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let current: Vec<u64> = self
-            .recent_adapters
-            .iter()
-            .map(|slot| slot.load(Ordering::Relaxed))
-            .collect();
+        let slots = &self.recent_adapters.0;
+        let current: [u64; RECENT_ADAPTERS] =
+            std::array::from_fn(|i| slots[i].load(Ordering::Relaxed));
         let others = current.into_iter().filter(|&k| k != key && k != 0);
-        let order = std::iter::once(key)
+        let mut order = std::iter::once(key)
             .chain(others)
             .chain(std::iter::repeat(0));
-        for (slot, value) in self.recent_adapters.iter().zip(order) {
+        let next: [u64; RECENT_ADAPTERS] = std::array::from_fn(|_| order.next().unwrap_or(0));
+        for (slot, &value) in slots.iter().zip(&next) {
             slot.store(value, Ordering::Relaxed);
         }
+        self.recent_summary
+            .store(RecentSummary::of(&next), Ordering::Relaxed);
     }
 
     /// How recently the adapter with `key` was sent here among the remembered ones:
     /// 0 for the most recent; `None` if not remembered.
     pub fn adapter_recency(&self, key: u64) -> Option<usize> {
-        self.recent_adapters
-            .iter()
-            .position(|slot| slot.load(Ordering::Relaxed) == key)
+        self.adapter_standing(key).0
     }
 
     /// [`PodLoad::adapter_recency`], and how many distinct adapters kvroute sent here
     /// lately (at most [`RECENT_ADAPTERS`]), in one pass: remembered adapters fill the
-    /// list from its start.
+    /// list from its start. The list itself is read only when the summary beside the
+    /// counters does not rule `key` out.
     #[inline]
     pub fn adapter_standing(&self, key: u64) -> (Option<usize>, usize) {
+        let summary = self.recent_summary.load(Ordering::Relaxed);
+        if let Some(remembered) = RecentSummary::absent(summary, key) {
+            return (None, remembered);
+        }
         let mut rank = None;
-        for (position, slot) in self.recent_adapters.iter().enumerate() {
+        for (position, slot) in self.recent_adapters.0.iter().enumerate() {
             let remembered = slot.load(Ordering::Relaxed);
             if remembered == 0 {
                 return (rank, position);
