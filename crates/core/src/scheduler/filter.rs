@@ -655,10 +655,14 @@ fn filter_reading(
     // request at the gateway until a holder has room (or sheds it), where it would have
     // joined the holder's queue and, admitted, grown until the pod preempted. A holder with
     // no queue, or with room for the prompt, still takes it at once: holding waits for the
-    // next scrape, which cost p90 TTFT below the knee when any holder short of KV held.
+    // next scrape, which cost p90 TTFT below the knee when any holder short of KV held. A
+    // holder short of KV whose queue is short only by its report does not: when prompts
+    // kvroute sent it still wait for their prefill, the report is behind them, and the
+    // request would queue behind them too.
     if sticky_floor > 0
         && !candidates.iter().any(|c| {
-            c.flags & (FITS | NOT_SATURATED) != 0
+            c.flags & FITS != 0
+                || (c.flags & NOT_SATURATED != 0 && c.prefill == 0)
                 || c.free_kv()
                     .is_none_or(|free| free >= demand.uncached_prompt(c.cached))
         })

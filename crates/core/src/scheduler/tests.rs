@@ -1339,14 +1339,19 @@ fn requests_sent_since_the_scrape_that_a_holders_kv_cannot_hold_count_as_its_que
     // before the report shows one. With four sent (two waiting) the holder still takes the
     // request, below the queue depth of 5; with seven the queue reaches the depth, and with
     // no KV left for the prompt the request lacks room: flow control holds it at the
-    // gateway.
+    // gateway. (Their prompts count as prefilled, each having streamed a first token: a
+    // holder short of KV with a prompt of kvroute's still waiting holds on that alone.)
     let prefix = matches(200, &[(1, 187)]);
     let ask = context_request(&prefix);
     let sent_since_scrape = |sent: usize| {
         let snapshot = fleet(vec![pressed(1, 0.95, 0), pressed(2, 0.1, 0)]);
         let (_, load) = snapshot.pod(endpoint(1)).expect("known");
         let reservations: Vec<_> = (0..sent)
-            .map(|_| load.reserve(1_000, 500, PrefillEnd::NextScrape))
+            .map(|_| {
+                let mut sent = load.reserve(1_000, 500, PrefillEnd::FirstToken);
+                sent.first_token();
+                sent
+            })
             .collect();
         (snapshot, reservations)
     };
@@ -1364,6 +1369,36 @@ fn requests_sent_since_the_scrape_that_a_holders_kv_cannot_hold_count_as_its_que
         "the queue kvroute's own requests make counts before a scrape shows it: \
          {decision:?}"
     );
+}
+
+#[test]
+fn a_holder_short_of_kv_takes_the_request_at_once_only_when_no_prompt_it_was_sent_waits() {
+    // Pod 1 reported no queue and 150 tokens free, and caches 2,992 of the prompt's 3,200
+    // tokens: 208 are left to prefill, more than it has room for. With nothing kvroute sent
+    // waiting there, the report is current enough and the holder takes the request at
+    // once. With a streaming request kvroute sent still before its first token, the
+    // report is behind that prompt and the request would queue behind it: flow control
+    // holds it at the gateway until a holder has room. Its first token ends the hold.
+    let prefix = matches(200, &[(1, 187)]);
+    let ask = context_request(&prefix);
+    let snapshot = fleet(vec![pressed(1, 0.995, 0), pressed(2, 0.1, 0)]);
+    let decision = pick_seeded(&ask, &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+    assert!(!decision.lacks_room(), "{decision:?}");
+
+    let (_, load) = snapshot.pod(endpoint(1)).expect("known");
+    let mut waiting_for_prefill = load.reserve(100, 80, PrefillEnd::FirstToken);
+    let decision = pick_seeded(&ask, &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+    assert!(
+        decision.relaxed.kv_headroom && decision.lacks_room(),
+        "a prompt kvroute sent still waits there: {decision:?}"
+    );
+
+    waiting_for_prefill.first_token();
+    let decision = pick_seeded(&ask, &snapshot).expect("placed");
+    assert_eq!(decision.endpoint, endpoint(1), "{decision:?}");
+    assert!(!decision.lacks_room(), "its prefill is done: {decision:?}");
 }
 
 #[test]
