@@ -60,9 +60,6 @@ pub struct PodLoad {
     /// `committed_tokens / inflight` (at most `u32::MAX`), kept as they change so that a
     /// pick over thousands of pods divides nothing.
     mean_need: AtomicU32,
-    /// [`RecentSummary`] of `recent_adapters`, on the counters' line: most pods a pick
-    /// reads never had the request's adapter, which this tells without reading the list.
-    recent_summary: AtomicU64,
     /// Keys of the LoRA adapters kvroute last sent here, most recent first (0: empty).
     /// vLLM reports only the adapters of requests running *now*; an adapter whose
     /// requests just finished usually still sits in a GPU slot, and this remembers it.
@@ -76,31 +73,6 @@ pub struct PodLoad {
 #[derive(Debug, Default)]
 #[repr(C, align(64))]
 struct RecentAdapters([AtomicU64; RECENT_ADAPTERS]);
-
-/// How many adapters a pod remembers and a 60-bit filter of their keys, in one word:
-/// a key whose bit is clear is not among them.
-struct RecentSummary;
-
-impl RecentSummary {
-    const FILTER_BITS: u64 = 60;
-
-    fn bit(key: u64) -> u64 {
-        1 << (key % Self::FILTER_BITS)
-    }
-
-    fn of(keys: &[u64]) -> u64 {
-        let remembered = keys.iter().filter(|&&key| key != 0);
-        let filter = remembered
-            .clone()
-            .fold(0, |bits, &key| bits | Self::bit(key));
-        filter | (remembered.count() as u64) << Self::FILTER_BITS
-    }
-
-    /// `None` when `key` is certainly not remembered; else `Some` (perhaps remembered).
-    fn absent(summary: u64, key: u64) -> Option<usize> {
-        (summary & Self::bit(key) == 0).then_some((summary >> Self::FILTER_BITS) as usize)
-    }
-}
 
 /// How many adapters [`PodLoad`] remembers per pod (vLLM's `--max-loras` is rarely more).
 pub const RECENT_ADAPTERS: usize = 8;
@@ -300,8 +272,6 @@ impl PodLoad {
         for (slot, &value) in slots.iter().zip(&next) {
             slot.store(value, Ordering::Relaxed);
         }
-        self.recent_summary
-            .store(RecentSummary::of(&next), Ordering::Relaxed);
     }
 
     /// How recently the adapter with `key` was sent here among the remembered ones:
@@ -312,14 +282,9 @@ impl PodLoad {
 
     /// [`PodLoad::adapter_recency`], and how many distinct adapters kvroute sent here
     /// lately (at most [`RECENT_ADAPTERS`]), in one pass: remembered adapters fill the
-    /// list from its start. The list itself is read only when the summary beside the
-    /// counters does not rule `key` out.
+    /// list from its start.
     #[inline]
     pub fn adapter_standing(&self, key: u64) -> (Option<usize>, usize) {
-        let summary = self.recent_summary.load(Ordering::Relaxed);
-        if let Some(remembered) = RecentSummary::absent(summary, key) {
-            return (None, remembered);
-        }
         let mut rank = None;
         for (position, slot) in self.recent_adapters.0.iter().enumerate() {
             let remembered = slot.load(Ordering::Relaxed);

@@ -113,48 +113,6 @@ fn recently_sent_adapters_are_remembered_most_recent_first() {
     );
 }
 
-/// The standing read from the list itself, as before the summary.
-fn standing_from_the_list(load: &PodLoad, key: u64) -> (Option<usize>, usize) {
-    let keys: Vec<u64> = load
-        .recent_adapters
-        .0
-        .iter()
-        .map(|slot| slot.load(Ordering::Relaxed))
-        .take_while(|&k| k != 0)
-        .collect();
-    (keys.iter().position(|&k| k == key), keys.len())
-}
-
-#[test]
-fn the_summary_beside_the_counters_agrees_with_the_remembered_list() {
-    let load = PodLoad::default();
-    // Keys 1..=200 share the summary's 60 filter bits three or four to a bit: every
-    // remembered key has others on its bit that are not remembered.
-    let keys: Vec<u64> = (1..=200).collect();
-    let mut checked_on_a_shared_bit = 0;
-    for (n, &sent) in keys.iter().enumerate().take(40) {
-        load.note_adapter(sent * 7 % 200 + 1);
-        for &key in &keys {
-            let expected = standing_from_the_list(&load, key);
-            assert_eq!(
-                load.adapter_standing(key),
-                expected,
-                "key {key} after {n} sent"
-            );
-            assert_eq!(load.adapter_recency(key), expected.0);
-            let summary = load.recent_summary.load(Ordering::Relaxed);
-            if expected.0.is_none() && RecentSummary::absent(summary, key).is_none() {
-                checked_on_a_shared_bit += 1;
-            }
-        }
-    }
-    assert!(
-        checked_on_a_shared_bit > 0,
-        "some key not remembered shared a remembered key's bit and was read from the list"
-    );
-    assert_eq!(standing_from_the_list(&load, 0).1, RECENT_ADAPTERS);
-}
-
 #[test]
 fn prompt_tokens_wait_for_prefill_until_the_first_token_or_the_end() {
     let load = Arc::new(PodLoad::default());
