@@ -265,11 +265,10 @@ impl PodLoad {
         let current: [u64; RECENT_ADAPTERS] =
             std::array::from_fn(|i| slots[i].load(Ordering::Relaxed));
         let others = current.into_iter().filter(|&k| k != key && k != 0);
-        let mut order = std::iter::once(key)
+        let order = std::iter::once(key)
             .chain(others)
             .chain(std::iter::repeat(0));
-        let next: [u64; RECENT_ADAPTERS] = std::array::from_fn(|_| order.next().unwrap_or(0));
-        for (slot, &value) in slots.iter().zip(&next) {
+        for (slot, value) in slots.iter().zip(order) {
             slot.store(value, Ordering::Relaxed);
         }
     }
