@@ -74,7 +74,8 @@ fn compare(workload: &Path, routers: &str, out: &Path, marker: &str) -> std::pro
         .expect("run kvroute-lab compare")
 }
 
-/// The rows of a router in report.md's per-rate tables, each cell by its column's header.
+/// The rows of a router in report.md's per-rate tables (those with an `errors` column),
+/// each cell by its column's header.
 fn rows_of(report: &str, router: &str) -> Vec<BTreeMap<String, String>> {
     let cells = |line: &str| -> Vec<String> {
         line.trim_matches('|')
@@ -87,7 +88,8 @@ fn rows_of(report: &str, router: &str) -> Vec<BTreeMap<String, String>> {
     for line in report.lines() {
         if line.starts_with("| router |") {
             header = cells(line);
-        } else if line.starts_with(&format!("| {router} |")) {
+        } else if line.starts_with(&format!("| {router} |")) && header.iter().any(|h| h == "errors")
+        {
             rows.push(header.iter().cloned().zip(cells(line)).collect());
         }
     }
@@ -315,5 +317,22 @@ fn two_kvroute_replicas_on_kv_events_share_one_envoy_and_route_every_request() {
     assert!(
         routed.iter().sum::<u64>() >= planned_total,
         "{routed:?} against {planned_total} planned"
+    );
+    // Both replicas followed the pods' events whole, and the report says so.
+    let events = &run["kv_events"];
+    assert!(
+        events["batches"]["applied"]
+            .as_u64()
+            .expect("applied batches")
+            > 0,
+        "{events}"
+    );
+    assert!(
+        events["tokenized"].as_u64().expect("prompts tokenized") >= planned_total,
+        "every prompt was tokenized: {events}"
+    );
+    assert!(
+        report.contains("| kvroute-events-x2 |") && report.contains("KV events followed"),
+        "{report}"
     );
 }

@@ -238,6 +238,7 @@ async fn run_router(
         wall_s: wall.elapsed().as_secs_f64(),
         replicas_routed: counters.routed,
         prefix_checks: counters.prefix_checks,
+        kv_events: counters.kv_events,
     })
 }
 
@@ -421,6 +422,12 @@ async fn run_once(
                         eprintln!(
                             "    requests routed by each replica: {:?}",
                             run.replicas_routed
+                        );
+                    }
+                    if let Some(k) = &run.kv_events {
+                        eprintln!(
+                            "    KV events: batches {:?}, {} gaps, replays {:?}, {} resets",
+                            k.batches, k.gaps, k.replays, k.resets
                         );
                     }
                     for check in &run.prefix_checks {

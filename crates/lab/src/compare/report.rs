@@ -28,6 +28,25 @@ pub struct PrefixCheckCount {
     pub requests: u64,
 }
 
+/// What kvroute's KV-event subscriptions did over a run, summed over its replicas
+/// (`kvroute_kv_event_*_total` and `kvroute_tokenize_duration_seconds`): whether the index
+/// a run's placements read was whole.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct KvEventCounts {
+    /// Event batches by result (`applied`, `seen`, `out_of_order`, `undecodable`,
+    /// `malformed`).
+    pub batches: BTreeMap<String, u64>,
+    /// Sequence gaps found.
+    pub gaps: u64,
+    /// Replays asked for, by outcome.
+    pub replays: BTreeMap<String, u64>,
+    /// Pods whose entries were dropped and rebuilt.
+    pub resets: u64,
+    /// Prompts tokenized on a pod, and their mean round trip.
+    pub tokenized: u64,
+    pub tokenize_mean_ms: Option<f64>,
+}
+
 /// One router's run of one workload: the load generator's report and the fleet's activity.
 #[derive(Debug, Clone, Serialize)]
 pub struct RouterRun {
@@ -49,6 +68,9 @@ pub struct RouterRun {
     /// replica and the whole run (`--observe-responses`; empty otherwise).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub prefix_checks: Vec<PrefixCheckCount>,
+    /// kvroute's KV-event subscriptions over the run (routers on KV events only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventCounts>,
 }
 
 /// Everything measured on one workload.
@@ -307,6 +329,7 @@ pub fn workload_markdown(w: &WorkloadResult, plots: &[String]) -> String {
     }
     s.push_str(&ratio_markdown(w, &rows, &columns, knee));
     s.push_str(&prefix_checks_markdown(w));
+    s.push_str(&kv_events_markdown(w));
     if w.has_groups() {
         s.push_str(&groups_markdown(w));
     }
@@ -362,6 +385,61 @@ fn prefix_checks_markdown(w: &WorkloadResult) -> String {
     );
     for row in rows {
         let _ = writeln!(s, "{row}");
+    }
+    s.push('\n');
+    s
+}
+
+/// For the routers on KV events: what their subscriptions did over the whole run.
+fn kv_events_markdown(w: &WorkloadResult) -> String {
+    let mut s = String::new();
+    let runs: Vec<(&RouterRun, &KvEventCounts)> = w
+        .runs
+        .iter()
+        .filter_map(|r| r.kv_events.as_ref().map(|k| (r, k)))
+        .collect();
+    if runs.is_empty() {
+        return s;
+    }
+    s.push_str(
+        "KV events followed (whole run, every replica; a gap is a batch missed, then asked \
+         for again or the pod's entries rebuilt):\n\n\
+         | router | batches applied | other batches | gaps | replays | resets | prompts tokenized | tokenize mean ms |\n\
+         |---|---|---|---|---|---|---|---|\n",
+    );
+    for (run, k) in runs {
+        let applied = k.batches.get("applied").copied().unwrap_or(0);
+        let others: Vec<String> = k
+            .batches
+            .iter()
+            .filter(|(result, n)| result.as_str() != "applied" && **n > 0)
+            .map(|(result, n)| format!("{n} {result}"))
+            .collect();
+        let replays: Vec<String> = k
+            .replays
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(outcome, n)| format!("{n} {outcome}"))
+            .collect();
+        let or_none = |v: Vec<String>| {
+            if v.is_empty() {
+                "0".to_owned()
+            } else {
+                v.join(", ")
+            }
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {applied} | {} | {} | {} | {} | {} | {} |",
+            run.router.name(),
+            or_none(others),
+            k.gaps,
+            or_none(replays),
+            k.resets,
+            k.tokenized,
+            k.tokenize_mean_ms
+                .map_or("-".to_owned(), |ms| format!("{ms:.2}"))
+        );
     }
     s.push('\n');
     s
@@ -1055,5 +1133,52 @@ mod tests {
             !table.contains("round-robin"),
             "only routers that checked: {table}"
         );
+    }
+
+    #[test]
+    fn routers_on_kv_events_get_a_table_of_what_their_subscriptions_did() {
+        use crate::compare::targets::tests::{requests, result, run};
+        let mut events = run(
+            RouterKind::KvrouteEvents,
+            vec![(4.0, requests(None, None, 5, Some(0.1)))],
+        );
+        events.kv_events = Some(KvEventCounts {
+            batches: [("applied".to_owned(), 1_200), ("seen".to_owned(), 3)].into(),
+            gaps: 2,
+            replays: [("replayed".to_owned(), 1), ("unavailable".to_owned(), 0)].into(),
+            resets: 1,
+            tokenized: 40,
+            tokenize_mean_ms: Some(0.4),
+        });
+        let kvroute = run(
+            RouterKind::Kvroute,
+            vec![(4.0, requests(None, None, 5, Some(0.1)))],
+        );
+        let md = workload_markdown(&result(&[4.0], &[], None, vec![events, kvroute]), &[]);
+        let table = md
+            .split_once("KV events followed")
+            .and_then(|(_, rest)| rest.split("\n\n").nth(1))
+            .expect("a table of the subscriptions");
+        assert!(
+            table.contains("| kvroute-events | 1200 | 3 seen | 2 | 1 replayed | 1 | 40 | 0.40 |"),
+            "{table}"
+        );
+        assert!(
+            !table.contains("| kvroute |"),
+            "only routers on events: {table}"
+        );
+        let md = workload_markdown(
+            &result(
+                &[4.0],
+                &[],
+                None,
+                vec![run(
+                    RouterKind::Kvroute,
+                    vec![(4.0, requests(None, None, 5, Some(0.1)))],
+                )],
+            ),
+            &[],
+        );
+        assert!(!md.contains("KV events followed"), "{md}");
     }
 }

@@ -164,6 +164,8 @@ pub struct KvrouteCounters {
     pub routed: Vec<u64>,
     /// Prefix predictions checked, summed over the replicas (none without the observer).
     pub prefix_checks: Vec<super::report::PrefixCheckCount>,
+    /// What the KV-event subscriptions did, summed over the replicas (routers on events).
+    pub kv_events: Option<super::report::KvEventCounts>,
 }
 
 /// A running router; stopped by [`RunningRouter::stop`] or when dropped.
@@ -209,6 +211,8 @@ impl RunningRouter {
         let client = reqwest::Client::new();
         let mut routed = Vec::with_capacity(metrics.len());
         let mut checks: BTreeMap<(String, String), u64> = BTreeMap::new();
+        let mut events = super::report::KvEventCounts::default();
+        let (mut tokenize_s, mut tokenized) = (0.0, 0.0);
         for addr in metrics {
             let text = client
                 .get(format!("http://{addr}/metrics"))
@@ -219,23 +223,50 @@ impl RunningRouter {
                 .await?;
             const DECISIONS: &str = "kvroute_decisions_total";
             const CHECKS: &str = "kvroute_prefix_checks_total";
+            const BATCHES: &str = "kvroute_kv_event_batches_total";
+            const GAPS: &str = "kvroute_kv_event_gaps_total";
+            const REPLAYS: &str = "kvroute_kv_event_replays_total";
+            const RESETS: &str = "kvroute_kv_event_resets_total";
+            const TOKENIZE_SUM: &str = "kvroute_tokenize_duration_seconds_sum";
+            const TOKENIZE_COUNT: &str = "kvroute_tokenize_duration_seconds_count";
             let samples = kvroute_core::exposition::parse_where(&text, |name| {
-                name == DECISIONS || name == CHECKS
+                [
+                    DECISIONS,
+                    CHECKS,
+                    BATCHES,
+                    GAPS,
+                    REPLAYS,
+                    RESETS,
+                    TOKENIZE_SUM,
+                    TOKENIZE_COUNT,
+                ]
+                .contains(&name)
             })
             .map_err(|e| anyhow::anyhow!("kvroute's /metrics at {addr}: {e}"))?;
             let mut decisions = 0.0;
             for sample in &samples {
-                if sample.name == DECISIONS {
-                    decisions += sample.value;
-                } else if sample.value > 0.0 {
-                    let label = |name: &str| sample.label(name).unwrap_or_default().to_owned();
-                    *checks
-                        .entry((label("source"), label("outcome")))
-                        .or_default() += sample.value as u64;
+                let label = |name: &str| sample.label(name).unwrap_or_default().to_owned();
+                let count = sample.value as u64;
+                match sample.name {
+                    DECISIONS => decisions += sample.value,
+                    CHECKS if sample.value > 0.0 => {
+                        *checks
+                            .entry((label("source"), label("outcome")))
+                            .or_default() += count;
+                    }
+                    BATCHES => *events.batches.entry(label("result")).or_default() += count,
+                    GAPS => events.gaps += count,
+                    REPLAYS => *events.replays.entry(label("outcome")).or_default() += count,
+                    RESETS => events.resets += count,
+                    TOKENIZE_SUM => tokenize_s += sample.value,
+                    TOKENIZE_COUNT => tokenized += sample.value,
+                    _ => {}
                 }
             }
             routed.push(decisions as u64);
         }
+        events.tokenized = tokenized as u64;
+        events.tokenize_mean_ms = (tokenized > 0.0).then(|| tokenize_s / tokenized * 1e3);
         let prefix_checks = checks
             .into_iter()
             .map(
@@ -249,6 +280,7 @@ impl RunningRouter {
         Ok(KvrouteCounters {
             routed,
             prefix_checks,
+            kv_events: self.kind.follows_kv_events().then_some(events),
         })
     }
 

@@ -344,6 +344,7 @@ pub(crate) mod tests {
             wall_s: 0.0,
             replicas_routed: Vec::new(),
             prefix_checks: Vec::new(),
+            kv_events: None,
             bench: Report {
                 version: REPORT_VERSION,
                 workload: "w".into(),

@@ -1070,6 +1070,7 @@ fn run_world(
         wall_s,
         replicas_routed: Vec::new(),
         prefix_checks: Vec::new(),
+        kv_events: None,
     };
     // Every request ended, and kvroute holds nothing any more.
     stats.open_at_end = world.open_total;
