@@ -106,10 +106,9 @@ impl Block {
 /// The free queue starts as every block in id order, and blocks freed later join its tail,
 /// so the blocks never used yet are always its head, in order: they are not kept in the
 /// queue, and `blocks` holds only the blocks used so far (the next fresh one is
-/// `blocks.len()`). A pool
-/// thus costs memory for the blocks its traffic reached, not for the whole pool (a
-/// thousand 80 GB pools of which each uses a fraction, offline), and allocation takes the
-/// same blocks as a queue of them all would.
+/// `blocks.len()`). A pool thus costs memory for the blocks its traffic reached, not for
+/// the whole pool (a thousand 80 GB pools of which each uses a fraction, offline), and
+/// allocation takes the same blocks as a queue of them all would.
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     block_size: u32,
