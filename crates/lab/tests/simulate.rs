@@ -34,6 +34,7 @@ fn args(pods: Option<usize>, rates: &[f64], duration: Duration) -> SimulateArgs 
         standing_queue_wait: Duration::from_secs(2),
         standing_queue_after: Duration::from_secs(5),
         seed: None,
+        seeds: None,
         jobs: Some(1),
         no_warmup: false,
         diagnose: None,
@@ -287,6 +288,65 @@ fn the_command_writes_compares_report_shape() {
 }
 
 #[test]
+fn seeds_run_everything_once_per_seed_and_summarize_the_p90s_over_them() {
+    let out = tempfile::tempdir().unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_kvroute-lab"))
+        .arg("simulate")
+        .arg("--workloads")
+        .arg(workload_file("kv-pressure"))
+        .args(["--pods", "4", "--rates", "8,20", "--duration", "5s"])
+        .args(["--routers", "kvroute,round-robin", "--seeds", "3,5-6"])
+        .arg("--output-dir")
+        .arg(out.path())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    // Each seed's p90s at the second rate (kv-pressure's 20 req/s for 8 pods, 10 on 4),
+    // from its own report.
+    let p90_at = |seed: u64, router: usize| -> f64 {
+        let path = out.path().join(format!("seed-{seed}")).join("results.json");
+        let results: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        let steps = &results[0]["runs"][router]["bench"]["steps"];
+        assert_eq!(steps[1]["rate"], 10.0);
+        steps[1]["ttft_s"]["p90"].as_f64().unwrap()
+    };
+    let seeds = [3, 5, 6];
+    let kvroute: Vec<f64> = seeds.iter().map(|&s| p90_at(s, 0)).collect();
+    let round_robin: Vec<f64> = seeds.iter().map(|&s| p90_at(s, 1)).collect();
+    assert!(
+        kvroute.windows(2).any(|w| w[0] != w[1]),
+        "each seed is its own trace: {kvroute:?}"
+    );
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let md = std::fs::read_to_string(out.path().join("seeds.md")).unwrap();
+    assert!(md.starts_with("# kvroute-lab simulate: 3 seeds"), "{md}");
+    let row = |router: &str| {
+        md.lines()
+            .find(|line| line.starts_with(&format!("| 10 | {router} |")))
+            .unwrap_or_else(|| panic!("no row of {router} at 10 req/s: {md}"))
+            .split('|')
+            .map(str::trim)
+            .collect::<Vec<_>>()
+    };
+    let (ours, theirs) = (row("kvroute"), row("round-robin"));
+    let listed: Vec<f64> = ours[3].split(" / ").map(|v| v.parse().unwrap()).collect();
+    for (shown, exact) in listed.iter().zip(&kvroute) {
+        assert!(
+            (shown - exact).abs() < 0.0006,
+            "{listed:?} against {kvroute:?}"
+        );
+    }
+    let shown_mean: f64 = theirs[4].parse().unwrap();
+    assert!((shown_mean - mean(&round_robin)).abs() < 0.0006, "{md}");
+    let ratio: f64 = theirs[7].parse().unwrap();
+    assert!(
+        (ratio - mean(&round_robin) / mean(&kvroute)).abs() < 0.006,
+        "{md}"
+    );
+}
+
+#[test]
 fn diagnostics_list_every_completed_request_with_the_waits_its_ttft_is_made_of() {
     let out = tempfile::tempdir().unwrap();
     let file = workload_file("shared-prefix-pressure");
@@ -397,5 +457,19 @@ fn kvroute_on_kv_events_accounts_for_every_request_with_one_replica_or_two() {
             hit_rate(&events),
             hit_rate(&rr)
         );
+        if replicas == 2 {
+            // The `-x2` policy is two replicas whatever `--replicas` says, so one run can
+            // set it beside one replica.
+            let one = Setup {
+                replicas: 1,
+                ..setup.clone()
+            };
+            let (x2, _) = run(&one, Router::KvrouteEventsX2);
+            assert_eq!(x2.router.name(), "kvroute-events-x2");
+            assert_eq!(
+                serde_json::to_value(&x2.bench.steps).unwrap(),
+                serde_json::to_value(&events.bench.steps).unwrap()
+            );
+        }
     }
 }

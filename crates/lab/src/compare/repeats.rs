@@ -1,55 +1,74 @@
-//! `compare --repeat N`: the same comparison run N times, and each router's p90 TTFT at
-//! each rate over the repeats.
+//! `compare --repeat N` and `simulate --seeds A-B`: the same comparison run several
+//! times (live, or offline with another seed each time), and each router's p90 TTFT at
+//! each rate over the runs.
 //!
 //! Near a workload's knee one run's p90 is either low or several times higher (a burst that
 //! builds a queue the step never drains), for any router, so the ratio of two routers'
 //! p90s in one run can land anywhere from a third to several times whatever the routers
-//! (docs/kv-events.md, "Several replicas"). Repeats show the spread, the median, and each
-//! repeat's ratio to the first router named, which one run cannot.
+//! (docs/kv-events.md, "Several replicas"). Runs show the spread, the mean and median, and
+//! each run's ratio to the first router named, which one run cannot.
 
 use std::fmt::Write;
 
 use super::report::{WorkloadResult, num, same_rate};
 use super::routers::RouterKind;
 
-/// One router's p90 TTFT at one rate, one value per repeat (`None`: no value that time).
+/// Runs up to this many list each one's value in the table; more list only the summary
+/// (each run's report is in its own directory).
+const LISTED_RUNS: usize = 10;
+
+/// One router's figures at one rate, one entry per run (`None`: no value that time).
 struct Series {
     router: RouterKind,
     p90: Vec<Option<f64>>,
+    hit_rate: Vec<Option<f64>>,
+    shed: Vec<Option<f64>>,
+    preemptions: Vec<Option<f64>>,
 }
 
-/// The p90s of `workload` (its position in each repeat's results) at `rate`, per router
-/// in the first repeat's order.
-fn series(repeats: &[Vec<WorkloadResult>], workload: usize, rate: f64) -> Vec<Series> {
-    let Some(first) = repeats.first().and_then(|r| r.get(workload)) else {
+/// The figures of `workload` (its position in each run's results) at `rate`, per router
+/// in the first run's order.
+fn series(runs: &[Vec<WorkloadResult>], workload: usize, rate: f64) -> Vec<Series> {
+    let Some(first) = runs.first().and_then(|r| r.get(workload)) else {
         return Vec::new();
     };
     first
         .runs
         .iter()
-        .map(|run| Series {
-            router: run.router,
-            p90: repeats
+        .map(|run| {
+            let rows: Vec<_> = runs
                 .iter()
                 .map(|results| {
                     let run = results.get(workload)?.run(run.router)?;
-                    run.rows()
-                        .into_iter()
-                        .find(|row| same_rate(row.rate, rate))?
-                        .ttft[1]
+                    run.rows().into_iter().find(|row| same_rate(row.rate, rate))
                 })
-                .collect(),
+                .collect();
+            let each = |f: &dyn Fn(&super::report::Row) -> Option<f64>| {
+                rows.iter().map(|row| row.as_ref().and_then(f)).collect()
+            };
+            Series {
+                router: run.router,
+                p90: each(&|row| row.ttft[1]),
+                hit_rate: each(&|row| row.prefix_hit_rate),
+                shed: each(&|row| Some(row.shed as f64)),
+                preemptions: each(&|row| Some(row.preemptions)),
+            }
         })
+        .collect()
+}
+
+/// The finite values among `values`.
+fn finite(values: impl IntoIterator<Item = Option<f64>>) -> Vec<f64> {
+    values
+        .into_iter()
+        .flatten()
+        .filter(|v| v.is_finite())
         .collect()
 }
 
 /// The median of the finite values, if any.
 fn median(values: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
-    let mut v: Vec<f64> = values
-        .into_iter()
-        .flatten()
-        .filter(|v| v.is_finite())
-        .collect();
+    let mut v = finite(values);
     if v.is_empty() {
         return None;
     }
@@ -62,6 +81,12 @@ fn median(values: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
     })
 }
 
+/// The mean of the finite values, if any.
+fn mean(values: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
+    let v = finite(values);
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
 fn joined(values: &[Option<f64>], digits: usize) -> String {
     values
         .iter()
@@ -70,37 +95,67 @@ fn joined(values: &[Option<f64>], digits: usize) -> String {
         .join(" / ")
 }
 
-/// `repeats.md`: for each workload, each rate and each router, the p90 TTFT of every
-/// repeat, their median and range, and (for every router but the first named) each
-/// repeat's ratio to the first router's p90 and the median of those ratios.
+/// `repeats.md` of `compare --repeat N`: see [`markdown_of`].
 pub fn markdown(repeats: &[Vec<WorkloadResult>]) -> String {
+    markdown_of(
+        &format!(
+            "# kvroute-lab compare: {} repeats\n\nEach repeat is a whole comparison (its report \
+             in `repeat-K/`).",
+            repeats.len()
+        ),
+        "repeat",
+        repeats,
+    )
+}
+
+/// Below `heading`, for each workload, each rate and each router: the p90 TTFT over the
+/// runs (each run's when there are at most [`LISTED_RUNS`], named `each` in the column
+/// heads), their mean, median and range, and for every router but the first named the
+/// ratio of its mean to the first router's, each run's ratio to the first router's p90 and
+/// the median of those ratios; then the mean prefix hit rate, requests shed and
+/// preemptions.
+pub fn markdown_of(heading: &str, each: &str, runs: &[Vec<WorkloadResult>]) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "# kvroute-lab compare: {} repeats\n\nEach repeat is a whole comparison (its report in \
-         `repeat-K/`). p90 TTFT in seconds (the reports' `TTFT p90 s`); ratios are to the \
-         first router named, repeat by repeat.",
-        repeats.len()
+        "{heading} p90 TTFT in seconds (the reports' `TTFT p90 s`); ratios are to the first \
+         router named: of the means, and {each} by {each} with their median. Hit rate, shed \
+         and preemptions are means over the {} runs.",
+        runs.len()
     );
-    let Some(first) = repeats.first() else {
+    let Some(first) = runs.first() else {
         return md;
     };
+    let listed = runs.len() <= LISTED_RUNS;
     for (index, workload) in first.iter().enumerate() {
         let reference = workload.runs.first().map(|run| run.router);
+        let reference_name = reference.map_or("-", RouterKind::name);
+        let (each_p90, each_ratio) = if listed {
+            (
+                format!(" p90 TTFT, each {each} |"),
+                format!(" ÷ {reference_name}, each {each} |"),
+            )
+        } else {
+            (String::new(), String::new())
+        };
+        let columns = 10 + 2 * usize::from(listed);
         let _ = writeln!(
             md,
-            "\n## {}\n\n| rate | router | p90 TTFT, each repeat | median | min–max | ÷ {}, each repeat | median ÷ |\n|---|---|---|---|---|---|---|",
+            "\n## {}\n\n| rate | router |{each_p90} mean | median | min–max | mean ÷ {reference_name} |{each_ratio} median ÷ | hit rate | shed | preemptions |\n|{}",
             workload.workload,
-            reference.map_or("-", RouterKind::name)
+            "---|".repeat(columns)
         );
         for &rate in &workload.rates {
-            let all = series(repeats, index, rate);
+            let all = series(runs, index, rate);
             let base = all.first().map(|s| s.p90.clone()).unwrap_or_default();
+            let base_mean = mean(base.iter().copied());
             for s in &all {
-                let finite = || s.p90.iter().flatten().copied().filter(|v| v.is_finite());
-                let (low, high) = (finite().reduce(f64::min), finite().reduce(f64::max));
-                let (ratios, median_ratio) = if Some(s.router) == reference {
-                    (String::new(), String::new())
+                let values = finite(s.p90.iter().copied());
+                let low = values.iter().copied().reduce(f64::min);
+                let high = values.iter().copied().reduce(f64::max);
+                let mean_p90 = mean(s.p90.iter().copied());
+                let (mean_ratio, ratios, median_ratio) = if Some(s.router) == reference {
+                    (None, String::new(), String::new())
                 } else {
                     let ratios: Vec<Option<f64>> = s
                         .p90
@@ -111,19 +166,38 @@ pub fn markdown(repeats: &[Vec<WorkloadResult>]) -> String {
                             _ => None,
                         })
                         .collect();
-                    (joined(&ratios, 2), num(median(ratios.iter().copied()), 2))
+                    let mean_ratio = match (mean_p90, base_mean) {
+                        (Some(m), Some(b)) if b > 0.0 => Some(m / b),
+                        _ => None,
+                    };
+                    (
+                        mean_ratio,
+                        joined(&ratios, 2),
+                        num(median(ratios.iter().copied()), 2),
+                    )
                 };
-                let _ = writeln!(
-                    md,
-                    "| {} | {} | {} | {} | {}–{} | {} | {} |",
-                    num(Some(rate), 0),
-                    s.router.name(),
-                    joined(&s.p90, 3),
+                let mut row = format!("| {} | {} |", num(Some(rate), 0), s.router.name());
+                if listed {
+                    let _ = write!(row, " {} |", joined(&s.p90, 3));
+                }
+                let _ = write!(
+                    row,
+                    " {} | {} | {}–{} | {} |",
+                    num(mean_p90, 3),
                     num(median(s.p90.iter().copied()), 3),
                     num(low, 3),
                     num(high, 3),
-                    ratios,
-                    median_ratio
+                    num(mean_ratio, 2),
+                );
+                if listed {
+                    let _ = write!(row, " {ratios} |");
+                }
+                let _ = writeln!(
+                    md,
+                    "{row} {median_ratio} | {} | {} | {} |",
+                    num(mean(s.hit_rate.iter().copied()), 3),
+                    num(mean(s.shed.iter().copied()), 1),
+                    num(mean(s.preemptions.iter().copied()), 1),
                 );
             }
         }
@@ -142,11 +216,11 @@ mod tests {
         run(router, vec![(rate, requests(None, None, 10, Some(ttft)))])
     }
 
-    #[test]
-    fn each_router_gets_its_repeats_median_range_and_ratio_to_the_first_router() {
-        let repeats: Vec<Vec<WorkloadResult>> = [(1.0, 0.8), (2.0, 7.0), (1.5, 0.9)]
-            .into_iter()
-            .map(|(one, two)| {
+    /// One workload's results per run, two routers whose p90s are `pairs`.
+    fn runs_of(pairs: &[(f64, f64)]) -> Vec<Vec<WorkloadResult>> {
+        pairs
+            .iter()
+            .map(|&(one, two)| {
                 vec![result(
                     &[36.0],
                     &[],
@@ -157,21 +231,57 @@ mod tests {
                     ],
                 )]
             })
-            .collect();
-        let md = markdown(&repeats);
-        assert!(md.contains("# kvroute-lab compare: 3 repeats"), "{md}");
+            .collect()
+    }
+
+    /// The table row of `router` in `md`.
+    fn row<'a>(md: &'a str, router: &str) -> &'a str {
+        md.lines()
+            .find(|line| line.starts_with(&format!("| 36 | {router} |")))
+            .unwrap_or_else(|| panic!("no row of {router} in {md}"))
+    }
+
+    #[test]
+    fn each_router_gets_its_repeats_mean_median_range_and_ratios_to_the_first_router() {
+        let md = markdown(&runs_of(&[(1.0, 0.8), (2.0, 7.0), (1.5, 0.9)]));
+        assert!(md.starts_with("# kvroute-lab compare: 3 repeats"), "{md}");
+        assert!(md.contains("| p90 TTFT, each repeat |"), "{md}");
+        let first = row(&md, "kvroute-events");
         assert!(
-            md.contains(
-                "| 36 | kvroute-events | 1.000 / 2.000 / 1.500 | 1.500 | 1.000–2.000 |  |  |"
+            first.starts_with(
+                "| 36 | kvroute-events | 1.000 / 2.000 / 1.500 | 1.500 | 1.500 | 1.000–2.000 | - |  |  |"
             ),
-            "{md}"
+            "{first}"
         );
+        // Means 2.9 against 1.5: 1.93; per repeat 0.80, 3.50, 0.60, median 0.80.
+        let second = row(&md, "kvroute-events-x2");
         assert!(
-            md.contains(
-                "| 36 | kvroute-events-x2 | 0.800 / 7.000 / 0.900 | 0.900 | 0.800–7.000 | 0.80 / 3.50 / 0.60 | 0.80 |"
+            second.starts_with(
+                "| 36 | kvroute-events-x2 | 0.800 / 7.000 / 0.900 | 2.900 | 0.900 | 0.800–7.000 | 1.93 | 0.80 / 3.50 / 0.60 | 0.80 |"
             ),
-            "{md}"
+            "{second}"
         );
+    }
+
+    #[test]
+    fn more_runs_than_are_listed_keep_only_the_summary_columns() {
+        let pairs: Vec<(f64, f64)> = (1..=12).map(|k| (1.0, f64::from(k) / 4.0)).collect();
+        let md = markdown_of("# seeds", "seed", &runs_of(&pairs));
+        assert!(!md.contains("each seed |"), "{md}");
+        // Mean of 0.25..=3.0 in quarters: 1.625; median 1.625; ratios the same over 1.0.
+        let second = row(&md, "kvroute-events-x2");
+        assert!(
+            second.starts_with(
+                "| 36 | kvroute-events-x2 | 1.625 | 1.625 | 0.250–3.000 | 1.62 | 1.62 |"
+            ),
+            "{second}"
+        );
+        let columns = |line: &str| line.matches('|').count();
+        let head = md
+            .lines()
+            .find(|line| line.starts_with("| rate |"))
+            .unwrap_or_default();
+        assert_eq!(columns(head), columns(second), "{md}");
     }
 
     #[test]

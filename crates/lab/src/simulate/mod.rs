@@ -69,6 +69,12 @@ pub enum Router {
     Kvroute,
     /// kvroute matching prompts on the engines' KV events (`--prefix-source auto`).
     KvrouteEvents,
+    /// Two kvroute replicas (as `--replicas 2`, whatever `--replicas` says; opt-in).
+    #[value(name = "kvroute-x2")]
+    KvrouteX2,
+    /// Two kvroute replicas on the engines' KV events (opt-in).
+    #[value(name = "kvroute-events-x2")]
+    KvrouteEventsX2,
     /// Envoy `ROUND_ROBIN`.
     RoundRobin,
     /// Envoy `LEAST_REQUEST` (two random choices, fewer active requests).
@@ -78,6 +84,20 @@ pub enum Router {
 }
 
 impl Router {
+    /// Whether the engines publish KV events and kvroute follows them.
+    pub fn follows_kv_events(self) -> bool {
+        matches!(self, Router::KvrouteEvents | Router::KvrouteEventsX2)
+    }
+
+    /// The kvroute replicas of this policy in `setup` (`--replicas`, or 2 for the `-x2`
+    /// policies).
+    pub fn replicas(self, setup: &Setup<'_>) -> usize {
+        match self {
+            Router::KvrouteX2 | Router::KvrouteEventsX2 => 2,
+            _ => setup.replicas.max(1),
+        }
+    }
+
     /// The policies a simulation runs unless told otherwise, in report order.
     pub const ALL: [Router; 4] = [
         Router::Kvroute,
@@ -91,6 +111,8 @@ impl Router {
         match self {
             Router::Kvroute => RouterKind::Kvroute,
             Router::KvrouteEvents => RouterKind::KvrouteEvents,
+            Router::KvrouteX2 => RouterKind::KvrouteReplicas,
+            Router::KvrouteEventsX2 => RouterKind::KvrouteEventsReplicas,
             Router::RoundRobin => RouterKind::RoundRobin,
             Router::LeastRequest => RouterKind::LeastRequest,
             Router::CacheAware => RouterKind::CacheAware,
@@ -104,6 +126,12 @@ impl Router {
             }
             Router::KvrouteEvents => {
                 "kvroute as above with `--prefix-source auto`: each engine publishes its KV cache events after every step, applied at once to kvroute's event index, and each prompt's engine tokens are matched there"
+            }
+            Router::KvrouteX2 => {
+                "two replicas of kvroute as above behind the one gateway (requests to them in turn), each told `--replicas 2`: each scrapes every pod but sees in flight, and remembers as sent, only its own requests"
+            }
+            Router::KvrouteEventsX2 => {
+                "two replicas of kvroute on KV events as above behind the one gateway (requests to them in turn), each told `--replicas 2` and following every engine's events"
             }
             Router::RoundRobin => "Envoy `ROUND_ROBIN` (each pod in turn)",
             Router::LeastRequest => {
@@ -173,8 +201,15 @@ pub struct SimulateArgs {
     #[arg(long, env = "KVROUTE_SIMULATE_STANDING_QUEUE_AFTER", default_value = "5s", value_parser = humantime::parse_duration)]
     pub standing_queue_after: Duration,
     /// Seed of the trace, the engines and the policies [default: the workload's].
-    #[arg(long, env = "KVROUTE_SIMULATE_SEED")]
+    #[arg(long, env = "KVROUTE_SIMULATE_SEED", conflicts_with = "seeds")]
     pub seed: Option<u64>,
+    /// Run everything once per seed (`1-32`, `3,5,9`, or both: `1-4,9`), each seed's report
+    /// in OUTPUT_DIR/seed-N, and write seeds.md: every router's p90 TTFT at each rate, its
+    /// mean, median and range over the seeds, the ratio of its mean to the first router's
+    /// and the median of the per-seed ratios, and the mean hit rate, shed and preemptions.
+    /// Near a knee one seed's p90 says little; the docs' offline claims are over 32 seeds.
+    #[arg(long, env = "KVROUTE_SIMULATE_SEEDS", value_parser = parse_seeds)]
+    pub seeds: Option<Seeds>,
     /// Simulations run at once, one thread each [default: the machine's cores].
     #[arg(long, env = "KVROUTE_SIMULATE_JOBS")]
     pub jobs: Option<usize>,
@@ -201,6 +236,46 @@ pub struct SimulateArgs {
         default_value = "simulate-results"
     )]
     pub output_dir: PathBuf,
+}
+
+/// The seeds of `--seeds`, in the order given, each once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seeds(pub Vec<u64>);
+
+/// Most seeds one `--seeds` runs (each a whole simulation of every workload and router).
+const MAX_SEEDS: u64 = 10_000;
+
+/// `--seeds`: comma-separated seeds and inclusive ranges (`1-32`).
+pub fn parse_seeds(text: &str) -> Result<Seeds, String> {
+    let mut seeds: Vec<u64> = Vec::new();
+    for item in text.split(',').map(str::trim) {
+        let number = |s: &str| {
+            s.trim()
+                .parse::<u64>()
+                .map_err(|e| format!("`{s}` in `{text}` is not a seed: {e}"))
+        };
+        let (first, last) = match item.split_once('-') {
+            Some((first, last)) => (number(first)?, number(last)?),
+            None => {
+                let seed = number(item)?;
+                (seed, seed)
+            }
+        };
+        if first > last {
+            return Err(format!(
+                "`{item}`: a range runs from the lower seed to the higher"
+            ));
+        }
+        if last - first >= MAX_SEEDS || seeds.len() as u64 + (last - first) >= MAX_SEEDS {
+            return Err(format!("`{text}` names more than {MAX_SEEDS} seeds"));
+        }
+        for seed in first..=last {
+            if !seeds.contains(&seed) {
+                seeds.push(seed);
+            }
+        }
+    }
+    Ok(Seeds(seeds))
 }
 
 /// `bench`'s defaults that `compare` keeps, per the workload's own fleet.
@@ -422,16 +497,35 @@ fn run_jobs(setups: &[Setup<'_>], routers: &[Router], jobs: usize) -> Vec<JobRes
         .collect()
 }
 
-/// `kvroute-lab simulate`: simulates every policy on every workload, writes the report.
+/// `kvroute-lab simulate`: simulates every policy on every workload (once per seed of
+/// `--seeds`), writes the report (each seed's, and seeds.md over them).
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let workloads = crate::compare::load_workloads(&args.workloads)?;
     let routers = crate::compare::chosen(&args.routers, &Router::ALL);
-    let mut setups: Vec<Setup<'_>> = workloads
-        .iter()
-        .map(|(f, w)| Setup::new(&args, w, f).with_context(|| format!("workload {}", w.name)))
-        .collect::<anyhow::Result<_>>()?;
-    let out = &args.output_dir;
-    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    // Each seed's setups and output directory; without --seeds, the one run as asked.
+    let runs: Vec<(Option<u64>, PathBuf)> = match &args.seeds {
+        Some(Seeds(seeds)) => seeds
+            .iter()
+            .map(|&seed| (Some(seed), args.output_dir.join(format!("seed-{seed}"))))
+            .collect(),
+        None => vec![(args.seed, args.output_dir.clone())],
+    };
+    anyhow::ensure!(!runs.is_empty(), "--seeds names no seed");
+    let mut setups: Vec<Setup<'_>> = Vec::new();
+    for (seed, out) in &runs {
+        for (f, w) in &workloads {
+            let mut setup =
+                Setup::new(&args, w, f).with_context(|| format!("workload {}", w.name))?;
+            if let Some(seed) = seed {
+                setup.seed = *seed;
+            }
+            setup.diagnose = args.diagnose.map(|n| (n, out.clone()));
+            setups.push(setup);
+        }
+    }
+    for (_, out) in &runs {
+        std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let jobs = args.jobs.unwrap_or(cores);
     // The cores no simulation runs on are shared among those that do.
@@ -441,17 +535,97 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     }
     let names: Vec<&str> = routers.iter().map(|r| r.kind().name()).collect();
     eprintln!(
-        "kvroute-lab simulate: {} workload(s) × {}, {} at a time; results in {}",
-        setups.len(),
+        "kvroute-lab simulate: {} workload(s) × {}{}, {} at a time; results in {}",
+        workloads.len(),
         names.join(", "),
+        match runs.len() {
+            1 => String::new(),
+            n => format!(" × {n} seeds"),
+        },
         jobs,
-        out.display()
+        args.output_dir.display()
     );
     let wall = Instant::now();
     let mut results = run_jobs(&setups, &routers, jobs).into_iter();
+    let took = wall.elapsed();
+    let mut per_seed = Vec::new();
+    for ((_, out), setups) in runs.iter().zip(setups.chunks(workloads.len().max(1))) {
+        let (workload_results, plots) =
+            write_run(&args, &routers, setups, &mut results, out, took, jobs)?;
+        if args.seeds.is_none() {
+            // The terminal gets compare's headline and compact tables; report.md has everything.
+            print!(
+                "{}",
+                crate::compare::summary::terminal(&workload_results, &plots, out)
+            );
+        }
+        per_seed.push(workload_results);
+    }
+    let report = if let Some(Seeds(seeds)) = &args.seeds {
+        let md = seeds_markdown(seeds, &per_seed);
+        let path = args.output_dir.join("seeds.md");
+        std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
+        print!("{md}");
+        path
+    } else {
+        args.output_dir.join("report.md")
+    };
+    eprintln!(
+        "kvroute-lab simulate: {:.1} s; report {}",
+        took.as_secs_f64(),
+        report.display()
+    );
+    Ok(())
+}
+
+/// `seeds.md`: each router's figures over the seeds (`compare::repeats`).
+fn seeds_markdown(seeds: &[u64], per_seed: &[Vec<WorkloadResult>]) -> String {
+    let listed = if seeds.len() > 6 {
+        format!(
+            "{}, …, {}",
+            seeds
+                .iter()
+                .take(3)
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            seeds.last().copied().unwrap_or_default()
+        )
+    } else {
+        seeds
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let command: Vec<String> = std::env::args().collect();
+    crate::compare::repeats::markdown_of(
+        &format!(
+            "# kvroute-lab simulate: {} seeds\n\nCommand: `{}`. Seeds {listed}, each a whole \
+             simulation (its report in `seed-N/`).",
+            seeds.len(),
+            command.join(" ")
+        ),
+        "seed",
+        per_seed,
+    )
+}
+
+/// Takes the results of `setups` (one run's workloads) from `results`, in job order, and
+/// writes that run's per-router JSON, report.md, plots and simulation.json into `out`.
+#[allow(clippy::too_many_arguments)]
+fn write_run(
+    args: &SimulateArgs,
+    routers: &[Router],
+    setups: &[Setup<'_>],
+    results: &mut impl Iterator<Item = JobResult>,
+    out: &Path,
+    took: Duration,
+    jobs: usize,
+) -> anyhow::Result<(Vec<WorkloadResult>, Vec<Vec<String>>)> {
     let mut workload_results = Vec::new();
     let mut sim_stats = Vec::new();
-    for setup in &setups {
+    for setup in setups {
         let mut result = WorkloadResult {
             workload: setup.workload.name.clone(),
             file: setup.file.clone(),
@@ -471,7 +645,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             runs: Vec::new(),
             failures: Vec::new(),
         };
-        for &router in &routers {
+        for &router in routers {
             match results.next() {
                 Some(Ok((run, stats))) => {
                     let path = out.join(format!(
@@ -490,28 +664,17 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         }
         workload_results.push(result);
     }
-    let took = wall.elapsed();
     let plots = write_report(
-        &args,
-        &routers,
-        &setups,
+        args,
+        routers,
+        setups,
         &workload_results,
         &sim_stats,
         out,
         took,
         jobs,
     )?;
-    // The terminal gets compare's headline and compact tables; report.md has everything.
-    print!(
-        "{}",
-        crate::compare::summary::terminal(&workload_results, &plots, out)
-    );
-    eprintln!(
-        "kvroute-lab simulate: {:.1} s; report {}",
-        took.as_secs_f64(),
-        out.join("report.md").display()
-    );
-    Ok(())
+    Ok((workload_results, plots))
 }
 
 /// Column meanings for a simulated report.
@@ -604,4 +767,19 @@ fn write_report(
     std::fs::write(&path, serde_json::to_string_pretty(stats)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(plots)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seeds_are_numbers_and_ranges_in_the_order_given_each_once() {
+        assert_eq!(parse_seeds("1-3"), Ok(Seeds(vec![1, 2, 3])));
+        assert_eq!(parse_seeds("9, 2-3,3,1"), Ok(Seeds(vec![9, 2, 3, 1])));
+        assert_eq!(parse_seeds("7"), Ok(Seeds(vec![7])));
+        for bad in ["", "3-1", "a", "1-", "-2", "0-10000"] {
+            assert!(parse_seeds(bad).is_err(), "{bad:?} parsed");
+        }
+    }
 }

@@ -239,19 +239,23 @@ impl<'s> World<'s> {
             })
             .collect();
         let mut pods = pods;
-        if router == Router::KvrouteEvents {
+        if router.follows_kv_events() {
             for p in &mut pods {
                 p.engine.set_kv_events(true);
             }
         }
         let max_model_len = pods.first().map_or(0, |p| p.engine.max_model_len());
         let policy = match router {
-            Router::Kvroute | Router::KvrouteEvents => {
+            Router::Kvroute
+            | Router::KvrouteEvents
+            | Router::KvrouteX2
+            | Router::KvrouteEventsX2 => {
+                let replicas = router.replicas(setup);
                 let config = SchedulerConfig {
                     // As `compare` runs kvroute: stale after ten scrape periods, at least 1 s.
                     max_metrics_age: (setup.scrape_interval * 10).max(Duration::from_secs(1)),
                     // Each replica told how many there are, as `kvroute serve --replicas`.
-                    replicas: u32::try_from(setup.replicas.max(1)).unwrap_or(u32::MAX),
+                    replicas: u32::try_from(replicas).unwrap_or(u32::MAX),
                     ..SchedulerConfig::default()
                 };
                 let models = served_models(&setup.workload.model, &adapter_names);
@@ -263,12 +267,12 @@ impl<'s> World<'s> {
                 };
                 let kvroute =
                     Kvroute::new(setup.pods, models, config, flow, mix(setup.seed, 0x91c6));
-                let kvroute = if router == Router::KvrouteEvents {
+                let kvroute = if router.follows_kv_events() {
                     kvroute.with_kv_events(pod.engine.block_size)
                 } else {
                     kvroute
                 };
-                let kvroute = kvroute.with_replicas(setup.replicas);
+                let kvroute = kvroute.with_replicas(replicas);
                 Policy::Kvroute(Box::new(if setup.whole_picks {
                     kvroute.with_whole_picks()
                 } else {
@@ -1109,6 +1113,7 @@ mod tests {
             standing_queue_wait: Duration::from_secs(2),
             standing_queue_after: Duration::from_secs(5),
             seed: None,
+            seeds: None,
             jobs: Some(1),
             no_warmup: true,
             diagnose: None,
