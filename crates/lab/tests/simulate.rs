@@ -43,6 +43,21 @@ fn args(pods: Option<usize>, rates: &[f64], duration: Duration) -> SimulateArgs 
     }
 }
 
+/// Runs `kvroute-lab simulate` on the shipped `workload` with `args`, into `out`, and
+/// checks that it succeeded.
+fn simulate_command(workload: &str, args: &[&str], out: &Path) {
+    let status = Command::new(env!("CARGO_BIN_EXE_kvroute-lab"))
+        .arg("simulate")
+        .arg("--workloads")
+        .arg(workload_file(workload))
+        .args(args)
+        .arg("--output-dir")
+        .arg(out)
+        .status()
+        .unwrap();
+    assert!(status.success(), "simulate {workload} {args:?}: {status}");
+}
+
 fn run(setup: &Setup<'_>, router: Router) -> (RouterRun, SimStats) {
     simulate(setup, router).expect("the simulation runs")
 }
@@ -252,16 +267,11 @@ fn a_wait_that_runs_out_is_shed_as_ttl_expired_and_counts_in_ttft_until_then() {
 #[test]
 fn the_command_writes_compares_report_shape() {
     let out = tempfile::tempdir().unwrap();
-    let status = Command::new(env!("CARGO_BIN_EXE_kvroute-lab"))
-        .arg("simulate")
-        .arg("--workloads")
-        .arg(workload_file("kv-pressure"))
-        .args(["--pods", "4", "--rates", "8,20", "--duration", "5s"])
-        .arg("--output-dir")
-        .arg(out.path())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    simulate_command(
+        "kv-pressure",
+        &["--pods", "4", "--rates", "8,20", "--duration", "5s"],
+        out.path(),
+    );
     let md = std::fs::read_to_string(out.path().join("report.md")).unwrap();
     for expected in [
         "## Simulation",
@@ -290,17 +300,22 @@ fn the_command_writes_compares_report_shape() {
 #[test]
 fn seeds_run_everything_once_per_seed_and_summarize_the_p90s_over_them() {
     let out = tempfile::tempdir().unwrap();
-    let status = Command::new(env!("CARGO_BIN_EXE_kvroute-lab"))
-        .arg("simulate")
-        .arg("--workloads")
-        .arg(workload_file("kv-pressure"))
-        .args(["--pods", "4", "--rates", "8,20", "--duration", "5s"])
-        .args(["--routers", "kvroute,round-robin", "--seeds", "3,5-6"])
-        .arg("--output-dir")
-        .arg(out.path())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    simulate_command(
+        "kv-pressure",
+        &[
+            "--pods",
+            "4",
+            "--rates",
+            "8,20",
+            "--duration",
+            "5s",
+            "--routers",
+            "kvroute,round-robin",
+            "--seeds",
+            "3,5-6",
+        ],
+        out.path(),
+    );
     // Each seed's p90s at the second rate (kv-pressure's 20 req/s for 8 pods, 10 on 4),
     // from its own report.
     let p90_at = |seed: u64, router: usize| -> f64 {
@@ -394,16 +409,11 @@ fn diagnostics_list_every_completed_request_with_the_waits_its_ttft_is_made_of()
 #[test]
 fn the_command_reports_each_objectives_statistics_and_the_target_checks() {
     let out = tempfile::tempdir().unwrap();
-    let status = Command::new(env!("CARGO_BIN_EXE_kvroute-lab"))
-        .arg("simulate")
-        .arg("--workloads")
-        .arg(workload_file("overload-priority"))
-        .args(["--rates", "11,44", "--duration", "10s", "--no-warmup"])
-        .arg("--output-dir")
-        .arg(out.path())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    simulate_command(
+        "overload-priority",
+        &["--rates", "11,44", "--duration", "10s", "--no-warmup"],
+        out.path(),
+    );
     let md = std::fs::read_to_string(out.path().join("report.md")).unwrap();
     for expected in [
         "| requests | held | shed |",
