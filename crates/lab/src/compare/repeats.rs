@@ -24,6 +24,7 @@ struct Series {
     hit_rate: Vec<Option<f64>>,
     shed: Vec<Option<f64>>,
     preemptions: Vec<Option<f64>>,
+    lora_loads: Vec<Option<f64>>,
 }
 
 /// The figures of `workload` (its position in each run's results) at `rate`, per router
@@ -52,6 +53,7 @@ fn series(runs: &[Vec<WorkloadResult>], workload: usize, rate: f64) -> Vec<Serie
                 hit_rate: each(&|row| row.prefix_hit_rate),
                 shed: each(&|row| Some(row.shed as f64)),
                 preemptions: each(&|row| Some(row.preemptions)),
+                lora_loads: each(&|row| Some(row.lora_loads)),
             }
         })
         .collect()
@@ -112,15 +114,15 @@ pub fn markdown(repeats: &[Vec<WorkloadResult>]) -> String {
 /// runs (each run's when there are at most [`LISTED_RUNS`], named `each` in the column
 /// heads), their mean, median and range, and for every router but the first named the
 /// ratio of its mean to the first router's, each run's ratio to the first router's p90 and
-/// the median of those ratios; then the mean prefix hit rate, requests shed and
-/// preemptions.
+/// the median of those ratios; then the mean prefix hit rate, requests shed,
+/// preemptions and adapter loads.
 pub fn markdown_of(heading: &str, each: &str, runs: &[Vec<WorkloadResult>]) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
         "{heading} p90 TTFT in seconds (the reports' `TTFT p90 s`); ratios are to the first \
-         router named: of the means, and {each} by {each} with their median. Hit rate, shed \
-         and preemptions are means over the {} runs.",
+         router named: of the means, and {each} by {each} with their median. Hit rate, shed, \
+         preemptions and LoRA loads are means over the {} runs.",
         runs.len()
     );
     let Some(first) = runs.first() else {
@@ -138,10 +140,10 @@ pub fn markdown_of(heading: &str, each: &str, runs: &[Vec<WorkloadResult>]) -> S
         } else {
             (String::new(), String::new())
         };
-        let columns = 10 + 2 * usize::from(listed);
+        let columns = 11 + 2 * usize::from(listed);
         let _ = writeln!(
             md,
-            "\n## {}\n\n| rate | router |{each_p90} mean | median | min–max | mean ÷ {reference_name} |{each_ratio} median ÷ | hit rate | shed | preemptions |\n|{}",
+            "\n## {}\n\n| rate | router |{each_p90} mean | median | min–max | mean ÷ {reference_name} |{each_ratio} median ÷ | hit rate | shed | preemptions | LoRA loads |\n|{}",
             workload.workload,
             "---|".repeat(columns)
         );
@@ -194,10 +196,11 @@ pub fn markdown_of(heading: &str, each: &str, runs: &[Vec<WorkloadResult>]) -> S
                 }
                 let _ = writeln!(
                     md,
-                    "{row} {median_ratio} | {} | {} | {} |",
+                    "{row} {median_ratio} | {} | {} | {} | {} |",
                     num(mean(s.hit_rate.iter().copied()), 3),
                     num(mean(s.shed.iter().copied()), 1),
                     num(mean(s.preemptions.iter().copied()), 1),
+                    num(mean(s.lora_loads.iter().copied()), 1),
                 );
             }
         }
