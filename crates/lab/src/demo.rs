@@ -60,6 +60,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         python: None,
         observe_responses: false,
         repeat: 1,
+        seeds: None,
     })
     .await
 }

@@ -336,3 +336,46 @@ fn two_kvroute_replicas_on_kv_events_share_one_envoy_and_route_every_request() {
         "{report}"
     );
 }
+
+#[test]
+fn seeds_run_the_comparison_once_per_trace_seed_and_summarize_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let workload = dir.path().join("tiny.yaml");
+    std::fs::write(&workload, WORKLOAD).expect("write workload");
+    let out = dir.path().join("results");
+    let marker = format!("{}-{}", std::process::id(), line!());
+    let output = lab("compare")
+        .arg("--workloads")
+        .arg(&workload)
+        .args(["--routers", "round-robin", "--seeds", "3,4"])
+        .arg("--output-dir")
+        .arg(&out)
+        .env("KVROUTE_COMPARE_TEST_MARK", &marker)
+        .env_remove("KVROUTE_COMPARE_ROUTERS")
+        .env_remove("KVROUTE_COMPARE_QUICK")
+        .output()
+        .expect("run kvroute-lab compare");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "compare failed:\n{stderr}");
+    assert!(processes_marked("KVROUTE_COMPARE_TEST_MARK", &marker).is_empty());
+    // Each seed drew its own trace: the step's planned requests and p90 come from it.
+    let at_4 = |seed: u64| -> (u64, f64) {
+        let run: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(out.join(format!("seed-{seed}/tiny-round-robin.json"))).expect("json"),
+        )
+        .expect("parses");
+        let step = &run["bench"]["steps"][0];
+        assert_eq!(step["rate"], 4.0);
+        let p90 = step["ttft_real_scale_s"]["p90"]
+            .as_f64()
+            .or_else(|| step["ttft_s"]["p90"].as_f64())
+            .expect("a p90");
+        (step["requests"]["planned"].as_u64().expect("planned"), p90)
+    };
+    let (three, four) = (at_4(3), at_4(4));
+    assert_ne!(three, four, "the two seeds ran the same trace");
+    let md = std::fs::read_to_string(out.join("seeds.md")).expect("seeds.md");
+    assert!(md.starts_with("# kvroute-lab compare: 2 seeds"), "{md}");
+    let expected = format!("| 4 | round-robin | {:.3} / {:.3} |", three.1, four.1);
+    assert!(md.contains(&expected), "{expected} not in\n{md}");
+}

@@ -90,6 +90,12 @@ pub struct CompareArgs {
     /// cannot tell two routers within 10 % apart.
     #[arg(long, env = "KVROUTE_COMPARE_REPEAT", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub repeat: u32,
+    /// Run the whole comparison once per seed (`1-8`, `3,5,9`), each workload's trace and
+    /// fleet drawn from that seed instead of its own, each into OUTPUT_DIR/seed-N, and
+    /// write seeds.md as `--repeat` writes repeats.md: what `simulate --seeds` gives
+    /// offline, so that the two compare like with like.
+    #[arg(long, env = "KVROUTE_COMPARE_SEEDS", value_parser = repeats::parse_seeds, conflicts_with = "repeat")]
+    pub seeds: Option<repeats::Seeds>,
 }
 
 /// Wall period of the fleet sampler.
@@ -336,7 +342,32 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
             .with_context(|| format!("workload {}: fleet", w.name))?;
     }
     let wall = Instant::now();
-    if args.repeat == 1 {
+    if let Some(repeats::Seeds(seeds)) = &args.seeds {
+        let mut runs = Vec::new();
+        for (k, &seed) in seeds.iter().enumerate() {
+            eprintln!(
+                "kvroute-lab compare: seed {seed} ({} of {})",
+                k + 1,
+                seeds.len()
+            );
+            let seeded: Vec<(PathBuf, Workload)> = workloads
+                .iter()
+                .map(|(file, w)| (file.clone(), Workload { seed, ..w.clone() }))
+                .collect();
+            let out = args.output_dir.join(format!("seed-{seed}"));
+            runs.push(run_once(&args, &seeded, &kinds, &out).await?);
+        }
+        let path = args.output_dir.join("seeds.md");
+        let md = repeats::seeds_markdown("compare", seeds, &runs);
+        std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
+        print!("{md}");
+        eprintln!(
+            "kvroute-lab compare: {} seeds in {:.0} s; {}",
+            seeds.len(),
+            wall.elapsed().as_secs_f64(),
+            path.display()
+        );
+    } else if args.repeat == 1 {
         run_once(&args, &workloads, &kinds, &args.output_dir).await?;
     } else {
         let mut repeats = Vec::new();
@@ -575,6 +606,7 @@ mod tests {
             python: None,
             observe_responses: false,
             repeat: 1,
+            seeds: None,
         }
     }
 

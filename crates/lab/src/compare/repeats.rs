@@ -13,6 +13,46 @@ use std::fmt::Write;
 use super::report::{WorkloadResult, num, same_rate};
 use super::routers::RouterKind;
 
+/// The seeds of `--seeds`, in the order given, each once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seeds(pub Vec<u64>);
+
+/// Most seeds one `--seeds` runs (each a whole comparison or simulation).
+const MAX_SEEDS: u64 = 10_000;
+
+/// `--seeds`: comma-separated seeds and inclusive ranges (`1-32`).
+pub fn parse_seeds(text: &str) -> Result<Seeds, String> {
+    let mut seeds: Vec<u64> = Vec::new();
+    for item in text.split(',').map(str::trim) {
+        let number = |s: &str| {
+            s.trim()
+                .parse::<u64>()
+                .map_err(|e| format!("`{s}` in `{text}` is not a seed: {e}"))
+        };
+        let (first, last) = match item.split_once('-') {
+            Some((first, last)) => (number(first)?, number(last)?),
+            None => {
+                let seed = number(item)?;
+                (seed, seed)
+            }
+        };
+        if first > last {
+            return Err(format!(
+                "`{item}`: a range runs from the lower seed to the higher"
+            ));
+        }
+        if last - first >= MAX_SEEDS || seeds.len() as u64 + (last - first) >= MAX_SEEDS {
+            return Err(format!("`{text}` names more than {MAX_SEEDS} seeds"));
+        }
+        for seed in first..=last {
+            if !seeds.contains(&seed) {
+                seeds.push(seed);
+            }
+        }
+    }
+    Ok(Seeds(seeds))
+}
+
 /// Runs up to this many list each one's value in the table; more list only the summary
 /// (each run's report is in its own directory).
 const LISTED_RUNS: usize = 10;
@@ -107,6 +147,33 @@ pub fn markdown(repeats: &[Vec<WorkloadResult>]) -> String {
         ),
         "repeat",
         repeats,
+    )
+}
+
+/// `seeds.md` of `kvroute-lab <command> --seeds`: [`markdown_of`] over one run per seed,
+/// under a heading that names the command line and the seeds.
+pub fn seeds_markdown(command: &str, seeds: &[u64], runs: &[Vec<WorkloadResult>]) -> String {
+    let names = |seeds: &[u64]| {
+        seeds
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let listed = match seeds {
+        [first @ .., last] if seeds.len() > 6 => format!("{}, …, {last}", names(&first[..3])),
+        _ => names(seeds),
+    };
+    let line: Vec<String> = std::env::args().collect();
+    markdown_of(
+        &format!(
+            "# kvroute-lab {command}: {} seeds\n\nCommand: `{}`. Seeds {listed}, each a whole \
+             run (its report in `seed-N/`).",
+            seeds.len(),
+            line.join(" ")
+        ),
+        "seed",
+        runs,
     )
 }
 
@@ -285,6 +352,16 @@ mod tests {
             .find(|line| line.starts_with("| rate |"))
             .unwrap_or_default();
         assert_eq!(columns(head), columns(second), "{md}");
+    }
+
+    #[test]
+    fn seeds_are_numbers_and_ranges_in_the_order_given_each_once() {
+        assert_eq!(parse_seeds("1-3"), Ok(Seeds(vec![1, 2, 3])));
+        assert_eq!(parse_seeds("9, 2-3,3,1"), Ok(Seeds(vec![9, 2, 3, 1])));
+        assert_eq!(parse_seeds("7"), Ok(Seeds(vec![7])));
+        for bad in ["", "3-1", "a", "1-", "-2", "0-10000"] {
+            assert!(parse_seeds(bad).is_err(), "{bad:?} parsed");
+        }
     }
 
     #[test]

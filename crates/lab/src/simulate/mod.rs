@@ -57,6 +57,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::Serialize;
 
+use crate::compare::repeats::{Seeds, parse_seeds};
 use crate::compare::report::{RouterRun, WorkloadResult};
 use crate::compare::{RouterKind, machine, spread_positions};
 use crate::loadgen::Workload;
@@ -236,46 +237,6 @@ pub struct SimulateArgs {
         default_value = "simulate-results"
     )]
     pub output_dir: PathBuf,
-}
-
-/// The seeds of `--seeds`, in the order given, each once.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Seeds(pub Vec<u64>);
-
-/// Most seeds one `--seeds` runs (each a whole simulation of every workload and router).
-const MAX_SEEDS: u64 = 10_000;
-
-/// `--seeds`: comma-separated seeds and inclusive ranges (`1-32`).
-pub fn parse_seeds(text: &str) -> Result<Seeds, String> {
-    let mut seeds: Vec<u64> = Vec::new();
-    for item in text.split(',').map(str::trim) {
-        let number = |s: &str| {
-            s.trim()
-                .parse::<u64>()
-                .map_err(|e| format!("`{s}` in `{text}` is not a seed: {e}"))
-        };
-        let (first, last) = match item.split_once('-') {
-            Some((first, last)) => (number(first)?, number(last)?),
-            None => {
-                let seed = number(item)?;
-                (seed, seed)
-            }
-        };
-        if first > last {
-            return Err(format!(
-                "`{item}`: a range runs from the lower seed to the higher"
-            ));
-        }
-        if last - first >= MAX_SEEDS || seeds.len() as u64 + (last - first) >= MAX_SEEDS {
-            return Err(format!("`{text}` names more than {MAX_SEEDS} seeds"));
-        }
-        for seed in first..=last {
-            if !seeds.contains(&seed) {
-                seeds.push(seed);
-            }
-        }
-    }
-    Ok(Seeds(seeds))
 }
 
 /// `bench`'s defaults that `compare` keeps, per the workload's own fleet.
@@ -562,7 +523,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         per_seed.push(workload_results);
     }
     let report = if let Some(Seeds(seeds)) = &args.seeds {
-        let md = seeds_markdown(seeds, &per_seed);
+        let md = crate::compare::repeats::seeds_markdown("simulate", seeds, &per_seed);
         let path = args.output_dir.join("seeds.md");
         std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
         print!("{md}");
@@ -576,39 +537,6 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         report.display()
     );
     Ok(())
-}
-
-/// `seeds.md`: each router's figures over the seeds (`compare::repeats`).
-fn seeds_markdown(seeds: &[u64], per_seed: &[Vec<WorkloadResult>]) -> String {
-    let listed = if seeds.len() > 6 {
-        format!(
-            "{}, …, {}",
-            seeds
-                .iter()
-                .take(3)
-                .map(u64::to_string)
-                .collect::<Vec<_>>()
-                .join(", "),
-            seeds.last().copied().unwrap_or_default()
-        )
-    } else {
-        seeds
-            .iter()
-            .map(u64::to_string)
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let command: Vec<String> = std::env::args().collect();
-    crate::compare::repeats::markdown_of(
-        &format!(
-            "# kvroute-lab simulate: {} seeds\n\nCommand: `{}`. Seeds {listed}, each a whole \
-             simulation (its report in `seed-N/`).",
-            seeds.len(),
-            command.join(" ")
-        ),
-        "seed",
-        per_seed,
-    )
 }
 
 /// Takes the results of `setups` (one run's workloads) from `results`, in job order, and
@@ -767,19 +695,4 @@ fn write_report(
     std::fs::write(&path, serde_json::to_string_pretty(stats)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(plots)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn seeds_are_numbers_and_ranges_in_the_order_given_each_once() {
-        assert_eq!(parse_seeds("1-3"), Ok(Seeds(vec![1, 2, 3])));
-        assert_eq!(parse_seeds("9, 2-3,3,1"), Ok(Seeds(vec![9, 2, 3, 1])));
-        assert_eq!(parse_seeds("7"), Ok(Seeds(vec![7])));
-        for bad in ["", "3-1", "a", "1-", "-2", "0-10000"] {
-            assert!(parse_seeds(bad).is_err(), "{bad:?} parsed");
-        }
-    }
 }
