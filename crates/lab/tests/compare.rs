@@ -56,10 +56,22 @@ fn lab(command: &str) -> Command {
 /// `kvroute-lab compare` of `routers` on `workload` into `out`, its processes marked with
 /// `marker`, no setting taken from the environment.
 fn compare(workload: &Path, routers: &str, out: &Path, marker: &str) -> std::process::Output {
+    compare_with(workload, routers, &[], out, marker)
+}
+
+/// [`compare`] with more flags.
+fn compare_with(
+    workload: &Path,
+    routers: &str,
+    flags: &[&str],
+    out: &Path,
+    marker: &str,
+) -> std::process::Output {
     lab("compare")
         .arg("--workloads")
         .arg(workload)
         .args(["--routers", routers])
+        .args(flags)
         .arg("--output-dir")
         .arg(out)
         .arg("--python")
@@ -344,17 +356,7 @@ fn seeds_run_the_comparison_once_per_trace_seed_and_summarize_them() {
     std::fs::write(&workload, WORKLOAD).expect("write workload");
     let out = dir.path().join("results");
     let marker = format!("{}-{}", std::process::id(), line!());
-    let output = lab("compare")
-        .arg("--workloads")
-        .arg(&workload)
-        .args(["--routers", "round-robin", "--seeds", "3,4"])
-        .arg("--output-dir")
-        .arg(&out)
-        .env("KVROUTE_COMPARE_TEST_MARK", &marker)
-        .env_remove("KVROUTE_COMPARE_ROUTERS")
-        .env_remove("KVROUTE_COMPARE_QUICK")
-        .output()
-        .expect("run kvroute-lab compare");
+    let output = compare_with(&workload, "round-robin", &["--seeds", "3,4"], &out, &marker);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "compare failed:\n{stderr}");
     assert!(processes_marked("KVROUTE_COMPARE_TEST_MARK", &marker).is_empty());
