@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,14 @@ classes:
     prompt_tokens: {dist: lognormal, median: 64, sigma: 0.5, min: 8, max: 512}
     output_tokens: {dist: lognormal, median: 32, sigma: 0.5, min: 4, max: 128}
 ";
+
+/// A temporary directory holding [`WORKLOAD`] as `tiny.yaml`, and that file's path.
+fn tiny_workload() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let workload = dir.path().join("tiny.yaml");
+    std::fs::write(&workload, WORKLOAD).expect("write workload");
+    (dir, workload)
+}
 
 /// `kvroute-lab` with the gateway binary of this build: cargo builds the workspace's
 /// binaries into the directory above this test's.
@@ -110,9 +118,7 @@ fn rows_of(report: &str, router: &str) -> Vec<BTreeMap<String, String>> {
 
 #[test]
 fn a_tiny_comparison_writes_tables_plots_and_json_and_leaves_nothing_running() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let workload = dir.path().join("tiny.yaml");
-    std::fs::write(&workload, WORKLOAD).expect("write workload");
+    let (dir, workload) = tiny_workload();
     let out = dir.path().join("results");
     let marker = format!("{}-{}", std::process::id(), line!());
     let started = Instant::now();
@@ -218,9 +224,7 @@ fn a_tiny_comparison_writes_tables_plots_and_json_and_leaves_nothing_running() {
 
 #[test]
 fn the_demo_compares_kvroute_with_round_robin_and_says_where_the_plots_are() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let workload = dir.path().join("tiny.yaml");
-    std::fs::write(&workload, WORKLOAD).expect("write workload");
+    let (dir, workload) = tiny_workload();
     let out = dir.path().join("demo");
     let output = lab("demo")
         .arg("--workload")
@@ -282,9 +286,7 @@ fn the_demo_compares_kvroute_with_round_robin_and_says_where_the_plots_are() {
 
 #[test]
 fn two_kvroute_replicas_on_kv_events_share_one_envoy_and_route_every_request() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let workload = dir.path().join("tiny.yaml");
-    std::fs::write(&workload, WORKLOAD).expect("write workload");
+    let (dir, workload) = tiny_workload();
     let out = dir.path().join("results");
     let marker = format!("{}-{}", std::process::id(), line!());
     let output = compare(&workload, "kvroute-events-x2", &out, &marker);
@@ -351,9 +353,7 @@ fn two_kvroute_replicas_on_kv_events_share_one_envoy_and_route_every_request() {
 
 #[test]
 fn seeds_run_the_comparison_once_per_trace_seed_and_summarize_them() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let workload = dir.path().join("tiny.yaml");
-    std::fs::write(&workload, WORKLOAD).expect("write workload");
+    let (dir, workload) = tiny_workload();
     let out = dir.path().join("results");
     let marker = format!("{}-{}", std::process::id(), line!());
     let output = compare_with(&workload, "round-robin", &["--seeds", "3,4"], &out, &marker);
