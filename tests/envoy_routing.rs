@@ -91,12 +91,17 @@ async fn a_large_prompt_goes_where_it_fits_even_if_another_pod_has_a_shorter_que
     // less what that request freed at its end, if a scrape saw the request, until a scrape
     // started after the end (as a real pod's report would show them gone): wait for a
     // report of pod-1 taken after the end, so that pod-1 is read as it reports itself.
-    pods[1].set_metrics(FakeMetrics {
-        kv_usage: 0.31,
-        waiting: 3,
-        ..FakeMetrics::default()
-    });
-    kvroute.wait_for_pod(pods[1].addr, 0.31, 3).await;
+    // The first new value may come from a scrape sent before the end and answered after
+    // it; a pod is scraped one request at a time, so the second comes from a scrape sent
+    // after the first was answered, after the end.
+    for kv_usage in [0.31, 0.32] {
+        pods[1].set_metrics(FakeMetrics {
+            kv_usage,
+            waiting: 3,
+            ..FakeMetrics::default()
+        });
+        kvroute.wait_for_pod(pods[1].addr, kv_usage, 3).await;
+    }
 
     // A small prompt fits both, and pod-0's empty queue wins.
     let (_, pod, _) = complete(
