@@ -19,6 +19,7 @@ pub enum Column {
     TtftP50,
     TtftP90,
     TtftP99,
+    TtftP90All,
     PodTtftP90,
     PathP50,
     PathP90,
@@ -36,12 +37,13 @@ pub enum Column {
 
 impl Column {
     /// Every column, in table order.
-    pub const ALL: [Column; 18] = [
+    pub const ALL: [Column; 19] = [
         Column::RequestsPerS,
         Column::OutputTokensPerS,
         Column::TtftP50,
         Column::TtftP90,
         Column::TtftP99,
+        Column::TtftP90All,
         Column::PodTtftP90,
         Column::PathP50,
         Column::PathP90,
@@ -59,10 +61,11 @@ impl Column {
 
     /// The columns of the ratio table (kvroute / each other router), in its order, each with
     /// its header there.
-    pub const RATIOS: [(Column, &'static str); 10] = [
+    pub const RATIOS: [(Column, &'static str); 11] = [
         (Column::TtftP50, "TTFT p50"),
         (Column::TtftP90, "TTFT p90"),
         (Column::TtftP99, "TTFT p99"),
+        (Column::TtftP90All, "TTFT p90 all"),
         (Column::PodTtftP90, "pod TTFT p90"),
         (Column::ClientTtftP90, "client TTFT p90"),
         (Column::E2eP90, "e2e p90"),
@@ -80,6 +83,7 @@ impl Column {
             Column::TtftP50 => "TTFT p50 s",
             Column::TtftP90 => "TTFT p90 s",
             Column::TtftP99 => "TTFT p99 s",
+            Column::TtftP90All => "TTFT p90 all s",
             Column::PodTtftP90 => "pod TTFT p90 s",
             Column::PathP50 => "path p50 ms",
             Column::PathP90 => "path p90 ms",
@@ -104,6 +108,7 @@ impl Column {
             Column::TtftP50 => r.ttft[0],
             Column::TtftP90 => r.ttft[1],
             Column::TtftP99 => r.ttft[2],
+            Column::TtftP90All => r.ttft_p90_all,
             Column::PodTtftP90 => r.pod_ttft_p90,
             Column::PathP50 => r.path_ms[0],
             Column::PathP90 => r.path_ms[1],
@@ -136,10 +141,14 @@ impl Column {
         }
     }
 
-    /// The cell as report.md prints it (`errors` as failed / planned).
+    /// The cell as report.md prints it (`errors` as failed / planned; `unserved` where
+    /// the p90 of all requests falls on one not served).
     pub fn cell(self, r: &Row) -> String {
         match self {
             Column::Errors => format!("{}/{}", r.errors, r.requests),
+            Column::TtftP90All if r.ttft_p90_all.is_none() && r.requests > 0 => {
+                "unserved".to_string()
+            }
             _ => num(self.value(r), self.digits()),
         }
     }
@@ -165,9 +174,14 @@ impl Column {
             .any(|v| v.abs() >= zero)
     }
 
-    /// Whether a workload whose rows (every router, every rate) are `rows` keeps it.
+    /// Whether a workload whose rows (every router, every rate) are `rows` keeps it. The
+    /// p90 of all requests stays where some router left a request unserved: elsewhere it
+    /// is the p90 column again.
     pub fn kept<'a>(self, rows: impl IntoIterator<Item = &'a Row>) -> bool {
-        self.essential() || self.moves(rows)
+        match self {
+            Column::TtftP90All => rows.into_iter().any(|r| r.errors + r.shed > 0),
+            _ => self.essential() || self.moves(rows),
+        }
     }
 }
 
@@ -191,6 +205,7 @@ mod tests {
             steady_requests_per_s: None,
             output_tokens_per_s: 500.0,
             ttft: [Some(0.1), Some(0.2), Some(0.3)],
+            ttft_p90_all: Some(0.2),
             client_ttft_p90: Some(0.2),
             pod_ttft_p90: Some(0.19),
             path_ms: [Some(1.0), Some(2.0)],
@@ -227,6 +242,19 @@ mod tests {
         assert!(!kept_columns(&quiet).contains(&Column::Preemptions));
         assert!(kept_columns(&one_preemption).contains(&Column::Preemptions));
         assert!(!kept_columns(&one_preemption).contains(&Column::LoraLoads));
+    }
+
+    #[test]
+    fn the_p90_of_all_requests_shows_only_where_a_request_went_unserved() {
+        let served = [row(0.0, 0.0, None), row(0.0, 0.0, None)];
+        assert!(!kept_columns(&served).contains(&Column::TtftP90All));
+        let mut refused = row(0.0, 0.0, None);
+        refused.shed = 12;
+        refused.ttft_p90_all = None;
+        let rows = [row(0.0, 0.0, None), refused];
+        assert!(kept_columns(&rows).contains(&Column::TtftP90All));
+        assert_eq!(Column::TtftP90All.cell(&refused), "unserved");
+        assert_eq!(Column::TtftP90All.cell(&rows[0]), "0.200");
     }
 
     #[test]

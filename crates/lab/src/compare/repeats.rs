@@ -61,6 +61,9 @@ const LISTED_RUNS: usize = 10;
 struct Series {
     router: RouterKind,
     p90: Vec<Option<f64>>,
+    /// The p90 of all requests, the unserved counted as slowest (infinite where it fell on
+    /// one).
+    p90_all: Vec<Option<f64>>,
     hit_rate: Vec<Option<f64>>,
     shed: Vec<Option<f64>>,
     preemptions: Vec<Option<f64>>,
@@ -90,6 +93,9 @@ fn series(runs: &[Vec<WorkloadResult>], workload: usize, rate: f64) -> Vec<Serie
             Series {
                 router: run.router,
                 p90: each(&|row| row.ttft[1]),
+                p90_all: each(&|row| {
+                    (row.requests > 0).then(|| row.ttft_p90_all.unwrap_or(f64::INFINITY))
+                }),
                 hit_rate: each(&|row| row.prefix_hit_rate),
                 shed: each(&|row| Some(row.shed as f64)),
                 preemptions: each(&|row| Some(row.preemptions)),
@@ -181,15 +187,18 @@ pub fn seeds_markdown(command: &str, seeds: &[u64], runs: &[Vec<WorkloadResult>]
 /// runs (each run's when there are at most [`LISTED_RUNS`], named `each` in the column
 /// heads), their mean, median and range, and for every router but the first named the
 /// ratio of its mean to the first router's, each run's ratio to the first router's p90 and
-/// the median of those ratios; then the mean prefix hit rate, requests shed,
-/// preemptions and adapter loads.
+/// the median of those ratios; then the mean p90 over all requests (the unserved counted
+/// as slowest; `unserved in K` where it fell on an unserved request in K runs), and the
+/// mean prefix hit rate, requests shed, preemptions and adapter loads.
 pub fn markdown_of(heading: &str, each: &str, runs: &[Vec<WorkloadResult>]) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
         "{heading} p90 TTFT in seconds (the reports' `TTFT p90 s`); ratios are to the first \
-         router named: of the means, and {each} by {each} with their median. Hit rate, shed, \
-         preemptions and LoRA loads are means over the {} runs.",
+         router named: of the means, and {each} by {each} with their median. `p90 all`: the \
+         reports' `TTFT p90 all s` (shed and failed requests counted as slower than any \
+         served), mean. Hit rate, shed, preemptions and LoRA loads are means over the {} \
+         runs.",
         runs.len()
     );
     let Some(first) = runs.first() else {
@@ -207,10 +216,10 @@ pub fn markdown_of(heading: &str, each: &str, runs: &[Vec<WorkloadResult>]) -> S
         } else {
             (String::new(), String::new())
         };
-        let columns = 11 + 2 * usize::from(listed);
+        let columns = 12 + 2 * usize::from(listed);
         let _ = writeln!(
             md,
-            "\n## {}\n\n| rate | router |{each_p90} mean | median | min–max | mean ÷ {reference_name} |{each_ratio} median ÷ | hit rate | shed | preemptions | LoRA loads |\n|{}",
+            "\n## {}\n\n| rate | router |{each_p90} mean | median | min–max | mean ÷ {reference_name} |{each_ratio} median ÷ | p90 all | hit rate | shed | preemptions | LoRA loads |\n|{}",
             workload.workload,
             "---|".repeat(columns)
         );
@@ -261,9 +270,16 @@ pub fn markdown_of(heading: &str, each: &str, runs: &[Vec<WorkloadResult>]) -> S
                 if listed {
                     let _ = write!(row, " {ratios} |");
                 }
+                let unserved = s.p90_all.iter().filter(|v| v.is_some_and(f64::is_infinite));
+                let unserved = unserved.count();
+                let p90_all = if unserved > 0 {
+                    format!("unserved in {unserved}")
+                } else {
+                    num(mean(s.p90_all.iter().copied()), 3)
+                };
                 let _ = writeln!(
                     md,
-                    "{row} {median_ratio} | {} | {} | {} | {} |",
+                    "{row} {median_ratio} | {p90_all} | {} | {} | {} | {} |",
                     num(mean(s.hit_rate.iter().copied()), 3),
                     num(mean(s.shed.iter().copied()), 1),
                     num(mean(s.preemptions.iter().copied()), 1),
@@ -352,6 +368,35 @@ mod tests {
             .find(|line| line.starts_with("| rate |"))
             .unwrap_or_default();
         assert_eq!(columns(head), columns(second), "{md}");
+    }
+
+    #[test]
+    fn the_p90_of_all_requests_is_a_mean_only_where_every_run_served_its_p90() {
+        // The first router sheds 5 of 100 requests in the first run (p90 of all on a served
+        // one) and 15 in the second (on a shed one); the second router serves everything.
+        let step = |served: usize, ttft: f64| {
+            let mut records = requests(None, None, served, Some(ttft));
+            records.extend(requests(None, None, 100 - served, None));
+            run(RouterKind::Kvroute, vec![(36.0, records)])
+        };
+        let runs: Vec<Vec<WorkloadResult>> = [(95, 1.0), (85, 2.0)]
+            .into_iter()
+            .map(|(served, ttft)| {
+                vec![result(
+                    &[36.0],
+                    &[],
+                    None,
+                    vec![
+                        step(served, ttft),
+                        one_step(RouterKind::RoundRobin, 36.0, 3.0),
+                    ],
+                )]
+            })
+            .collect();
+        let md = markdown(&runs);
+        assert!(md.contains("| median ÷ | p90 all | hit rate |"), "{md}");
+        assert!(row(&md, "kvroute").contains("| unserved in 1 |"), "{md}");
+        assert!(row(&md, "round-robin").contains("| 3.000 | - |"), "{md}");
     }
 
     #[test]

@@ -116,6 +116,10 @@ pub struct Row {
     /// spent outside them, unscaled, except a gateway queue wait (in simulated time); the
     /// client's TTFT where the pods report no timing.
     pub ttft: [Option<f64>; 3],
+    /// TTFT p90 over every planned request, those not served (shed, failed) counted as
+    /// slower than any served; None where it falls on one not served (see
+    /// `StepReport::ttft_p90_all_s`).
+    pub ttft_p90_all: Option<f64>,
     /// TTFT p90 from the client's clock, wall time × speedup (s).
     pub client_ttft_p90: Option<f64>,
     /// TTFT p90 as the pods timed it (s, simulated).
@@ -179,6 +183,7 @@ impl RouterRun {
                     } else {
                         [s.ttft_s.p50, s.ttft_s.p90, s.ttft_s.p99]
                     },
+                    ttft_p90_all: s.ttft_p90_all_s,
                     client_ttft_p90: s.ttft_s.p90,
                     pod_ttft_p90: s.pod_ttft_s.p90,
                     path_ms: [s.path_s.p50, s.path_s.p90].map(|v| v.map(|v| v * 1e3)),
@@ -465,7 +470,7 @@ fn ratio_markdown(
         .collect();
     let _ = writeln!(
         s,
-        "### {}: kvroute / each other router\n\nBelow 1 is better for kvroute, except throughput (above 1 is better). `-`: not defined (a zero or missing denominator).\n",
+        "### {}: kvroute / each other router\n\nBelow 1 is better for kvroute, except throughput (above 1 is better). `-`: not defined (a zero or missing denominator, or a p90 of all requests that falls on an unserved one).\n",
         w.workload
     );
     let header: Vec<&str> = ratios.iter().map(|(_, h)| *h).collect();
@@ -601,7 +606,10 @@ and the routers carry 10× the request rate in wall time on two cores); ITL (gap
 streamed text events; bursty against the simulator at speedup > 1, see docs/workloads.md),
 e2e: simulated seconds, successful requests only; `errors`: failed /
 planned; `shed`: requests a gateway with flow control refused (429/503 with a dropped
-reason), neither successes nor errors; `preemptions`, `LoRA loads` (GPU slot loads, disk + host): fleet counters over the
+reason), neither successes nor errors; `TTFT p90 all`: p90 TTFT over every planned request, a
+shed or failed one counting as slower than any served (`unserved` where the p90 falls on one),
+so that a router refusing part of the load does not read faster for it (kept only where some
+router left a request unserved); `preemptions`, `LoRA loads` (GPU slot loads, disk + host): fleet counters over the
 step (from `/metrics` sampled every ~250 ms of wall time, cut at the step boundaries by
 interpolation); `prefix hit rate`: prefix-cache hit tokens / queried tokens over the step;
 `KV spread`: mean over the step's samples of (max − min) KV-cache usage across pods (0–1).

@@ -126,6 +126,15 @@ pub fn headline(w: &WorkloadResult) -> Vec<String> {
     let p90 = items(Column::TtftP90, &|r| format!("{} s", num(r.ttft[1], 3)));
     lines.extend(wrap(&format!("  p90 TTFT {label}: "), &p90, "      "));
     let columns = w.columns();
+    if columns.contains(&Column::TtftP90All) {
+        // Where a router shed or failed requests: its p90 counting those as slowest.
+        let all = items(Column::TtftP90All, &|r| match Column::TtftP90All.value(r) {
+            Some(v) => format!("{v:.3} s"),
+            None => Column::TtftP90All.cell(r),
+        });
+        let head = format!("  p90 TTFT with the unserved last {label}: ");
+        lines.extend(wrap(&head, &all, "      "));
+    }
     for counter in HEADLINE_COUNTERS
         .into_iter()
         .filter(|c| columns.contains(c))
@@ -457,6 +466,14 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("LoRA"), "{text}");
+        // 30 shed of 190: the p90 of all requests falls on a shed one.
+        assert!(
+            text.contains(
+                "p90 TTFT with the unserved last at the knee (16 req/s): kvroute unserved, \
+                 round-robin 0.500 s\n"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

@@ -16,7 +16,8 @@ use super::client::{ErrorKind, Outcome};
 /// Format version of the JSON report.
 /// 2: shed requests (`shed`, `shed_by_reason`; no longer `http` errors), per-class,
 /// per-objective and per-tenant statistics, `objective` and `tenant` in records.
-pub const REPORT_VERSION: u32 = 2;
+/// 3: `ttft_p90_all_s` in each step (the p90 TTFT with shed and failed requests last).
+pub const REPORT_VERSION: u32 = 3;
 
 /// One request as sent and measured.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -92,6 +93,23 @@ pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
     let hi = pos.ceil() as usize;
     let frac = pos - lo as f64;
     Some(sorted[lo] + (sorted[hi] - sorted[lo]) * frac)
+}
+
+/// The `q` quantile of a step's requests when every request not served (shed, failed or
+/// never sent) counts as slower than every served one: `served` sorted, `unserved` more
+/// beyond them. None where the quantile reaches an unserved request, or nothing was
+/// planned. A router that refuses part of its load shortens the tail of what it serves;
+/// over all requests, refusing is no faster than serving late.
+pub fn percentile_counting_unserved(served: &[f64], unserved: usize, q: f64) -> Option<f64> {
+    let last = (served.len() + unserved).checked_sub(1)?;
+    let pos = q.clamp(0.0, 1.0) * last as f64;
+    if pos.ceil() as usize >= served.len() {
+        return None;
+    }
+    let lo = pos.floor() as usize;
+    let frac = pos - lo as f64;
+    let hi = pos.ceil() as usize;
+    Some(served[lo] + (served[hi] - served[lo]) * frac)
 }
 
 /// Request counts of a step.
@@ -282,6 +300,10 @@ pub struct StepReport {
     pub path_s: Latency,
     /// Time to first token at real scale (see [`Outcome::ttft_real_scale_s`]).
     pub ttft_real_scale_s: Latency,
+    /// p90 TTFT (at real scale where measured) over every planned request, those not
+    /// served counted as slower than any served ([`percentile_counting_unserved`]); None
+    /// where the p90 falls on an unserved request.
+    pub ttft_p90_all_s: Option<f64>,
     /// Inter-token latency (gaps between text events).
     pub itl_s: Latency,
     /// Time per output token after the first: `(e2e − ttft) / (tokens − 1)`.
@@ -374,6 +396,15 @@ impl StepReport {
             }
         }
         counts.sent = counts.planned - counts.dropped;
+        // The TTFT the comparison reads: at real scale where the pods time it.
+        let mut basis = if real_scale.is_empty() {
+            ttft.clone()
+        } else {
+            real_scale.clone()
+        };
+        basis.retain(|v| v.is_finite());
+        basis.sort_by(f64::total_cmp);
+        let ttft_p90_all_s = percentile_counting_unserved(&basis, counts.planned - counts.ok, 0.90);
         let per_s = |n: f64| if elapsed_s > 0.0 { n / elapsed_s } else { 0.0 };
         StepReport {
             rate,
@@ -394,6 +425,7 @@ impl StepReport {
             pod_ttft_s: Latency::of(pod_ttft),
             path_s: Latency::of(path),
             ttft_real_scale_s: Latency::of(real_scale),
+            ttft_p90_all_s,
             itl_s: Latency::of(itl),
             tpot_s: Latency::of(tpot),
             e2e_s: Latency::of(e2e),
@@ -580,6 +612,43 @@ mod tests {
         assert_eq!(s.e2e_s.count, 2);
         assert!((s.tpot_s.p50.expect("tpot") - 0.1).abs() < 1e-9);
         assert!(s.records.is_none());
+    }
+
+    #[test]
+    fn the_p90_of_all_requests_counts_the_unserved_as_slowest() {
+        let served: Vec<f64> = (1..=20).map(f64::from).collect();
+        // Nothing unserved: the plain percentile.
+        assert_eq!(
+            percentile_counting_unserved(&served, 0, 0.9),
+            percentile(&served, 0.9)
+        );
+        // 2 of 22 unserved: position 18.9 of 0..=21, between the 19th and 20th served.
+        let p = percentile_counting_unserved(&served, 2, 0.9).expect("p90 served");
+        assert!((p - 19.9).abs() < 1e-9, "{p}");
+        assert!(p > percentile(&served, 0.9).expect("p90"));
+        // 3 of 23 unserved: position 19.8 reaches past the last served one.
+        assert_eq!(percentile_counting_unserved(&served, 3, 0.9), None);
+        assert_eq!(percentile_counting_unserved(&[], 1, 0.9), None);
+        assert_eq!(percentile_counting_unserved(&[], 0, 0.9), None);
+    }
+
+    #[test]
+    fn a_step_reads_its_shed_and_failed_requests_into_the_p90_of_all() {
+        // 18 served at 1 s..18 s, one shed and one failed: p90 of all at position 17.1
+        // of 0..=19, between 18 s and the first unserved one.
+        let mut records: Vec<Record> = (1..=18)
+            .map(|i| record(i, completed(f64::from(i as u32), 20.0)))
+            .collect();
+        records.push(record(19, shed(429, "rejected-ttl-expired")));
+        records.push(record(20, Outcome::failed(ErrorKind::Http, "503")));
+        let s = StepReport::new(1.0, 20.0, 21.0, records.clone(), false);
+        assert_eq!(s.ttft_p90_all_s, None);
+        // One unserved of 19: position 16.2, between 17 s and 18 s.
+        records.pop();
+        let s = StepReport::new(1.0, 20.0, 21.0, records, false);
+        let p = s.ttft_p90_all_s.expect("p90 of all");
+        assert!((p - 17.2).abs() < 1e-9, "{p}");
+        assert!(p > s.ttft_s.p90.expect("p90"));
     }
 
     fn completed(ttft: f64, e2e: f64) -> Outcome {

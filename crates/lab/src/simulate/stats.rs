@@ -14,7 +14,9 @@ use super::flow::DropReason;
 use crate::compare::fleet_stats::{Totals, WindowStats, kv_spread, window_between};
 use crate::loadgen::Workload;
 use crate::loadgen::client::ErrorKind;
-use crate::loadgen::report::{Counts, GroupStats, Latency, StepReport, Throughput, Tokens};
+use crate::loadgen::report::{
+    Counts, GroupStats, Latency, StepReport, Throughput, Tokens, percentile_counting_unserved,
+};
 
 /// The load generator's latency record of a histogram's observations: percentiles to
 /// the bins' resolution, the mean exact.
@@ -267,6 +269,10 @@ impl StepAcc {
         let elapsed_s = self.end_s - self.start_s;
         let per_s = |n: f64| if elapsed_s > 0.0 { n / elapsed_s } else { 0.0 };
         let ttft = Latency::of(self.ttft.clone());
+        let mut sorted = self.ttft.clone();
+        sorted.retain(|v| v.is_finite());
+        sorted.sort_by(f64::total_cmp);
+        let ttft_p90_all_s = percentile_counting_unserved(&sorted, self.planned - self.ok, 0.90);
         // As the load generator's `steady_rate`.
         let d = self.duration_s;
         let steady = (d.is_finite() && d > 0.0).then(|| self.steady as f64 / (d / 2.0));
@@ -297,6 +303,7 @@ impl StepAcc {
             // No path outside the pods in a simulation: nothing to report.
             path_s: Latency::default(),
             ttft_real_scale_s: ttft,
+            ttft_p90_all_s,
             itl_s: latency(&self.itl),
             tpot_s: Latency::of(self.tpot.clone()),
             e2e_s: Latency::of(self.e2e.clone()),
