@@ -357,16 +357,9 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
             let out = args.output_dir.join(format!("seed-{seed}"));
             runs.push(run_once(&args, &seeded, &kinds, &out).await?);
         }
-        let path = args.output_dir.join("seeds.md");
         let md = repeats::seeds_markdown("compare", seeds, &runs);
-        std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
-        print!("{md}");
-        eprintln!(
-            "kvroute-lab compare: {} seeds in {:.0} s; {}",
-            seeds.len(),
-            wall.elapsed().as_secs_f64(),
-            path.display()
-        );
+        let path = args.output_dir.join("seeds.md");
+        write_summary(&path, &md, &format!("{} seeds", seeds.len()), wall)?;
     } else if args.repeat == 1 {
         run_once(&args, &workloads, &kinds, &args.output_dir).await?;
     } else {
@@ -377,16 +370,26 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<()> {
             repeats.push(run_once(&args, &workloads, &kinds, &out).await?);
         }
         let path = args.output_dir.join("repeats.md");
-        let md = repeats::markdown(&repeats);
-        std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
-        print!("{md}");
-        eprintln!(
-            "kvroute-lab compare: {} repeats in {:.0} s; {}",
-            args.repeat,
-            wall.elapsed().as_secs_f64(),
-            path.display()
-        );
+        write_summary(
+            &path,
+            &repeats::markdown(&repeats),
+            &format!("{} repeats", args.repeat),
+            wall,
+        )?;
     }
+    Ok(())
+}
+
+/// Writes the summary `md` of several runs (`what`: "3 repeats") to `path`, prints it, and
+/// says where it is and how long the runs took since `wall`.
+fn write_summary(path: &Path, md: &str, what: &str, wall: Instant) -> anyhow::Result<()> {
+    std::fs::write(path, md).with_context(|| format!("cannot write {}", path.display()))?;
+    print!("{md}");
+    eprintln!(
+        "kvroute-lab compare: {what} in {:.0} s; {}",
+        wall.elapsed().as_secs_f64(),
+        path.display()
+    );
     Ok(())
 }
 

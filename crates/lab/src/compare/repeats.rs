@@ -10,7 +10,7 @@
 
 use std::fmt::Write;
 
-use super::report::{WorkloadResult, num, same_rate};
+use super::report::{WorkloadResult, num, ratio, same_rate};
 use super::routers::RouterKind;
 
 /// The seeds of `--seeds`, in the order given, each once.
@@ -239,17 +239,10 @@ pub fn markdown_of(heading: &str, each: &str, runs: &[Vec<WorkloadResult>]) -> S
                         .p90
                         .iter()
                         .zip(&base)
-                        .map(|(v, b)| match (v, b) {
-                            (Some(v), Some(b)) if *b > 0.0 => Some(v / b),
-                            _ => None,
-                        })
+                        .map(|(&v, &b)| ratio(v, b))
                         .collect();
-                    let mean_ratio = match (mean_p90, base_mean) {
-                        (Some(m), Some(b)) if b > 0.0 => Some(m / b),
-                        _ => None,
-                    };
                     (
-                        mean_ratio,
+                        ratio(mean_p90, base_mean),
                         joined(&ratios, 2),
                         num(median(ratios.iter().copied()), 2),
                     )

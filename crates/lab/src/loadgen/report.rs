@@ -71,28 +71,33 @@ pub struct Latency {
 
 impl Latency {
     /// Statistics of `values` (any order).
-    pub fn of(mut values: Vec<f64>) -> Latency {
-        values.retain(|v| v.is_finite());
-        values.sort_by(f64::total_cmp);
+    pub fn of(values: Vec<f64>) -> Latency {
+        Latency::of_sorted(&sorted_finite(values))
+    }
+
+    /// Statistics of finite values in ascending order ([`sorted_finite`]).
+    pub fn of_sorted(values: &[f64]) -> Latency {
         let mean = (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64);
         Latency {
-            p50: percentile(&values, 0.50),
-            p90: percentile(&values, 0.90),
-            p99: percentile(&values, 0.99),
+            p50: percentile(values, 0.50),
+            p90: percentile(values, 0.90),
+            p99: percentile(values, 0.99),
             mean,
             count: values.len(),
         }
     }
 }
 
+/// The finite values of `values`, in ascending order.
+pub fn sorted_finite(mut values: Vec<f64>) -> Vec<f64> {
+    values.retain(|v| v.is_finite());
+    values.sort_by(f64::total_cmp);
+    values
+}
+
 /// The `q` quantile of sorted values, interpolating linearly; None when empty.
 pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
-    let last = sorted.len().checked_sub(1)?;
-    let pos = q.clamp(0.0, 1.0) * last as f64;
-    let lo = pos.floor() as usize;
-    let hi = pos.ceil() as usize;
-    let frac = pos - lo as f64;
-    Some(sorted[lo] + (sorted[hi] - sorted[lo]) * frac)
+    percentile_counting_unserved(sorted, 0, q)
 }
 
 /// The `q` quantile of a step's requests when every request not served (shed, failed or
@@ -396,15 +401,14 @@ impl StepReport {
             }
         }
         counts.sent = counts.planned - counts.dropped;
+        let (ttft, real_scale) = (sorted_finite(ttft), sorted_finite(real_scale));
         // The TTFT the comparison reads: at real scale where the pods time it.
-        let mut basis = if real_scale.is_empty() {
-            ttft.clone()
+        let basis = if real_scale.is_empty() {
+            &ttft
         } else {
-            real_scale.clone()
+            &real_scale
         };
-        basis.retain(|v| v.is_finite());
-        basis.sort_by(f64::total_cmp);
-        let ttft_p90_all_s = percentile_counting_unserved(&basis, counts.planned - counts.ok, 0.90);
+        let ttft_p90_all_s = percentile_counting_unserved(basis, counts.planned - counts.ok, 0.90);
         let per_s = |n: f64| if elapsed_s > 0.0 { n / elapsed_s } else { 0.0 };
         StepReport {
             rate,
@@ -421,10 +425,10 @@ impl StepReport {
                 steady_requests_per_s: steady_rate(&records, duration_s),
             },
             tokens,
-            ttft_s: Latency::of(ttft),
+            ttft_s: Latency::of_sorted(&ttft),
             pod_ttft_s: Latency::of(pod_ttft),
             path_s: Latency::of(path),
-            ttft_real_scale_s: Latency::of(real_scale),
+            ttft_real_scale_s: Latency::of_sorted(&real_scale),
             ttft_p90_all_s,
             itl_s: Latency::of(itl),
             tpot_s: Latency::of(tpot),

@@ -16,6 +16,7 @@ use crate::loadgen::Workload;
 use crate::loadgen::client::ErrorKind;
 use crate::loadgen::report::{
     Counts, GroupStats, Latency, StepReport, Throughput, Tokens, percentile_counting_unserved,
+    sorted_finite,
 };
 
 /// The load generator's latency record of a histogram's observations: percentiles to
@@ -268,10 +269,8 @@ impl StepAcc {
         let errors: usize = self.errors_by_kind.values().sum();
         let elapsed_s = self.end_s - self.start_s;
         let per_s = |n: f64| if elapsed_s > 0.0 { n / elapsed_s } else { 0.0 };
-        let ttft = Latency::of(self.ttft.clone());
-        let mut sorted = self.ttft.clone();
-        sorted.retain(|v| v.is_finite());
-        sorted.sort_by(f64::total_cmp);
+        let sorted = sorted_finite(self.ttft.clone());
+        let ttft = Latency::of_sorted(&sorted);
         let ttft_p90_all_s = percentile_counting_unserved(&sorted, self.planned - self.ok, 0.90);
         // As the load generator's `steady_rate`.
         let d = self.duration_s;
