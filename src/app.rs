@@ -104,15 +104,28 @@ impl App {
             config.prefix_index_bytes,
             Arc::new(config.flow.clone()),
         ));
-        let precise = config.prefix_source.uses_events().then(|| {
+        let precise = if config.prefix_source.uses_events() {
+            // Prompts are tokenized on the pods, over HTTPS where they are scraped so.
+            let pod_tls = config
+                .scrape
+                .pod_ca_bundle
+                .as_deref()
+                .map(crate::scrape::tls_connector)
+                .transpose()?;
             let index = Arc::new(PreciseIndex::with_budget(config.kv_events_index_bytes));
             picker.match_on_events(PreciseRouting::new(
                 Arc::clone(&index),
                 config.prefix_source,
-                Tokenizer::new(config.tokenize_timeout, config.scrape.pod_api_key.clone()),
+                Tokenizer::new(
+                    config.tokenize_timeout,
+                    config.scrape.pod_api_key.clone(),
+                    pod_tls,
+                ),
             ));
-            index
-        });
+            Some(index)
+        } else {
+            None
+        };
         Ok(App {
             config,
             grpc,

@@ -133,8 +133,8 @@ pub struct ServeArgs {
     /// PEM CA bundle: gateways must present a client certificate it signed (mutual TLS).
     #[arg(long, env = "KVROUTE_GRPC_TLS_CLIENT_CA", requires = "grpc_tls_cert")]
     pub grpc_tls_client_ca: Option<PathBuf>,
-    /// PEM CA bundle: scrape pods over HTTPS (vLLM started with --ssl-certfile), trusting
-    /// only these CAs.
+    /// PEM CA bundle: scrape pods over HTTPS (vLLM started with --ssl-certfile), and with
+    /// --prefix-source precise or auto tokenize prompts on them, trusting only these CAs.
     #[arg(long, env = "KVROUTE_POD_CA_BUNDLE")]
     pub pod_ca_bundle: Option<PathBuf>,
     /// Largest request body accepted (bytes; suffixes KiB, MiB, GiB); above it: 413.
@@ -784,17 +784,8 @@ impl ServeConfig {
         if self.health.failures_to_mark_down == 0 || self.health.successes_to_mark_up == 0 {
             return invalid("--unhealthy-after and --healthy-after must be at least 1");
         }
-        if self.prefix_source.uses_events() {
-            if self.tokenize_timeout.is_zero() {
-                return invalid("--tokenize-timeout must be above zero");
-            }
-            // Prompts are tokenized over plain HTTP.
-            if self.scrape.pod_ca_bundle.is_some() {
-                return invalid(
-                    "--prefix-source precise or auto tokenizes prompts over plain HTTP, \
-                     and --pod-ca-bundle says the pods speak HTTPS: use approximate",
-                );
-            }
+        if self.prefix_source.uses_events() && self.tokenize_timeout.is_zero() {
+            return invalid("--tokenize-timeout must be above zero");
         }
         Ok(self.scheduler.validate()?)
     }

@@ -8,20 +8,30 @@
 //! right by construction, for any model, without kvroute carrying tokenizers and Jinja
 //! templates. The price is one HTTP round trip per request before it is placed
 //! (measured in `docs/kv-events.md`), bounded by a timeout after which the request is
-//! placed on the approximate index alone.
+//! placed on the approximate index alone. Pods that speak HTTPS (`--pod-ca-bundle`) are
+//! asked over TLS, trusting the same CAs as their scrapes.
 
-use std::net::SocketAddr;
+use std::future::Future;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::Request;
 use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
+use hyper::{Request, Uri};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::rustls::pki_types::ServerName;
 
 use kvroute_core::request::ApiKind;
 
@@ -134,20 +144,28 @@ const MAX_ANSWER_BYTES: usize = 8 << 20;
 /// Tokenizes prompts on the pods, over pooled keep-alive connections.
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<PodConnector, Full<Bytes>>,
+    /// `https` where the pods speak TLS, else `http`.
+    scheme: &'static str,
     timeout: Duration,
     api_key: Option<ApiKey>,
 }
 
 impl Tokenizer {
-    pub fn new(timeout: Duration, api_key: Option<ApiKey>) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(timeout));
+    /// `tls`: the pods speak HTTPS and are trusted by this connector (the scrapes' own,
+    /// from `--pod-ca-bundle`); `None`: plain HTTP.
+    pub fn new(timeout: Duration, api_key: Option<ApiKey>, tls: Option<TlsConnector>) -> Self {
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(timeout));
+        // The TLS, if any, is this connector's own, over the TCP stream it is handed.
+        http.enforce_http(false);
+        let scheme = if tls.is_some() { "https" } else { "http" };
         Tokenizer {
             client: Client::builder(TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(30))
-                .build(connector),
+                .build(PodConnector { http, tls }),
+            scheme,
             timeout,
             api_key,
         }
@@ -171,7 +189,7 @@ impl Tokenizer {
     }
 
     async fn ask(&self, pod: SocketAddr, body: Vec<u8>) -> Result<Vec<u32>, TokenizeError> {
-        let mut request = Request::post(format!("http://{pod}/tokenize"))
+        let mut request = Request::post(format!("{}://{pod}/tokenize", self.scheme))
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| TokenizeError::Http(e.to_string()))?;
@@ -197,6 +215,110 @@ impl Tokenizer {
         let answer: Tokenized =
             serde_json::from_slice(&bytes).map_err(|e| TokenizeError::Answer(e.to_string()))?;
         Ok(answer.tokens)
+    }
+}
+
+/// The tokenizer's connections: TCP to the pod, then TLS over it where the pods speak
+/// HTTPS. (hyper's pooled client takes any connector; the pod is named by its IP, which
+/// its certificate must carry, as for the scrapes.)
+#[derive(Clone)]
+struct PodConnector {
+    http: HttpConnector,
+    tls: Option<TlsConnector>,
+}
+
+impl std::fmt::Debug for PodConnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PodConnector")
+            .field("https", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+type ConnectError = Box<dyn std::error::Error + Send + Sync>;
+
+impl tower_service::Service<Uri> for PodConnector {
+    type Response = TokioIo<PodStream>;
+    type Error = ConnectError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, ConnectError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ConnectError>> {
+        self.http.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let tls = self.tls.clone();
+        let host = uri
+            .host()
+            .map(|h| h.trim_start_matches('[').trim_end_matches(']').to_owned());
+        let connecting = self.http.call(uri);
+        Box::pin(async move {
+            let tcp = connecting.await?.into_inner();
+            let Some(tls) = tls else {
+                return Ok(TokioIo::new(PodStream::Plain(tcp)));
+            };
+            let ip: IpAddr = host
+                .as_deref()
+                .and_then(|h| h.parse().ok())
+                .ok_or("a pod is asked by its IP address")?;
+            let stream = tls.connect(ServerName::IpAddress(ip.into()), tcp).await?;
+            Ok(TokioIo::new(PodStream::Tls(Box::new(stream))))
+        })
+    }
+}
+
+/// A connection to a pod: plain TCP, or TLS over it.
+enum PodStream {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl Connection for PodStream {
+    fn connected(&self) -> Connected {
+        match self {
+            PodStream::Plain(tcp) => tcp.connected(),
+            PodStream::Tls(tls) => tls.get_ref().0.connected(),
+        }
+    }
+}
+
+impl AsyncRead for PodStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            PodStream::Plain(tcp) => Pin::new(tcp).poll_read(cx, buf),
+            PodStream::Tls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for PodStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            PodStream::Plain(tcp) => Pin::new(tcp).poll_write(cx, buf),
+            PodStream::Tls(tls) => Pin::new(tls.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            PodStream::Plain(tcp) => Pin::new(tcp).poll_flush(cx),
+            PodStream::Tls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            PodStream::Plain(tcp) => Pin::new(tcp).poll_shutdown(cx),
+            PodStream::Tls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
+        }
     }
 }
 

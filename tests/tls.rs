@@ -1,6 +1,6 @@
 //! TLS where production needs it: the ext_proc port served over TLS, with gateways made to
-//! present a client certificate (mutual TLS), and pods scraped over HTTPS against a CA
-//! bundle. Certificates are made for each run (a CA, a server certificate for 127.0.0.1,
+//! present a client certificate (mutual TLS), and pods scraped, and asked to tokenize
+//! prompts, over HTTPS against a CA bundle. Certificates are made for each run (a CA, a server certificate for 127.0.0.1,
 //! a client certificate).
 
 // A test or benchmark that cannot set up is a failure: unwrap and expect are its asserts.
@@ -246,6 +246,68 @@ async fn pods_are_scraped_over_https_trusting_only_the_given_ca_bundle() {
         !snapshot.snapshot().pods().iter().any(|p| p.healthy),
         "an untrusted pod is never up"
     );
+}
+
+/// Precise routing tokenizes each prompt on a pod (`POST /tokenize`): on pods that speak
+/// HTTPS it does so over TLS, trusting the same bundle as the scrapes, and gets the very
+/// tokens the pod gives over plain HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompts_are_tokenized_on_https_pods_trusting_only_the_given_ca_bundle() {
+    use kvroute::tokenize::{Tokenizer, tokenize_body};
+    use kvroute_core::request::ApiKind;
+    use kvroute_sim::{FleetConfig, PodConfig, SimFleet};
+
+    let pki = Pki::new("pod CA");
+    let pod_cert = pki.issue("pod", ExtendedKeyUsagePurpose::ServerAuth);
+    let fleet = SimFleet::start(FleetConfig {
+        model: "tls-model".into(),
+        ..FleetConfig::uniform(1, PodConfig::default())
+    })
+    .await
+    .expect("the pod starts");
+    let pod = fleet.endpoints()[0];
+    let front = https_front(pod, &pod_cert).await;
+    let body = tokenize_body(
+        ApiKind::ChatCompletions,
+        br#"{"model":"tls-model","messages":[{"role":"user","content":"Which pod holds this prompt's blocks?"}]}"#,
+    )
+    .expect("a chat to tokenize");
+    let timeout = Duration::from_secs(5);
+
+    let plain = Tokenizer::new(timeout, None, None)
+        .tokenize(pod, body.clone())
+        .await
+        .expect("tokenized over plain HTTP");
+    assert!(plain.len() > 8, "{plain:?}");
+    let trusting = kvroute::scrape::tls_connector(&pki.write("pod-ca.pem", &pki.ca_pem()))
+        .expect("the bundle loads");
+    let https = Tokenizer::new(timeout, None, Some(trusting));
+    for _ in 0..2 {
+        // The second time over the pooled connection.
+        let tokens = https
+            .tokenize(front, body.clone())
+            .await
+            .expect("tokenized over HTTPS");
+        assert_eq!(tokens, plain);
+    }
+
+    // Another CA's bundle: the pod's certificate is refused, and the prompt is not sent.
+    let stranger = Pki::new("another CA");
+    let untrusting =
+        kvroute::scrape::tls_connector(&stranger.write("other-ca.pem", &stranger.ca_pem()))
+            .expect("the bundle loads");
+    let refused = Tokenizer::new(timeout, None, Some(untrusting))
+        .tokenize(front, body.clone())
+        .await
+        .expect_err("an untrusted pod");
+    assert_eq!(refused.kind(), "http", "{refused}");
+    // Plain HTTP to the TLS port does not get an answer either.
+    let plain_to_tls = Tokenizer::new(timeout, None, None)
+        .tokenize(front, body)
+        .await
+        .expect_err("plain text to a TLS port");
+    assert_eq!(plain_to_tls.kind(), "http", "{plain_to_tls}");
+    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

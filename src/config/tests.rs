@@ -277,6 +277,12 @@ fn tls_flags_go_together_and_reach_the_config() {
     assert_eq!(tls.client_ca, Some(PathBuf::from("ca.pem")));
     assert_eq!(config.scrape.pod_ca_bundle, Some(PathBuf::from("pods.pem")));
     assert!(with(&[]).expect("valid").grpc_tls.is_none());
+    // Precise routing tokenizes on HTTPS pods too.
+    for source in ["precise", "auto"] {
+        let config = with(&["--pod-ca-bundle", "pods.pem", "--prefix-source", source])
+            .expect("events with HTTPS pods");
+        assert!(config.prefix_source.uses_events());
+    }
 }
 
 #[test]

@@ -9,7 +9,7 @@ mod poller;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use poller::{ScrapeError, ScrapeManager};
+pub use poller::{ScrapeError, ScrapeManager, tls_connector};
 
 /// How pods are polled.
 #[derive(Debug, Clone, PartialEq)]

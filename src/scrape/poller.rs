@@ -248,8 +248,9 @@ impl PodPoller {
     }
 }
 
-/// TLS to pods trusting only the CAs in the PEM bundle at `path`.
-fn tls_connector(path: &std::path::Path) -> anyhow::Result<TlsConnector> {
+/// TLS to pods trusting only the CAs in the PEM bundle at `path` (`--pod-ca-bundle`): the
+/// scrapes' and the prompts' tokenization's ([`crate::tokenize`]).
+pub fn tls_connector(path: &std::path::Path) -> anyhow::Result<TlsConnector> {
     use tokio_rustls::rustls::pki_types::CertificateDer;
     use tokio_rustls::rustls::pki_types::pem::PemObject;
     use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto};
