@@ -60,3 +60,20 @@ fn the_shipped_configs_with_their_response_observer_turned_on_are_valid() {
         envoy_validate_file(&path);
     }
 }
+
+/// The README's TLS section shows the transport sockets the TLS tests give Envoy (the
+/// kvroute cluster's, the HTTPS pods' cluster's) as they are, so that what an operator
+/// copies is what `tests/tls.rs` runs.
+#[test]
+fn the_readme_shows_the_transport_sockets_the_tls_tests_run() {
+    let readme = std::fs::read_to_string(project_file("README.md")).expect("README");
+    for socket in [
+        kvroute_lab::envoy::KVROUTE_TLS_TRANSPORT_SOCKET,
+        kvroute_lab::envoy::PODS_TLS_TRANSPORT_SOCKET,
+    ] {
+        assert!(
+            readme.contains(socket),
+            "README's TLS section lacks, or changed:\n{socket}"
+        );
+    }
+}

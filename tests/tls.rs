@@ -310,6 +310,146 @@ async fn prompts_are_tokenized_on_https_pods_trusting_only_the_given_ca_bundle()
     fleet.shutdown().await;
 }
 
+/// The value of the series `name` (with its labels, if any) in an exposition; 0 if absent.
+fn series(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
+/// Polls kvroute's exposition until the series `name` reaches `at_least`.
+async fn wait_for_series(kvroute: &Kvroute, name: &str, at_least: f64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = kvroute.metrics_text().await;
+        if series(&text, name) >= at_least {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {name} >= {at_least}:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// HTTPS pods end to end with precise routing: kvroute scrapes the pod and tokenizes each
+/// prompt on it over TLS (`--pod-ca-bundle`) and follows its KV events (ZeroMQ, plain, as
+/// vLLM publishes them); Envoy's fail-closed gateway, its pod cluster given
+/// `PODS_TLS_TRANSPORT_SOCKET`, forwards each request over TLS to the pod kvroute names.
+/// The second request finds the first's blocks in the events, matched on the tokens the
+/// pod gave over HTTPS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn precise_routing_reaches_https_pods_through_envoy() {
+    use kvroute::kvevents::{EndpointTemplate, PrefixSource};
+    use kvroute_lab::compare::{port_shift_template, with_kv_events};
+    use kvroute_sim::{FleetConfig, PodConfig, SimFleet};
+
+    let pki = Pki::new("pod CA");
+    let pod_cert = pki.issue("pod", ExtendedKeyUsagePurpose::ServerAuth);
+    let ca = pki.write("pod-ca.pem", &pki.ca_pem());
+    let (fleet_config, _) = with_kv_events(FleetConfig {
+        model: "tls-model".into(),
+        speedup: 20.0,
+        ..FleetConfig::uniform(1, PodConfig::default())
+    })
+    .expect("ports for the events");
+    let events = fleet_config.pods[0].kv_events.clone().expect("events on");
+    let fleet = SimFleet::start(fleet_config).await.expect("the pod starts");
+    let front = https_front(fleet.endpoints()[0], &pod_cert).await;
+
+    // The pod is known by its HTTPS address; its publishers keep their own ports.
+    let port_of = |endpoint: &str| {
+        endpoint
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse::<u16>().ok())
+            .expect("a port")
+    };
+    let template = |to: &str| {
+        EndpointTemplate::parse(&port_shift_template(front.port(), port_of(to))).expect("template")
+    };
+    let mut config = test_config(vec![front]);
+    config.debug_decisions = 8;
+    config.scrape.pod_ca_bundle = Some(ca.clone());
+    config.prefix_source = PrefixSource::Auto;
+    config.kv_events.endpoint = template(&events.endpoint);
+    config.kv_events.replay_endpoint = Some(template(
+        events.replay_endpoint.as_deref().expect("a replay socket"),
+    ));
+    let kvroute = Kvroute::start(config).await;
+    kvroute
+        .wait_for("the pod scraped over HTTPS", |s| {
+            s.pod(front)
+                .is_some_and(|p| p.healthy && p.metrics().is_some() && p.models.is_some())
+        })
+        .await;
+    wait_for_series(&kvroute, "kvroute_kv_event_streams", 1.0).await;
+
+    let pod_ca: &'static str =
+        Box::leak(ca.to_str().expect("UTF-8 path").to_owned().into_boxed_str());
+    let envoy = Envoy::start(
+        Gateway::OriginalDstToHttpsPods(pod_ca),
+        kvroute.addrs.grpc,
+        &[front],
+    )
+    .await;
+    let client = support::http_client();
+    let prompt: String = (0..300).map(|i| format!(" w{i}")).collect();
+    for round in 0..2 {
+        let response = client
+            .post(envoy.url("/v1/completions"))
+            .json(&serde_json::json!({"model": "tls-model", "prompt": prompt, "max_tokens": 2}))
+            .send()
+            .await
+            .expect("Envoy answers");
+        assert_eq!(response.status(), 200, "round {round}: {}", envoy.log());
+        let body: serde_json::Value = response.json().await.expect("JSON");
+        assert!(body["choices"][0]["text"].is_string(), "{body}");
+        if round == 0 {
+            // The prompt's full blocks, announced by the pod's events.
+            wait_for_series(&kvroute, "kvroute_kv_event_index_entries", 18.0).await;
+        }
+    }
+    let text = kvroute.metrics_text().await;
+    assert!(
+        series(
+            &text,
+            "kvroute_tokenize_duration_seconds_count{outcome=\"ok\"}"
+        ) >= 2.0,
+        "both prompts tokenized over HTTPS:\n{text}"
+    );
+    let decisions: serde_json::Value = support::http_client()
+        .get(format!(
+            "http://{}/debug/decisions",
+            kvroute.addrs.debug.expect("debug pages")
+        ))
+        .send()
+        .await
+        .expect("debug pages answer")
+        .json()
+        .await
+        .expect("JSON");
+    let decisions = decisions.as_array().expect("a list");
+    assert_eq!(decisions.len(), 2, "{decisions:#?}");
+    for decision in decisions {
+        assert_eq!(decision["prefix_source"], "kv_events", "{decision:#}");
+    }
+    let cached: Vec<u64> = decisions
+        .iter()
+        .map(|d| {
+            d["decision"]["ranked"][0]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0)
+        })
+        .collect();
+    assert!(
+        cached.contains(&0) && cached.iter().any(|&c| c >= 18 * 16),
+        "the first prompt found nothing cached, the second its blocks: {decisions:#?}"
+    );
+    fleet.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_reaches_kvroute_over_mutual_tls_and_routes_as_before() {
     let pki = Pki::new("kvroute test CA");

@@ -489,6 +489,8 @@ pub enum Gateway {
     /// The fail-closed config reaching kvroute over mutual TLS, with the certificates in
     /// this directory (see `kvroute_lab::envoy::Gateway::OriginalDstOverTls`).
     OriginalDstOverTls(&'static str),
+    /// The fail-closed config reaching HTTPS pods, trusting the CA bundle at this path.
+    OriginalDstToHttpsPods(&'static str),
     /// The fail-closed config with its response observer turned on.
     OriginalDstObserved,
     /// The fail-open config with its response observer turned on.
@@ -533,6 +535,9 @@ impl Envoy {
             }
             Gateway::OriginalDstOverTls(certs) => {
                 kvroute_lab::envoy::Gateway::OriginalDstOverTls { kvroute, certs }
+            }
+            Gateway::OriginalDstToHttpsPods(pod_ca) => {
+                kvroute_lab::envoy::Gateway::OriginalDstToHttpsPods { kvroute, pod_ca }
             }
             Gateway::OriginalDstObserved => {
                 kvroute_lab::envoy::Gateway::OriginalDstObserved { kvroute }

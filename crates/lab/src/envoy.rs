@@ -29,6 +29,22 @@ pub enum GatewayError {
 const KVROUTE_CLUSTER_HEAD: &str =
     "    - name: kvroute\n      type: STATIC\n      connect_timeout: 1s\n";
 
+/// The start of the pods' cluster in the fail-closed config.
+const PODS_CLUSTER_HEAD: &str = "    - name: inference_pods\n      type: ORIGINAL_DST\n      lb_policy: CLUSTER_PROVIDED\n      connect_timeout: 2s\n";
+
+/// What the pods' cluster of a shipped gateway needs to reach pods that speak HTTPS
+/// (README, "TLS"): TLS trusting the pods' CA bundle, the one kvroute's `--pod-ca-bundle`
+/// names. Envoy checks the chain; kvroute also checks that the certificate names the
+/// pod's IP.
+pub const PODS_TLS_TRANSPORT_SOCKET: &str = "      transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+          common_tls_context:
+            validation_context:
+              trusted_ca: { filename: /etc/kvroute-gateway/pod-ca.pem }
+";
+
 /// What the kvroute cluster of a shipped gateway needs to reach a kvroute started with
 /// `--grpc-tls-cert/--grpc-tls-key/--grpc-tls-client-ca` (README, "TLS"): HTTP/2 over TLS,
 /// the gateway's client certificate, kvroute's CA.
@@ -50,6 +66,12 @@ pub const KVROUTE_TLS_TRANSPORT_SOCKET: &str = "      transport_socket:
 pub enum Gateway {
     /// kvroute picks; ORIGINAL_DST routes to its header; fails closed.
     OriginalDst { kvroute: SocketAddr },
+    /// The fail-closed gateway reaching pods that speak HTTPS (vLLM's `--ssl-certfile`),
+    /// trusting the CAs in the PEM bundle at `pod_ca` ([`PODS_TLS_TRANSPORT_SOCKET`]).
+    OriginalDstToHttpsPods {
+        kvroute: SocketAddr,
+        pod_ca: &'static str,
+    },
     /// kvroute picks; override_host honours it, round robin without it; fails open.
     OverrideHost { kvroute: SocketAddr },
     /// The fail-closed gateway with another `request_body_mode` (tests of how kvroute
@@ -336,6 +358,17 @@ impl EnvoyProcess {
             }
             Gateway::OverrideHost { kvroute } => {
                 rewrite_shipped(OVERRIDE_HOST_CONFIG, port, admin_port, kvroute, pods)
+            }
+            Gateway::OriginalDstToHttpsPods { kvroute, pod_ca } => {
+                assert!(
+                    ORIGINAL_DST_CONFIG.contains(PODS_CLUSTER_HEAD),
+                    "the shipped gateway's pod cluster changed: update this rewrite"
+                );
+                let tls =
+                    PODS_TLS_TRANSPORT_SOCKET.replace("/etc/kvroute-gateway/pod-ca.pem", pod_ca);
+                let template = ORIGINAL_DST_CONFIG
+                    .replace(PODS_CLUSTER_HEAD, &format!("{PODS_CLUSTER_HEAD}{tls}"));
+                rewrite_shipped(&template, port, admin_port, kvroute, pods)
             }
             Gateway::OriginalDstWithRequestBodyMode { kvroute, mode } => {
                 const SHIPPED_MODE: &str = "request_body_mode: BUFFERED";
