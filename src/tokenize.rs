@@ -12,8 +12,7 @@
 //! asked over TLS, trusting the same CAs as their scrapes.
 
 use std::future::Future;
-use std::io;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -23,19 +22,15 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 use hyper::{Request, Uri};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
-use tokio_rustls::client::TlsStream;
-use tokio_rustls::rustls::pki_types::ServerName;
 
 use kvroute_core::request::ApiKind;
 
-use crate::scrape::ApiKey;
+use crate::scrape::{ApiKey, PodStream, open_pod_stream};
 
 /// Why a prompt was not tokenized.
 #[derive(Debug, thiserror::Error)]
@@ -155,16 +150,11 @@ impl Tokenizer {
     /// `tls`: the pods speak HTTPS and are trusted by this connector (the scrapes' own,
     /// from `--pod-ca-bundle`); `None`: plain HTTP.
     pub fn new(timeout: Duration, api_key: Option<ApiKey>, tls: Option<TlsConnector>) -> Self {
-        let mut http = HttpConnector::new();
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(timeout));
-        // The TLS, if any, is this connector's own, over the TCP stream it is handed.
-        http.enforce_http(false);
         let scheme = if tls.is_some() { "https" } else { "http" };
         Tokenizer {
             client: Client::builder(TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(30))
-                .build(PodConnector { http, tls }),
+                .build(PodConnector { tls }),
             scheme,
             timeout,
             api_key,
@@ -218,12 +208,11 @@ impl Tokenizer {
     }
 }
 
-/// The tokenizer's connections: TCP to the pod, then TLS over it where the pods speak
-/// HTTPS. (hyper's pooled client takes any connector; the pod is named by its IP, which
-/// its certificate must carry, as for the scrapes.)
+/// The tokenizer's connections, opened as the scrapes open theirs (TCP to the pod, TLS
+/// over it where the pods speak HTTPS, the pod named by its IP): hyper's pooled client
+/// takes any connector. The tokenization's timeout bounds the opening.
 #[derive(Clone)]
 struct PodConnector {
-    http: HttpConnector,
     tls: Option<TlsConnector>,
 }
 
@@ -231,94 +220,37 @@ impl std::fmt::Debug for PodConnector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PodConnector")
             .field("https", &self.tls.is_some())
-            .finish_non_exhaustive()
+            .finish()
     }
 }
 
 type ConnectError = Box<dyn std::error::Error + Send + Sync>;
 
 impl tower_service::Service<Uri> for PodConnector {
-    type Response = TokioIo<PodStream>;
+    type Response = TokioIo<Box<dyn PodStream>>;
     type Error = ConnectError;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, ConnectError>> + Send>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ConnectError>> {
-        self.http.poll_ready(cx).map_err(Into::into)
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ConnectError>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
         let tls = self.tls.clone();
-        let host = uri
-            .host()
-            .map(|h| h.trim_start_matches('[').trim_end_matches(']').to_owned());
-        let connecting = self.http.call(uri);
+        // The URI is [`Tokenizer::ask`]'s, made from the pod's address.
+        let endpoint = uri
+            .authority()
+            .and_then(|a| a.as_str().parse::<SocketAddr>().ok());
         Box::pin(async move {
-            let tcp = connecting.await?.into_inner();
-            let Some(tls) = tls else {
-                return Ok(TokioIo::new(PodStream::Plain(tcp)));
-            };
-            let ip: IpAddr = host
-                .as_deref()
-                .and_then(|h| h.parse().ok())
-                .ok_or("a pod is asked by its IP address")?;
-            let stream = tls.connect(ServerName::IpAddress(ip.into()), tcp).await?;
-            Ok(TokioIo::new(PodStream::Tls(Box::new(stream))))
+            let endpoint = endpoint.ok_or("a pod is asked by its IP address and port")?;
+            Ok(TokioIo::new(open_pod_stream(endpoint, tls.as_ref()).await?))
         })
     }
 }
 
-/// A connection to a pod: plain TCP, or TLS over it.
-enum PodStream {
-    Plain(TcpStream),
-    Tls(Box<TlsStream<TcpStream>>),
-}
-
-impl Connection for PodStream {
+impl Connection for Box<dyn PodStream> {
     fn connected(&self) -> Connected {
-        match self {
-            PodStream::Plain(tcp) => tcp.connected(),
-            PodStream::Tls(tls) => tls.get_ref().0.connected(),
-        }
-    }
-}
-
-impl AsyncRead for PodStream {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            PodStream::Plain(tcp) => Pin::new(tcp).poll_read(cx, buf),
-            PodStream::Tls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for PodStream {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            PodStream::Plain(tcp) => Pin::new(tcp).poll_write(cx, buf),
-            PodStream::Tls(tls) => Pin::new(tls.as_mut()).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            PodStream::Plain(tcp) => Pin::new(tcp).poll_flush(cx),
-            PodStream::Tls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            PodStream::Plain(tcp) => Pin::new(tcp).poll_shutdown(cx),
-            PodStream::Tls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
-        }
+        Connected::new()
     }
 }
 

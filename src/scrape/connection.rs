@@ -27,8 +27,27 @@ use super::http1::{self, DechunkError, Dechunker, Framing};
 use super::poller::ScrapeError;
 
 /// A byte stream to a pod: plain TCP, or TLS over it.
-trait PodStream: AsyncRead + AsyncWrite + Unpin + Send {}
+pub(crate) trait PodStream: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> PodStream for T {}
+
+/// Opens a connection to the pod at `endpoint`, TLS over it with `tls`: the scrapes' and
+/// the prompts' tokenization's ([`crate::tokenize`]). The caller's timeout bounds it.
+pub(crate) async fn open(
+    endpoint: SocketAddr,
+    tls: Option<&TlsConnector>,
+) -> std::io::Result<Box<dyn PodStream>> {
+    let tcp = TcpStream::connect(endpoint).await?;
+    // Requests are small and answered at once: no Nagle delay on them.
+    let _ = tcp.set_nodelay(true);
+    Ok(match tls {
+        None => Box::new(tcp),
+        Some(tls) => {
+            // Pods are asked by IP: their certificates must name it.
+            let name = ServerName::IpAddress(endpoint.ip().into());
+            Box::new(tls.connect(name, tcp).await?)
+        }
+    })
+}
 
 /// The buffer a poller keeps between scrapes: a filtered vLLM page and its head fit.
 const BUFFER: usize = 8 * 1024;
@@ -96,7 +115,11 @@ impl PodClient {
     ) -> Result<Range<usize>, ScrapeError> {
         let kept = self.open.is_some();
         if !kept {
-            self.open = Some(Self::connect(self.endpoint, self.tls.clone()).await?);
+            self.open = Some(
+                open(self.endpoint, self.tls.as_ref())
+                    .await
+                    .map_err(ScrapeError::Connect)?,
+            );
         }
         self.write_request(path, key)?;
         match self.request(limit).await {
@@ -104,7 +127,11 @@ impl PodClient {
             // timeout racing it) and answered nothing: a GET is safe to send again, once,
             // on a new connection.
             Err(ScrapeError::Closed) if kept && self.buffer.is_empty() => {
-                self.open = Some(Self::connect(self.endpoint, self.tls.clone()).await?);
+                self.open = Some(
+                    open(self.endpoint, self.tls.as_ref())
+                        .await
+                        .map_err(ScrapeError::Connect)?,
+                );
                 self.request(limit).await
             }
             outcome => outcome,
@@ -209,27 +236,6 @@ impl PodClient {
             self.open = None;
         }
         Ok(start..end)
-    }
-
-    /// Opens a connection to the pod (TLS over it with `tls`); [`PodClient::get`]'s
-    /// timeout bounds it with the request.
-    async fn connect(
-        endpoint: SocketAddr,
-        tls: Option<TlsConnector>,
-    ) -> Result<Box<dyn PodStream>, ScrapeError> {
-        let tcp = TcpStream::connect(endpoint)
-            .await
-            .map_err(ScrapeError::Connect)?;
-        // Requests are small and answered at once: no Nagle delay on them.
-        let _ = tcp.set_nodelay(true);
-        Ok(match &tls {
-            None => Box::new(tcp),
-            Some(tls) => {
-                // Pods are scraped by IP: their certificates must name it.
-                let name = ServerName::IpAddress(endpoint.ip().into());
-                Box::new(tls.connect(name, tcp).await.map_err(ScrapeError::Connect)?)
-            }
-        })
     }
 }
 

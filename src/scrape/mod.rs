@@ -9,6 +9,7 @@ mod poller;
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub(crate) use connection::{PodStream, open as open_pod_stream};
 pub use poller::{ScrapeError, ScrapeManager, tls_connector};
 
 /// How pods are polled.
