@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{Envoy, Gateway, Kvroute, http_client, test_config};
+use support::{Envoy, Gateway, Kvroute, http_client, metric_value, test_config, wait_for_metric};
 
 use kvroute::kvevents::{EndpointTemplate, PrefixSource};
 use kvroute_sim::{FleetConfig, PodConfig, SimFleet};
@@ -52,39 +52,15 @@ async fn following_events(
             })
         })
         .await;
-    wait_for_gauge(&kvroute, "kvroute_kv_event_streams", 2.0).await;
+    wait_for_metric(&kvroute, "kvroute_kv_event_streams", 2.0).await;
     kvroute
-}
-
-/// A series' value in kvroute's exposition (`name` with its labels, if any); 0 when absent.
-fn value(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
-/// Waits until `name` reaches `at_least` in kvroute's exposition; returns the exposition
-/// as it was then.
-async fn wait_for_gauge(kvroute: &Kvroute, name: &str, at_least: f64) -> String {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = kvroute.metrics_text().await;
-        if value(&text, name) >= at_least {
-            return text;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {name} >= {at_least}:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Waits until the counter `name` reaches `at_least`, then scrapes again: a scrape samples
 /// the gauges before it reads the counters, so a gauge in the scrape that showed the
 /// counter may predate what the counter counts, and one in the next scrape does not.
 async fn scrape_after(kvroute: &Kvroute, name: &str, at_least: f64) -> String {
-    wait_for_gauge(kvroute, name, at_least).await;
+    wait_for_metric(kvroute, name, at_least).await;
     kvroute.metrics_text().await
 }
 
@@ -124,7 +100,7 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
     let prompts: Vec<(String, SocketAddr)> = (0..6).map(|k| (prompt(k), pods[k % 2])).collect();
     compute_on(&client, &prompts).await;
     // Six prompts of at least 18 full blocks each, all announced.
-    wait_for_gauge(&kvroute, "kvroute_kv_event_index_entries", 6.0 * 18.0).await;
+    wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 6.0 * 18.0).await;
 
     let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &pods).await;
     let url = envoy.url("/v1/completions");
@@ -261,8 +237,8 @@ impl Replica {
                 Ok(response) => response.text().await.unwrap_or_default(),
                 Err(_) => String::new(),
             };
-            if value(&text, "kvroute_kv_event_streams") == 2.0
-                && value(&text, "kvroute_kv_event_index_entries") >= entries
+            if metric_value(&text, "kvroute_kv_event_streams") == 2.0
+                && metric_value(&text, "kvroute_kv_event_index_entries") >= entries
             {
                 return;
             }
@@ -545,8 +521,8 @@ async fn a_gap_is_replayed_and_a_restarted_publisher_starts_the_pod_over() {
     // Batch 0 exists before kvroute subscribes: it comes through the first replay.
     kept.keep(0, &stored(100, 4));
     let kvroute = Kvroute::start(pod.config.clone()).await;
-    wait_for_gauge(&kvroute, "kvroute_kv_event_streams", 1.0).await;
-    wait_for_gauge(&kvroute, "kvroute_kv_event_index_entries", 4.0).await;
+    wait_for_metric(&kvroute, "kvroute_kv_event_streams", 1.0).await;
+    wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 4.0).await;
 
     // Batch 1, live.
     wait_until_subscribed(&kvroute, &mut publisher).await;
@@ -555,19 +531,31 @@ async fn a_gap_is_replayed_and_a_restarted_publisher_starts_the_pod_over() {
     // Batch 2 is lost on the way; batch 3 shows the gap and the replay fills it.
     kept.keep(2, &stored(300, 4));
     publish(&mut publisher, &kept, 3, &stored(400, 4)).await;
-    wait_for_gauge(&kvroute, "kvroute_kv_event_index_entries", 16.0).await;
+    wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 16.0).await;
     let text = kvroute.metrics_text().await;
-    assert_eq!(value(&text, "kvroute_kv_event_gaps_total"), 1.0, "{text}");
-    assert_eq!(value(&text, "kvroute_kv_event_resets_total"), 0.0, "{text}");
+    assert_eq!(
+        metric_value(&text, "kvroute_kv_event_gaps_total"),
+        1.0,
+        "{text}"
+    );
+    assert_eq!(
+        metric_value(&text, "kvroute_kv_event_resets_total"),
+        0.0,
+        "{text}"
+    );
 
     // The pod restarts: its publisher counts from 0 again and its cache is empty. The
     // pod's 16 blocks are dropped; only what the new publisher stores is indexed.
     publish(&mut publisher, &kept, 0, &stored(500, 2)).await;
     let applied = "kvroute_kv_event_blocks_total{action=\"stored\"}";
     let text = scrape_after(&kvroute, applied, 18.0).await;
-    assert_eq!(value(&text, "kvroute_kv_event_resets_total"), 1.0, "{text}");
     assert_eq!(
-        value(&text, "kvroute_kv_event_index_entries"),
+        metric_value(&text, "kvroute_kv_event_resets_total"),
+        1.0,
+        "{text}"
+    );
+    assert_eq!(
+        metric_value(&text, "kvroute_kv_event_index_entries"),
         2.0,
         "only the new publisher's blocks:\n{text}"
     );
@@ -597,14 +585,14 @@ fn removed(first: u64, blocks: u64) -> bytes::Bytes {
 async fn wait_until_subscribed(kvroute: &Kvroute, publisher: &mut zeromq::PubSocket) {
     use zeromq::SocketSend;
     let malformed = "kvroute_kv_event_batches_total{result=\"malformed\"}";
-    let before = value(&kvroute.metrics_text().await, malformed);
+    let before = metric_value(&kvroute.metrics_text().await, malformed);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let probe = zeromq::ZmqMessage::from(bytes::Bytes::from_static(b"kv"));
         publisher.send(probe).await.expect("probe sent");
         let settle = Instant::now() + Duration::from_millis(200);
         while Instant::now() < settle {
-            if value(&kvroute.metrics_text().await, malformed) > before {
+            if metric_value(&kvroute.metrics_text().await, malformed) > before {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -627,7 +615,7 @@ async fn publish_and_wait(
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let text = kvroute.metrics_text().await;
-        if value(&text, "kvroute_kv_event_index_entries") == entries {
+        if metric_value(&text, "kvroute_kv_event_index_entries") == entries {
             return;
         }
         assert!(
@@ -643,7 +631,7 @@ async fn a_data_parallel_pod_holds_a_block_while_any_of_its_ranks_does() {
     let mut pod = HandDriven::start(2).await;
     let kvroute = Kvroute::start(pod.config.clone()).await;
     // The pod streams once both ranks do.
-    wait_for_gauge(&kvroute, "kvroute_kv_event_streams", 1.0).await;
+    wait_for_metric(&kvroute, "kvroute_kv_event_streams", 1.0).await;
 
     // Both ranks compute the same prompt, each under its own hashes: one pod, 4 blocks.
     let (mut publisher1, kept1, replays1) = pod.ranks.pop().expect("rank 1");
@@ -677,7 +665,7 @@ async fn a_data_parallel_pod_holds_a_block_while_any_of_its_ranks_does() {
     let removed_total = "kvroute_kv_event_blocks_total{action=\"removed\"}";
     let text = scrape_after(&kvroute, removed_total, 4.0).await;
     assert_eq!(
-        value(&text, "kvroute_kv_event_index_entries"),
+        metric_value(&text, "kvroute_kv_event_index_entries"),
         6.0,
         "{text}"
     );
@@ -716,7 +704,7 @@ async fn the_response_observer_checks_each_prediction_against_the_pods_own_usage
     let client = http_client();
     let prompts: Vec<(String, SocketAddr)> = (0..4).map(|k| (prompt(k), pods[k % 2])).collect();
     compute_on(&client, &prompts).await;
-    wait_for_gauge(&kvroute, "kvroute_kv_event_index_entries", 4.0 * 18.0).await;
+    wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 4.0 * 18.0).await;
 
     // The shipped gateways with their commented-out observer turned on: fail closed, then
     // fail open (whose responses name the pod that served them, checked against the pick).
@@ -761,11 +749,11 @@ async fn the_response_observer_checks_each_prediction_against_the_pods_own_usage
         }
         // The observing stream ends after the client has its answer: wait for the checks.
         let checked = "kvroute_prefix_checks_total{source=\"kv_events\",outcome=\"as_predicted\"}";
-        wait_for_gauge(&kvroute, checked, 5.0 * (round + 1) as f64).await;
+        wait_for_metric(&kvroute, checked, 5.0 * (round + 1) as f64).await;
     }
     let text = kvroute.metrics_text().await;
     let tokens = |kind: &str| {
-        value(
+        metric_value(
             &text,
             &format!("kvroute_prefix_checked_tokens_total{{source=\"kv_events\",kind=\"{kind}\"}}"),
         ) as u64
@@ -780,7 +768,7 @@ async fn the_response_observer_checks_each_prediction_against_the_pods_own_usage
     );
     for outcome in ["fewer", "more", "other_pod", "unreported"] {
         assert_eq!(
-            value(
+            metric_value(
                 &text,
                 &format!(
                     "kvroute_prefix_checks_total{{source=\"kv_events\",outcome=\"{outcome}\"}}"

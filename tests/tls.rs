@@ -310,29 +310,6 @@ async fn prompts_are_tokenized_on_https_pods_trusting_only_the_given_ca_bundle()
     fleet.shutdown().await;
 }
 
-/// The value of the series `name` (with its labels, if any) in an exposition; 0 if absent.
-fn series(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
-        .unwrap_or(0.0)
-}
-
-/// Polls kvroute's exposition until the series `name` reaches `at_least`.
-async fn wait_for_series(kvroute: &Kvroute, name: &str, at_least: f64) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = kvroute.metrics_text().await;
-        if series(&text, name) >= at_least {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {name} >= {at_least}:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// HTTPS pods end to end with precise routing: kvroute scrapes the pod and tokenizes each
 /// prompt on it over TLS (`--pod-ca-bundle`) and follows its KV events (ZeroMQ, plain, as
 /// vLLM publishes them); Envoy's fail-closed gateway, its pod cluster given
@@ -384,7 +361,7 @@ async fn precise_routing_reaches_https_pods_through_envoy() {
                 .is_some_and(|p| p.healthy && p.metrics().is_some() && p.models.is_some())
         })
         .await;
-    wait_for_series(&kvroute, "kvroute_kv_event_streams", 1.0).await;
+    support::wait_for_metric(&kvroute, "kvroute_kv_event_streams", 1.0).await;
 
     let pod_ca: &'static str =
         Box::leak(ca.to_str().expect("UTF-8 path").to_owned().into_boxed_str());
@@ -408,12 +385,12 @@ async fn precise_routing_reaches_https_pods_through_envoy() {
         assert!(body["choices"][0]["text"].is_string(), "{body}");
         if round == 0 {
             // The prompt's full blocks, announced by the pod's events.
-            wait_for_series(&kvroute, "kvroute_kv_event_index_entries", 18.0).await;
+            support::wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 18.0).await;
         }
     }
     let text = kvroute.metrics_text().await;
     assert!(
-        series(
+        support::metric_value(
             &text,
             "kvroute_tokenize_duration_seconds_count{outcome=\"ok\"}"
         ) >= 2.0,

@@ -461,6 +461,30 @@ pub async fn behind_envoy(
 }
 
 /// kvroute configured for tests: loopback ephemeral ports, quick scrapes.
+/// A series' value in an exposition (`name` with its labels, if any); 0 when absent.
+pub fn metric_value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Waits until `name` reaches `at_least` in kvroute's exposition; returns the exposition
+/// as it was then.
+pub async fn wait_for_metric(kvroute: &Kvroute, name: &str, at_least: f64) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = kvroute.metrics_text().await;
+        if metric_value(&text, name) >= at_least {
+            return text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {name} >= {at_least}:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 pub fn test_config(endpoints: Vec<SocketAddr>) -> ServeConfig {
     let mut config = ServeConfig::local(endpoints);
     config.scrape.interval = Duration::from_millis(20);
