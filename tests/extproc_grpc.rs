@@ -379,18 +379,7 @@ async fn the_decision_log_shows_every_top_candidates_scores_when_enabled() {
     let answer = route_one_buffered(&kvroute).await;
     assert_eq!(destination(&answer), Some(pods[1].addr.to_string()));
 
-    let url = format!(
-        "http://{}/debug/decisions",
-        kvroute.addrs.debug.expect("debug pages on")
-    );
-    let log: serde_json::Value = support::http_client()
-        .get(url)
-        .send()
-        .await
-        .expect("get")
-        .json()
-        .await
-        .expect("json");
+    let log = support::decision_log(kvroute.addrs.debug.expect("debug pages on")).await;
     let last = &log.as_array().expect("a list")[0];
     assert_eq!(last["model"], "llama");
     assert_eq!(last["decision"]["endpoint"], pods[1].addr.to_string());

@@ -12,7 +12,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::{Envoy, Gateway, Kvroute, http_client, metric_value, test_config, wait_for_metric};
+use support::{
+    Envoy, Gateway, Kvroute, decision_log, http_client, metric_value, test_config, wait_for_metric,
+};
 
 use kvroute::kvevents::{EndpointTemplate, PrefixSource};
 use kvroute_sim::{FleetConfig, PodConfig, SimFleet};
@@ -167,18 +169,6 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
         .collect();
     assert_eq!(sources, ["kv_events"; 6], "{decisions:#}");
     fleet.shutdown().await;
-}
-
-/// kvroute's decision log (`/debug/decisions`) at its debug address.
-async fn decision_log(debug: SocketAddr) -> serde_json::Value {
-    http_client()
-        .get(format!("http://{debug}/debug/decisions"))
-        .send()
-        .await
-        .expect("debug pages answer")
-        .json()
-        .await
-        .expect("JSON")
 }
 
 /// A `kvroute serve` process following the fleet's events: a replica.

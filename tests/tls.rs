@@ -396,17 +396,7 @@ async fn precise_routing_reaches_https_pods_through_envoy() {
         ) >= 2.0,
         "both prompts tokenized over HTTPS:\n{text}"
     );
-    let decisions: serde_json::Value = support::http_client()
-        .get(format!(
-            "http://{}/debug/decisions",
-            kvroute.addrs.debug.expect("debug pages")
-        ))
-        .send()
-        .await
-        .expect("debug pages answer")
-        .json()
-        .await
-        .expect("JSON");
+    let decisions = support::decision_log(kvroute.addrs.debug.expect("debug pages")).await;
     let decisions = decisions.as_array().expect("a list");
     assert_eq!(decisions.len(), 2, "{decisions:#?}");
     for decision in decisions {

@@ -485,6 +485,18 @@ pub async fn wait_for_metric(kvroute: &Kvroute, name: &str, at_least: f64) -> St
     }
 }
 
+/// kvroute's decision log (`/debug/decisions`) at its debug address.
+pub async fn decision_log(debug: SocketAddr) -> serde_json::Value {
+    http_client()
+        .get(format!("http://{debug}/debug/decisions"))
+        .send()
+        .await
+        .expect("debug pages answer")
+        .json()
+        .await
+        .expect("JSON")
+}
+
 pub fn test_config(endpoints: Vec<SocketAddr>) -> ServeConfig {
     let mut config = ServeConfig::local(endpoints);
     config.scrape.interval = Duration::from_millis(20);
