@@ -3,6 +3,7 @@
 //! ```yaml
 //! # every key optional; pod groups inherit the command-line values they do not set
 //! model: meta-llama/Llama-3.1-8B-Instruct
+//! tokenizer: /models/Llama-3.1-8B-Instruct   # as --tokenizer: shared by every pod
 //! speedup: 10
 //! seed: 7
 //! pods:
@@ -110,6 +111,9 @@ pub struct FleetConfig {
     /// Serve `POST /kvroute-sim/faults` (see [`crate::fault`]): a test switches a pod's
     /// `/metrics` into a failure mode. Off by default: no pod has it unless asked.
     pub fault_switch: bool,
+    /// Hugging Face model directory whose tokenizer every pod uses (`--tokenizer`, loaded
+    /// once at start); None: the synthetic tokenizer of [`crate::tokens`].
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// The base model served when none is named.
@@ -126,6 +130,7 @@ impl Default for FleetConfig {
             pods: vec![PodConfig::default(); 2],
             first_pod_index: 0,
             fault_switch: false,
+            tokenizer: None,
         }
     }
 }
@@ -255,6 +260,7 @@ impl FleetConfig {
 #[serde(deny_unknown_fields)]
 struct FileConfig {
     model: Option<String>,
+    tokenizer: Option<PathBuf>,
     speedup: Option<f64>,
     seed: Option<u64>,
     #[serde(default)]
@@ -398,6 +404,9 @@ pub fn from_yaml(text: &str, args: &SimArgs) -> Result<FleetConfig, ConfigError>
     if let Some(m) = file.model {
         fleet.model = m;
     }
+    if let Some(t) = file.tokenizer {
+        fleet.tokenizer = Some(t);
+    }
     if let Some(s) = file.speedup {
         fleet.speedup = s;
     }
@@ -428,6 +437,7 @@ fn from_flags(args: &SimArgs) -> Result<FleetConfig, ConfigError> {
         pods: vec![pod; args.pods],
         first_pod_index: args.first_pod_index,
         fault_switch: args.fault_switch,
+        tokenizer: args.tokenizer.clone(),
     })
 }
 
@@ -530,6 +540,19 @@ mod tests {
             FleetConfig::try_from(&args(&["--kv-events-config", off])).is_ok(),
             "off binds nothing"
         );
+    }
+
+    #[test]
+    fn the_tokenizer_comes_from_the_flag_or_the_file() {
+        assert_eq!(
+            FleetConfig::try_from(&args(&[])).expect("valid").tokenizer,
+            None
+        );
+        let a = args(&["--tokenizer", "/models/a"]);
+        let fleet = FleetConfig::try_from(&a).expect("valid");
+        assert_eq!(fleet.tokenizer, Some(PathBuf::from("/models/a")));
+        let fleet = from_yaml("tokenizer: /models/b\n", &a).expect("valid");
+        assert_eq!(fleet.tokenizer, Some(PathBuf::from("/models/b")));
     }
 
     #[test]

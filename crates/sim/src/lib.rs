@@ -4,8 +4,9 @@
 //! engine (`engine`) that models continuous batching, a KV block pool with prefix caching
 //! (`kv`), recompute preemption, LoRA adapter slots with load times (`lora`) and step times from
 //! a GPU roofline (`profile`). `/metrics` speaks vLLM's names (`metrics`); with vLLM's
-//! `--kv-events-config`, each pod publishes its KV cache events over ZeroMQ (`kv_events`). The clock runs
-//! `--speedup` times faster than the wall clock. See docs/simulator.md for the model and its limits.
+//! `--kv-events-config`, each pod publishes its KV cache events over ZeroMQ (`kv_events`). Prompts
+//! are tokenized by a synthetic tokenizer (`tokens`), or with `--tokenizer DIR` by the model's own,
+//! as vLLM does (`tokenizer`). The clock runs `--speedup` times faster than the wall clock. See docs/simulator.md for the model and its limits.
 
 mod api;
 pub mod config;
@@ -18,6 +19,7 @@ pub mod metrics;
 pub mod profile;
 mod server;
 pub mod stats;
+pub mod tokenizer;
 pub mod tokens;
 
 use std::net::{IpAddr, SocketAddr};
@@ -108,6 +110,11 @@ pub struct SimArgs {
     #[arg(long, env = "KVROUTE_SIM_KV_EVENTS_CONFIG", value_name = "JSON",
           value_parser = kv_events::KvEventsConfig::from_json)]
     pub kv_events_config: Option<kv_events::KvEventsConfig>,
+    /// Tokenize as vLLM does with this Hugging Face model directory's tokenizer (tokenizer.json;
+    /// the chat template from chat_template.jinja or tokenizer_config.json) [default: a
+    /// synthetic tokenizer of about four characters per token].
+    #[arg(long, env = "KVROUTE_SIM_TOKENIZER", value_name = "DIR")]
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// `kvroute-sim`: starts the fleet, prints one line per pod, runs until `shutdown`.

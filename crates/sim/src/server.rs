@@ -32,6 +32,7 @@ use super::engine::{
 use super::fault::MetricsFault;
 use super::kv::mix;
 use super::kv_events::{KvEventSink, PublisherTasks, publisher};
+use super::tokenizer::HfTokenizer;
 
 /// The simulated clock: `(wall elapsed since start) × speedup`.
 #[derive(Debug, Clone, Copy)]
@@ -119,6 +120,8 @@ pub(crate) struct Pod {
     wake: Notify,
     /// How `/metrics` answers; switched by the fault switch.
     pub(crate) metrics_fault: watch::Sender<MetricsFault>,
+    /// The model's tokenizer (`--tokenizer`), shared by the fleet; None: the synthetic one.
+    pub(crate) tokenizer: Option<Arc<HfTokenizer>>,
 }
 
 impl Pod {
@@ -288,6 +291,13 @@ impl SimFleet {
     /// sockets of the pods that publish, and starts serving.
     pub async fn start(config: FleetConfig) -> anyhow::Result<SimFleet> {
         config.validate()?;
+        // Loaded before any port is bound: a bad directory stops the start with its path.
+        let tokenizer = match &config.tokenizer {
+            Some(dir) => Some(Arc::new(
+                HfTokenizer::load(dir).context("loading the tokenizer")?,
+            )),
+            None => None,
+        };
         let mut listeners = Vec::with_capacity(config.pods.len());
         for i in 0..config.pods.len() {
             let port = if config.port == 0 {
@@ -368,6 +378,7 @@ impl SimFleet {
                 }),
                 wake: Notify::new(),
                 metrics_fault: watch::Sender::new(MetricsFault::None),
+                tokenizer: tokenizer.clone(),
             });
             let driver = tokio::spawn(drive(pod.clone(), shutdown.subscribe()));
             let mut stop = shutdown.subscribe();

@@ -15,7 +15,7 @@ use super::{ApiError, Kind, PodState, parse_json};
 fn render(pod: &Pod, body: &Bytes, kind: Kind) -> Result<Value, ApiError> {
     let body = parse_json(body)?;
     let (model, _) = resolve_model(pod, &body)?;
-    let tokens = prompt_tokens(&body, kind)?;
+    let tokens = prompt_tokens(&body, kind, pod.tokenizer.as_deref())?;
     let max_tokens = body.get("max_tokens").cloned().unwrap_or(Value::Null);
     let prefix = match kind {
         Kind::Completion => "cmpl",
@@ -56,7 +56,7 @@ fn tokenize_body(pod: &Pod, body: &Bytes) -> Result<Value, ApiError> {
     } else {
         Kind::Completion
     };
-    let tokens = prompt_tokens(&body, kind)?;
+    let tokens = prompt_tokens(&body, kind, pod.tokenizer.as_deref())?;
     let max_model_len = pod.lock().engine.max_model_len();
     Ok(json!({
         "count": tokens.len(),

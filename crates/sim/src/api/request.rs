@@ -6,6 +6,7 @@ use serde_json::Value;
 use crate::engine::{FinishReason, RequestSpec};
 use crate::kv::mix;
 use crate::server::Pod;
+use crate::tokenizer::{HfTokenizer, PromptError};
 use crate::tokens::{ChatMessage, render_chat, tokenize};
 
 use super::{ApiError, Kind};
@@ -57,13 +58,41 @@ fn ids_of(v: &[Value]) -> Option<Vec<u32>> {
         .collect()
 }
 
-pub(super) fn prompt_tokens(body: &Value, kind: Kind) -> Result<Vec<u32>, ApiError> {
+impl From<PromptError> for ApiError {
+    fn from(e: PromptError) -> ApiError {
+        ApiError::bad_request(e.to_string())
+    }
+}
+
+/// Token ids of a text prompt: the model's tokenizer (vLLM's rules, see [`crate::tokenizer`])
+/// when the pod has one, else the synthetic tokenizer.
+fn text_tokens(
+    tokenizer: Option<&HfTokenizer>,
+    text: &str,
+    body: &Value,
+) -> Result<Vec<u32>, ApiError> {
+    match tokenizer {
+        Some(t) => Ok(t.encode_completion(text, body)?),
+        None => Ok(tokenize(text)),
+    }
+}
+
+/// The prompt's token ids: `messages` rendered and tokenized (chat), or `prompt` as text or
+/// token ids (completion).
+pub(super) fn prompt_tokens(
+    body: &Value,
+    kind: Kind,
+    tokenizer: Option<&HfTokenizer>,
+) -> Result<Vec<u32>, ApiError> {
     let tokens = match kind {
-        Kind::Chat => tokenize(&render_chat(&messages_of(body)?)),
+        Kind::Chat => match tokenizer {
+            Some(t) => t.encode_chat(body)?,
+            None => tokenize(&render_chat(&messages_of(body)?)),
+        },
         Kind::Completion => match body.get("prompt") {
-            Some(Value::String(s)) => tokenize(s),
+            Some(Value::String(s)) => text_tokens(tokenizer, s, body)?,
             Some(Value::Array(items)) => match items.first() {
-                Some(Value::String(s)) => tokenize(s),
+                Some(Value::String(s)) => text_tokens(tokenizer, s, body)?,
                 Some(Value::Array(inner)) => ids_of(inner)
                     .ok_or_else(|| ApiError::bad_request("token ids must be integers"))?,
                 Some(_) => {
@@ -99,7 +128,7 @@ pub(super) fn resolve_model(pod: &Pod, body: &Value) -> Result<(String, Option<S
 
 pub(super) fn parse(pod: &Pod, body: &Value, kind: Kind) -> Result<Parsed, ApiError> {
     let (model, adapter) = resolve_model(pod, body)?;
-    let prompt = prompt_tokens(body, kind)?;
+    let prompt = prompt_tokens(body, kind, pod.tokenizer.as_deref())?;
     let max_tokens = match body
         .get("max_completion_tokens")
         .filter(|v| !v.is_null())
@@ -141,6 +170,8 @@ pub(super) fn spec_of(pod: &Pod, p: &Parsed, max_model_len: u32) -> Result<Reque
         .prompt
         .iter()
         .fold(0x5151_u64, |h, &t| mix(h, u64::from(t)));
+    // The synthetic tokenizer whatever the pod's: this only seeds output lengths, which must
+    // not change with `--tokenizer`.
     let adapter_hash = p.adapter.as_deref().map_or(0, |a| {
         tokenize(a).iter().fold(1, |h, &t| mix(h, u64::from(t)))
     });

@@ -1,0 +1,1021 @@
+//! The real tokenizer of a model (`--tokenizer DIR`), used as vLLM's OpenAI server uses it.
+//!
+//! Off by default: without it, pods use the synthetic tokenizer of [`crate::tokens`]. With it,
+//! every prompt is tokenized by the model's own `tokenizer.json` (Hugging Face's `tokenizers`)
+//! and chat requests are rendered by its Jinja chat template first. What follows is vLLM's
+//! behaviour with a Hugging Face fast tokenizer; kvroute's own local tokenizer must match it
+//! token for token, or its prefix hashes miss the pods' caches.
+//!
+//! # The model directory
+//! As vLLM's `--tokenizer` takes it: `tokenizer.json` (required); `tokenizer_config.json`
+//! (optional: `chat_template`, `bos_token`, `eos_token`, each token a string or an object with
+//! a `content` field); `chat_template.jinja` (optional; when present it is the chat template,
+//! taking precedence over `tokenizer_config.json`'s). A `chat_template` given as a list of
+//! named templates is used as transformers uses it: `tool_use` for a request with tools if
+//! there is one, else `default`.
+//!
+//! # Completions (`/v1/completions`, `/v1/completions/render`, `/tokenize` with `prompt`)
+//! A string prompt is encoded with `add_special_tokens` = the request's field, default
+//! **true**: the post-processor adds the BOS token. Token-id prompts are taken as they are.
+//!
+//! # Chat (`/v1/chat/completions`, `/v1/chat/completions/render`, `/tokenize` with `messages`)
+//! The messages are rendered with the chat template, then the text is encoded with
+//! `add_special_tokens` = the request's field, default **false** (the template writes the BOS).
+//! Rendering is transformers' `apply_chat_template`:
+//! - a Jinja environment with `trim_blocks` and `lstrip_blocks`, loop controls, Python's
+//!   string methods, `raise_exception(msg)` (fails the request), `strftime_now(fmt)` and a
+//!   `tojson` that writes what Python's `json.dumps` writes (no HTML escaping);
+//! - the variables `messages`, `tools` (the request's, else none), `documents` (likewise),
+//!   `add_generation_prompt` (default true), `bos_token`, `eos_token`, and every key of the
+//!   request's `chat_template_kwargs` at the top level (overriding the others, as vLLM merges
+//!   them into the same keyword arguments);
+//! - each message as vLLM's "string" content format hands it over: `role`, `content` as one
+//!   string (an array of parts: the text parts joined with `"\n"`; null: `""`), `name` when a
+//!   string, an assistant's `tool_calls` (each function's `arguments` parsed from its JSON
+//!   string into an object, as vLLM does) and its reasoning (as both `reasoning` and
+//!   `reasoning_content`), a tool message's `tool_call_id`; other fields are dropped;
+//! - with `continue_final_message` (default false; not a template variable), the text is
+//!   cut right after the last occurrence of the final message's stripped content, and
+//!   right-stripped; asking for it together with `add_generation_prompt` is refused.
+//!
+//! A template error (a `raise_exception`, an undefined operation) refuses the request; so does
+//! a chat request when the directory has no chat template, as recent transformers do.
+//! Adapter (LoRA) names do not change tokenization.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use minijinja::value::Kwargs;
+use minijinja::{Environment, ErrorKind, Value as JinjaValue};
+use serde_json::Value;
+
+/// Why a tokenizer directory could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// A file could not be read.
+    #[error("cannot read {path}: {error}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error (in the message, not a `source`: one line, not repeated).
+        error: std::io::Error,
+    },
+    /// `tokenizer.json` is not a tokenizer the library can build.
+    #[error("invalid tokenizer {path}: {message}")]
+    Tokenizer {
+        /// The file.
+        path: PathBuf,
+        /// The library's reason.
+        message: String,
+    },
+    /// `tokenizer_config.json` is not the JSON expected.
+    #[error("invalid tokenizer config {path}: {message}")]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// The chat template does not compile.
+    #[error("invalid chat template in {path}: {error}")]
+    Template {
+        /// The file holding the template.
+        path: PathBuf,
+        /// The Jinja error (in the message, not a `source`: one line, not repeated).
+        error: minijinja::Error,
+    },
+}
+
+/// Why a request's prompt could not be tokenized (a 400 for the client).
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    /// A chat request, but the directory has no chat template.
+    #[error(
+        "the tokenizer has no chat template: chat requests need one (a chat_template in \
+         tokenizer_config.json, or chat_template.jinja)"
+    )]
+    NoChatTemplate,
+    /// The tokenizer has named chat templates but none called `default` (nor `tool_use`
+    /// for a request with tools).
+    #[error("the tokenizer has several chat templates and none named 'default'")]
+    NoDefaultTemplate,
+    /// The template failed (`raise_exception`, a bad operation on the request's values).
+    #[error("chat template error: {0}")]
+    Render(minijinja::Error),
+    /// A request field has the wrong shape.
+    #[error("{0}")]
+    Invalid(String),
+    /// The tokenizer failed on the text.
+    #[error("tokenization failed: {0}")]
+    Encode(String),
+}
+
+/// Name of a lone chat template (no extension: no auto-escaping).
+const DEFAULT_TEMPLATE: &str = "default";
+/// The named template transformers picks when the request has tools.
+const TOOL_USE_TEMPLATE: &str = "tool_use";
+
+/// A model's tokenizer and chat template, loaded once and shared by every pod of the process.
+pub struct HfTokenizer {
+    dir: PathBuf,
+    tokenizer: tokenizers::Tokenizer,
+    /// Holds the compiled chat templates, under `default` for a lone one.
+    env: Environment<'static>,
+    /// Names of the templates in `env`: none, `default`, or those of a named list.
+    templates: Vec<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HfTokenizer")
+            .field("dir", &self.dir)
+            .field("templates", &self.templates)
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The parts of `tokenizer_config.json` that tokenization reads.
+#[derive(Debug, Default, serde::Deserialize)]
+struct TokenizerConfig {
+    #[serde(default)]
+    chat_template: Option<Value>,
+    #[serde(default)]
+    bos_token: Option<Value>,
+    #[serde(default)]
+    eos_token: Option<Value>,
+}
+
+/// A special token as `tokenizer_config.json` writes it: a string, or an `AddedToken` object.
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// `tokenizer_config.json`'s `chat_template`: one template (named `default`), or a list of
+/// `{"name", "template"}` objects, as transformers saves several.
+fn named_templates(
+    value: Option<Value>,
+    config_path: &Path,
+) -> Result<Vec<(String, String)>, LoadError> {
+    let bad = || LoadError::Config {
+        path: config_path.to_path_buf(),
+        message: "chat_template must be a string or a list of {name, template} objects".into(),
+    };
+    match value {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![(DEFAULT_TEMPLATE.to_string(), s)]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|item| {
+                let name = item.get("name").and_then(Value::as_str).ok_or_else(bad)?;
+                let template = item
+                    .get("template")
+                    .and_then(Value::as_str)
+                    .ok_or_else(bad)?;
+                Ok((name.to_string(), template.to_string()))
+            })
+            .collect(),
+        Some(_) => Err(bad()),
+    }
+}
+
+fn read(path: &Path) -> Result<Option<String>, LoadError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(LoadError::Read {
+            path: path.to_path_buf(),
+            error,
+        }),
+    }
+}
+
+impl HfTokenizer {
+    /// Loads `dir` (see the module documentation for its files).
+    pub fn load(dir: &Path) -> Result<HfTokenizer, LoadError> {
+        let tokenizer_path = dir.join("tokenizer.json");
+        let json = std::fs::read(&tokenizer_path).map_err(|error| LoadError::Read {
+            path: tokenizer_path.clone(),
+            error,
+        })?;
+        let tokenizer =
+            tokenizers::Tokenizer::from_bytes(&json).map_err(|e| LoadError::Tokenizer {
+                path: tokenizer_path.clone(),
+                message: e.to_string(),
+            })?;
+
+        let config_path = dir.join("tokenizer_config.json");
+        let config: TokenizerConfig = match read(&config_path)? {
+            Some(text) => serde_json::from_str(&text).map_err(|e| LoadError::Config {
+                path: config_path.clone(),
+                message: e.to_string(),
+            })?,
+            None => TokenizerConfig::default(),
+        };
+
+        // chat_template.jinja, when present, is the template (transformers' precedence).
+        let jinja_path = dir.join("chat_template.jinja");
+        let (sources, template_path) = match read(&jinja_path)? {
+            Some(text) => (vec![(DEFAULT_TEMPLATE.to_string(), text)], jinja_path),
+            None => (
+                named_templates(config.chat_template, &config_path)?,
+                config_path,
+            ),
+        };
+        let mut env = jinja_environment();
+        let mut templates = Vec::with_capacity(sources.len());
+        for (name, source) in sources {
+            env.add_template_owned(name.clone(), source)
+                .map_err(|error| LoadError::Template {
+                    path: template_path.clone(),
+                    error,
+                })?;
+            templates.push(name);
+        }
+        Ok(HfTokenizer {
+            dir: dir.to_path_buf(),
+            tokenizer,
+            env,
+            templates,
+            bos_token: token_text(config.bos_token.as_ref()),
+            eos_token: token_text(config.eos_token.as_ref()),
+        })
+    }
+
+    /// The directory it was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether chat requests can be rendered.
+    pub fn has_chat_template(&self) -> bool {
+        !self.templates.is_empty()
+    }
+
+    /// Token ids of `text`; `add_special_tokens` runs the post-processor (BOS for Llama 3).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
+        let encoding = self
+            .tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| PromptError::Encode(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Token ids of a completion request's string `prompt`: special tokens unless the request
+    /// says `"add_special_tokens": false`.
+    pub fn encode_completion(
+        &self,
+        prompt: &str,
+        request: &Value,
+    ) -> Result<Vec<u32>, PromptError> {
+        let add_special_tokens = flag(request, "add_special_tokens", true)?;
+        self.encode(prompt, add_special_tokens)
+    }
+
+    /// Token ids of a chat request: the rendered template, with no special tokens added unless
+    /// the request says `"add_special_tokens": true`.
+    pub fn encode_chat(&self, request: &Value) -> Result<Vec<u32>, PromptError> {
+        let add_special_tokens = flag(request, "add_special_tokens", false)?;
+        let text = self.render_chat(request)?;
+        self.encode(&text, add_special_tokens)
+    }
+
+    /// The chat request's prompt text: its messages rendered with the chat template.
+    pub fn render_chat(&self, request: &Value) -> Result<String, PromptError> {
+        let has = |name: &str| self.templates.iter().any(|t| t == name);
+        let has_tools = request.get("tools").is_some_and(|t| !t.is_null());
+        let name = if self.templates.is_empty() {
+            return Err(PromptError::NoChatTemplate);
+        } else if has_tools && has(TOOL_USE_TEMPLATE) {
+            TOOL_USE_TEMPLATE
+        } else if has(DEFAULT_TEMPLATE) {
+            DEFAULT_TEMPLATE
+        } else {
+            return Err(PromptError::NoDefaultTemplate);
+        };
+        let messages = conversation(request)?;
+        let kwargs = match request.get("chat_template_kwargs") {
+            None | Some(Value::Null) => serde_json::Map::new(),
+            Some(Value::Object(m)) => m.clone(),
+            Some(_) => return Err(invalid("'chat_template_kwargs' must be an object")),
+        };
+        // vLLM merges chat_template_kwargs over the request's own fields.
+        let merged_flag = |key: &str, default: bool| match kwargs.get(key) {
+            Some(v) => Ok(v.as_bool().unwrap_or(default)),
+            None => flag(request, key, default),
+        };
+        let add_generation_prompt = merged_flag("add_generation_prompt", true)?;
+        let continue_final_message = merged_flag("continue_final_message", false)?;
+        if add_generation_prompt && continue_final_message {
+            return Err(invalid(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            ));
+        }
+
+        // Later entries override earlier ones: special tokens, then the request's fields,
+        // then chat_template_kwargs; `messages` is always the conversation.
+        let mut ctx: BTreeMap<String, JinjaValue> = BTreeMap::new();
+        if let Some(t) = &self.bos_token {
+            ctx.insert("bos_token".into(), JinjaValue::from(t.as_str()));
+        }
+        if let Some(t) = &self.eos_token {
+            ctx.insert("eos_token".into(), JinjaValue::from(t.as_str()));
+        }
+        for key in ["tools", "documents"] {
+            let v = request.get(key).unwrap_or(&Value::Null);
+            ctx.insert(key.into(), JinjaValue::from_serialize(v));
+        }
+        ctx.insert(
+            "add_generation_prompt".into(),
+            JinjaValue::from(add_generation_prompt),
+        );
+        for (k, v) in &kwargs {
+            if k != "continue_final_message" {
+                ctx.insert(k.clone(), JinjaValue::from_serialize(v));
+            }
+        }
+        ctx.insert("messages".into(), JinjaValue::from_serialize(&messages));
+
+        let template = self.env.get_template(name).map_err(PromptError::Render)?;
+        let rendered = template
+            .render(JinjaValue::from_iter(ctx))
+            .map_err(PromptError::Render)?;
+        if continue_final_message {
+            return cut_after_final_message(rendered, &messages);
+        }
+        Ok(rendered)
+    }
+}
+
+fn invalid(message: impl Into<String>) -> PromptError {
+    PromptError::Invalid(message.into())
+}
+
+/// A boolean request field: absent or null gives `default`; anything but a boolean is refused.
+fn flag(request: &Value, key: &str, default: bool) -> Result<bool, PromptError> {
+    match request.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(invalid(format!("'{key}' must be a boolean"))),
+    }
+}
+
+/// The messages as vLLM hands them to the template ("string" content format).
+fn conversation(request: &Value) -> Result<Vec<Value>, PromptError> {
+    let messages = request
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| invalid("'messages' must be a list"))?;
+    messages.iter().map(message).collect()
+}
+
+fn message(m: &Value) -> Result<Value, PromptError> {
+    let role = m
+        .get("role")
+        .and_then(Value::as_str)
+        .ok_or_else(|| invalid("each message needs a string 'role'"))?;
+    let content = match m.get("content") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Some(_) => return Err(invalid("a message's 'content' must be a string or a list")),
+    };
+    let mut out = serde_json::Map::new();
+    out.insert("role".into(), Value::from(role));
+    out.insert("content".into(), Value::from(content));
+    match role {
+        "assistant" => {
+            if let Some(calls) = m.get("tool_calls").and_then(Value::as_array) {
+                let calls = calls
+                    .iter()
+                    .map(parse_arguments)
+                    .collect::<Result<Vec<_>, _>>()?;
+                out.insert("tool_calls".into(), Value::Array(calls));
+            }
+            let reasoning = m
+                .get("reasoning")
+                .filter(|v| !v.is_null())
+                .or_else(|| m.get("reasoning_content").filter(|v| !v.is_null()));
+            if let Some(r) = reasoning {
+                out.insert("reasoning".into(), r.clone());
+                out.insert("reasoning_content".into(), r.clone());
+            }
+        }
+        "tool" => {
+            if let Some(id) = m.get("tool_call_id") {
+                out.insert("tool_call_id".into(), id.clone());
+            }
+        }
+        _ => {}
+    }
+    if let Some(name) = m.get("name").filter(|n| n.is_string()) {
+        out.insert("name".into(), name.clone());
+    }
+    Ok(Value::Object(out))
+}
+
+/// A tool call with its `function.arguments` as an object: templates expect a dict, and vLLM
+/// parses the OpenAI JSON string (empty or absent: `{}`).
+fn parse_arguments(call: &Value) -> Result<Value, PromptError> {
+    let mut call = call.clone();
+    if let Some(function) = call.get_mut("function").and_then(Value::as_object_mut) {
+        let arguments = match function.get("arguments") {
+            Some(Value::String(s)) if !s.is_empty() => serde_json::from_str(s)
+                .map_err(|e| invalid(format!("tool call arguments are not valid JSON: {e}")))?,
+            Some(v @ (Value::Object(_) | Value::Array(_))) => v.clone(),
+            _ => Value::Object(serde_json::Map::new()),
+        };
+        function.insert("arguments".into(), arguments);
+    }
+    Ok(call)
+}
+
+/// transformers' `continue_final_message`: the text up to the end of the final message's
+/// (stripped) content, right-stripped, so the model continues that message.
+fn cut_after_final_message(rendered: String, messages: &[Value]) -> Result<String, PromptError> {
+    let last = messages
+        .last()
+        .and_then(|m| m.get("content"))
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .trim();
+    let Some(at) = rendered.rfind(last) else {
+        return Err(invalid(
+            "continue_final_message is set but the final message does not appear in the \
+             rendered chat",
+        ));
+    };
+    Ok(rendered[..at + last.len()].trim_end().to_string())
+}
+
+/// The Jinja environment of transformers' chat templates.
+fn jinja_environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |message: String| -> Result<JinjaValue, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+        },
+    );
+    env.add_function("strftime_now", |format: String| {
+        strftime(&format, unix_now())
+    });
+    env.add_filter("tojson", tojson);
+    env
+}
+
+fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+/// Python's `time.strftime` for the directives chat templates use, in UTC (a pod's clock
+/// has no time zone of its own); an unknown directive is written as it is.
+fn strftime(format: &str, unix_secs: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    let days = unix_secs.div_euclid(86_400);
+    let secs = unix_secs.rem_euclid(86_400);
+    let (year, month, day) = civil_from_days(days);
+    let (hour, minute, second) = (secs / 3600, secs / 60 % 60, secs % 60);
+    // 1970-01-01 was a Thursday (index 3 from Monday).
+    let weekday = (days + 3).rem_euclid(7) as usize;
+    let day_of_year = days - days_from_civil(year, 1, 1) + 1;
+    let month_name = MONTHS[(month - 1) as usize];
+    let day_name = DAYS[weekday];
+    let mut out = String::with_capacity(format.len() + 16);
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let Some(d) = chars.next() else {
+            out.push('%');
+            break;
+        };
+        let piece = match d {
+            'Y' => year.to_string(),
+            'y' => format!("{:02}", year.rem_euclid(100)),
+            'm' => format!("{month:02}"),
+            'd' => format!("{day:02}"),
+            'e' => format!("{day:>2}"),
+            'j' => format!("{day_of_year:03}"),
+            'H' => format!("{hour:02}"),
+            'I' => format!("{:02}", (hour + 11) % 12 + 1),
+            'p' => (if hour < 12 { "AM" } else { "PM" }).to_string(),
+            'M' => format!("{minute:02}"),
+            'S' => format!("{second:02}"),
+            'B' => month_name.to_string(),
+            'b' | 'h' => month_name[..3].to_string(),
+            'A' => day_name.to_string(),
+            'a' => day_name[..3].to_string(),
+            '%' => "%".to_string(),
+            other => format!("%{other}"),
+        };
+        out.push_str(&piece);
+    }
+    out
+}
+
+/// (year, month 1-12, day 1-31) of a day count since 1970-01-01 (Howard Hinnant's algorithm).
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = if month > 2 { month - 3 } else { month + 9 };
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// transformers' `tojson` filter: Python's `json.dumps(x, ensure_ascii=False, indent=None,
+/// separators=None, sort_keys=False)`, each overridable by keyword. Jinja's own `tojson`
+/// escapes HTML characters and writes no spaces, which would change the prompt.
+fn tojson(value: &JinjaValue, kwargs: Kwargs) -> Result<JinjaValue, minijinja::Error> {
+    let indent: Option<JinjaValue> = kwargs.get("indent")?;
+    let separators: Option<JinjaValue> = kwargs.get("separators")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) => match (v.as_i64(), v.as_str()) {
+            (Some(n), _) => Some(" ".repeat(usize::try_from(n).unwrap_or(0))),
+            (None, Some(s)) => Some(s.to_string()),
+            _ => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: indent must be an integer or a string",
+                ));
+            }
+        },
+    };
+    let (item_sep, key_sep) = match separators.filter(|s| !s.is_none()) {
+        Some(s) => {
+            let parts: Vec<String> = s
+                .try_iter()?
+                .map(|p| p.as_str().map(str::to_owned).unwrap_or_default())
+                .collect();
+            match parts.as_slice() {
+                [a, b] => (a.clone(), b.clone()),
+                _ => {
+                    return Err(minijinja::Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: separators must be a pair of strings",
+                    ));
+                }
+            }
+        }
+        // Python's defaults: no space before a newline when indenting.
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+    };
+    let json = serde_json::to_value(value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::BadSerialization, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    let style = JsonStyle {
+        indent: indent.as_deref(),
+        item_sep: &item_sep,
+        key_sep: &key_sep,
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+        sort_keys: sort_keys.unwrap_or(false),
+    };
+    write_json(&mut out, &json, &style, 0);
+    Ok(JinjaValue::from_safe_string(out))
+}
+
+struct JsonStyle<'a> {
+    indent: Option<&'a str>,
+    item_sep: &'a str,
+    key_sep: &'a str,
+    ensure_ascii: bool,
+    sort_keys: bool,
+}
+
+fn newline(out: &mut String, style: &JsonStyle<'_>, depth: usize) {
+    if let Some(indent) = style.indent {
+        out.push('\n');
+        for _ in 0..depth {
+            out.push_str(indent);
+        }
+    }
+}
+
+fn write_json(out: &mut String, v: &Value, style: &JsonStyle<'_>, depth: usize) {
+    match v {
+        Value::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(style.item_sep);
+                }
+                newline(out, style, depth + 1);
+                write_json(out, item, style, depth + 1);
+            }
+            newline(out, style, depth);
+            out.push(']');
+        }
+        Value::Object(map) if !map.is_empty() => {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            if style.sort_keys {
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+            }
+            out.push('{');
+            for (i, (k, item)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push_str(style.item_sep);
+                }
+                newline(out, style, depth + 1);
+                write_string(out, k, style.ensure_ascii);
+                out.push_str(style.key_sep);
+                write_json(out, item, style, depth + 1);
+            }
+            newline(out, style, depth);
+            out.push('}');
+        }
+        Value::Array(_) => out.push_str("[]"),
+        Value::Object(_) => out.push_str("{}"),
+        Value::String(s) => write_string(out, s, style.ensure_ascii),
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+fn write_string(out: &mut String, s: &str, ensure_ascii: bool) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if u32::from(c) < 0x20 || (ensure_ascii && !c.is_ascii()) => {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{unit:04x}"));
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn fixture() -> HfTokenizer {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../lab/tokenizers/bpe-4k");
+        HfTokenizer::load(&dir).expect("the test tokenizer loads")
+    }
+
+    /// A temporary model directory: the fixture's tokenizer.json beside the given files.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(name: &str, files: &[(&str, &str)]) -> TempDir {
+            let dir = std::env::temp_dir().join(format!(
+                "kvroute-sim-tokenizer-{name}-{}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("temp dir");
+            let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../lab/tokenizers/bpe-4k/tokenizer.json");
+            std::fs::copy(fixture, dir.join("tokenizer.json")).expect("copy tokenizer.json");
+            for (file, text) in files {
+                std::fs::write(dir.join(file), text).expect("write file");
+            }
+            TempDir(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    // Ids computed independently with Python's `tokenizers` on the fixture.
+    const SENTENCE: &str = "The KV cache of every pod is scraped every 50 ms.";
+    const SENTENCE_IDS: [u32; 13] = [
+        0, 889, 551, 865, 321, 470, 323, 353, 3041, 470, 711, 400, 18,
+    ];
+    const TURN: &str = "<|start_header_id|>user<|end_header_id|>\n\nhello there<|eot_id|>";
+    const TURN_IDS: [u32; 11] = [2, 489, 280, 3, 203, 203, 264, 80, 301, 893, 4];
+    const BOS: u32 = 0;
+
+    #[test]
+    fn encoding_matches_python_tokenizers_on_the_fixture() {
+        let t = fixture();
+        assert_eq!(t.encode(SENTENCE, true).expect("encodes"), SENTENCE_IDS);
+        assert_eq!(t.encode(TURN, false).expect("encodes"), TURN_IDS);
+        assert_eq!(
+            t.encode(SENTENCE, false).expect("encodes"),
+            SENTENCE_IDS[1..]
+        );
+    }
+
+    #[test]
+    fn a_completion_gets_bos_unless_the_request_declines_it() {
+        let t = fixture();
+        let ids = t.encode_completion(SENTENCE, &json!({})).expect("encodes");
+        assert_eq!(ids, SENTENCE_IDS);
+        let ids = t
+            .encode_completion(SENTENCE, &json!({"add_special_tokens": false}))
+            .expect("encodes");
+        assert_eq!(ids, SENTENCE_IDS[1..]);
+        assert!(
+            t.encode_completion(SENTENCE, &json!({"add_special_tokens": "no"}))
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn a_chat_renders_as_the_template_writes_it_with_one_bos() {
+        let t = fixture();
+        let request = json!({"messages": [
+            {"role": "system", "content": "  Be brief.  "},
+            {"role": "user", "content": "hello there"},
+        ]});
+        let text = t.render_chat(&request).expect("renders");
+        assert_eq!(
+            text,
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+             <|start_header_id|>user<|end_header_id|>\n\nhello there<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        let ids = t.encode_chat(&request).expect("encodes");
+        assert_eq!(ids.first(), Some(&BOS));
+        assert_eq!(ids.iter().filter(|&&id| id == BOS).count(), 1, "{ids:?}");
+        assert_eq!(ids, t.encode(&text, false).expect("encodes"));
+
+        let user_only = json!({"messages": [{"role": "user", "content": "hello there"}]});
+        let ids = t.encode_chat(&user_only).expect("encodes");
+        assert_eq!(ids[1..12], TURN_IDS);
+    }
+
+    #[test]
+    fn a_chat_asking_for_special_tokens_gets_a_second_bos() {
+        let t = fixture();
+        let request = json!({"messages": [{"role": "user", "content": "hi"}],
+                             "add_special_tokens": true});
+        let ids = t.encode_chat(&request).expect("encodes");
+        assert_eq!(ids[..2], [BOS, BOS]);
+    }
+
+    #[test]
+    fn add_generation_prompt_false_drops_the_assistant_header() {
+        let t = fixture();
+        let request = json!({"messages": [{"role": "user", "content": "hello there"}],
+                             "add_generation_prompt": false});
+        let text = t.render_chat(&request).expect("renders");
+        assert_eq!(text, format!("<|begin_of_text|>{TURN}"));
+        let mut expected = vec![BOS];
+        expected.extend(TURN_IDS);
+        assert_eq!(t.encode_chat(&request).expect("encodes"), expected);
+    }
+
+    #[test]
+    fn content_parts_are_joined_with_newlines() {
+        let t = fixture();
+        let parts = json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "first"},
+            {"type": "image_url", "image_url": {"url": "x"}},
+            {"type": "text", "text": "second"},
+        ]}]});
+        let joined = json!({"messages": [{"role": "user", "content": "first\nsecond"}]});
+        assert_eq!(
+            t.render_chat(&parts).expect("renders"),
+            t.render_chat(&joined).expect("renders")
+        );
+    }
+
+    #[test]
+    fn an_unknown_role_fails_with_the_templates_message() {
+        let t = fixture();
+        let request = json!({"messages": [{"role": "wizard", "content": "hi"}]});
+        let err = t.render_chat(&request).expect_err("raise_exception");
+        assert!(matches!(err, PromptError::Render(_)), "{err:?}");
+        assert!(err.to_string().contains("Unknown role: wizard"), "{err}");
+    }
+
+    #[test]
+    fn chat_template_kwargs_reach_the_template_and_override_request_fields() {
+        let dir = TempDir::new(
+            "kwargs",
+            &[(
+                "chat_template.jinja",
+                "{{ bos_token }}[{{ greeting }}|{{ add_generation_prompt }}|{{ tools is none }}|{{ tools }}]\n\
+                 {% for m in messages %}{{ m.role }}:{{ m.content }}{% endfor %}\n",
+            )],
+        );
+        let t = HfTokenizer::load(&dir.0).expect("loads");
+        let request = json!({"messages": [{"role": "user", "content": "hi"}],
+                             "chat_template_kwargs": {"greeting": "hola",
+                                                      "add_generation_prompt": false}});
+        // No tokenizer_config.json: no bos_token; the trailing newline is dropped (Jinja's
+        // keep_trailing_newline=False).
+        assert_eq!(
+            t.render_chat(&request).expect("renders"),
+            "[hola|False|True|None]\nuser:hi"
+        );
+    }
+
+    #[test]
+    fn chat_template_jinja_takes_precedence_over_the_config() {
+        let dir = TempDir::new(
+            "precedence",
+            &[
+                (
+                    "tokenizer_config.json",
+                    r#"{"chat_template": "config", "bos_token": {"content": "<s>"}}"#,
+                ),
+                ("chat_template.jinja", "file {{ bos_token }}"),
+            ],
+        );
+        let t = HfTokenizer::load(&dir.0).expect("loads");
+        assert_eq!(
+            t.render_chat(&json!({"messages": []})).expect("renders"),
+            "file <s>"
+        );
+    }
+
+    #[test]
+    fn a_list_of_named_templates_picks_tool_use_for_tools_else_default() {
+        let config = r#"{"chat_template": [{"name": "default", "template": "plain"},
+                                           {"name": "tool_use", "template": "tools"}]}"#;
+        let dir = TempDir::new("named", &[("tokenizer_config.json", config)]);
+        let t = HfTokenizer::load(&dir.0).expect("loads");
+        let plain = json!({"messages": []});
+        let tools = json!({"messages": [], "tools": []});
+        assert_eq!(t.render_chat(&plain).expect("renders"), "plain");
+        assert_eq!(t.render_chat(&tools).expect("renders"), "tools");
+
+        let config = r#"{"chat_template": [{"name": "rag", "template": "x"}]}"#;
+        let dir = TempDir::new("no-default", &[("tokenizer_config.json", config)]);
+        let t = HfTokenizer::load(&dir.0).expect("loads");
+        assert!(matches!(
+            t.render_chat(&plain),
+            Err(PromptError::NoDefaultTemplate)
+        ));
+    }
+
+    #[test]
+    fn templates_get_vllms_message_fields_and_python_helpers() {
+        let template = "{% for m in messages %}{{ m.role }}\
+            {% if m.tool_calls %}{% for c in m.tool_calls %} {{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}{% endif %}\
+            {% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}\
+            {% if m.name %} name={{ m.name }}{% endif %}\
+            {% if m.extra is defined %} extra{% endif %}|{% endfor %}\
+            {{ tools | tojson(indent=2) }}|{{ 'A-b'.lower().split('-') | join(',') }}\
+            |{{ {'s': 'é<&>'} | tojson }}";
+        let dir = TempDir::new("fields", &[("chat_template.jinja", template)]);
+        let t = HfTokenizer::load(&dir.0).expect("loads");
+        let request = json!({
+            "messages": [
+                {"role": "user", "content": "q", "name": "ann", "extra": 1},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "f", "arguments": "{\"x\": [1, 2]}"}}]},
+                {"role": "tool", "content": "4", "tool_call_id": "c1"},
+            ],
+            "tools": [{"function": {"name": "f"}}],
+        });
+        assert_eq!(
+            t.render_chat(&request).expect("renders"),
+            "user name=ann|assistant f{\"x\": [1, 2]}|tool id=c1|\
+             [\n  {\n    \"function\": {\n      \"name\": \"f\"\n    }\n  }\n]\
+             |a,b|{\"s\": \"é<&>\"}"
+        );
+    }
+
+    #[test]
+    fn continue_final_message_cuts_after_the_last_message() {
+        let t = fixture();
+        let request = json!({"messages": [
+            {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": "The answer is "},
+        ], "add_generation_prompt": false, "continue_final_message": true});
+        assert_eq!(
+            t.render_chat(&request).expect("renders"),
+            format!(
+                "<|begin_of_text|>{TURN}<|start_header_id|>assistant<|end_header_id|>\n\nThe answer is"
+            )
+        );
+        let both = json!({"messages": [{"role": "user", "content": "x"}],
+                          "continue_final_message": true});
+        assert!(matches!(t.render_chat(&both), Err(PromptError::Invalid(_))));
+    }
+
+    #[test]
+    fn without_a_chat_template_chat_is_refused() {
+        let dir = TempDir::new("no-template", &[]);
+        let t = HfTokenizer::load(&dir.0).expect("loads");
+        assert!(!t.has_chat_template());
+        let err = t
+            .encode_chat(&json!({"messages": [{"role": "user", "content": "hi"}]}))
+            .expect_err("no template");
+        assert!(matches!(err, PromptError::NoChatTemplate));
+        assert!(
+            err.to_string()
+                .contains("the tokenizer has no chat template")
+        );
+        assert_eq!(t.encode(SENTENCE, true).expect("encodes"), SENTENCE_IDS);
+    }
+
+    #[test]
+    fn load_errors_name_the_path() {
+        let missing = Path::new("/nonexistent/kvroute-model");
+        let err = HfTokenizer::load(missing).expect_err("no such dir");
+        assert!(
+            err.to_string()
+                .contains("/nonexistent/kvroute-model/tokenizer.json"),
+            "{err}"
+        );
+
+        let dir = TempDir::new("bad-json", &[]);
+        std::fs::write(dir.0.join("tokenizer.json"), "{not json").expect("write");
+        let err = HfTokenizer::load(&dir.0).expect_err("invalid tokenizer.json");
+        assert!(matches!(err, LoadError::Tokenizer { .. }), "{err:?}");
+        assert!(err.to_string().contains("tokenizer.json"), "{err}");
+
+        let dir = TempDir::new("bad-config", &[("tokenizer_config.json", "{")]);
+        let err = HfTokenizer::load(&dir.0).expect_err("invalid config");
+        assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
+
+        let dir = TempDir::new("bad-template", &[("chat_template.jinja", "{% for %}")]);
+        let err = HfTokenizer::load(&dir.0).expect_err("syntax error");
+        assert!(matches!(err, LoadError::Template { .. }), "{err:?}");
+        assert!(err.to_string().contains("chat_template.jinja"), "{err}");
+    }
+
+    #[test]
+    fn strftime_writes_pythons_directives_in_utc() {
+        // 2024-07-23 14:05:09 UTC, a Tuesday.
+        let t = 1_721_743_509;
+        assert_eq!(strftime("%d %b %Y", t), "23 Jul 2024");
+        assert_eq!(
+            strftime("%A %B %e, %y %H:%M:%S %I%p %j %% %Q", t),
+            "Tuesday July 23, 24 14:05:09 02PM 205 % %Q"
+        );
+        assert_eq!(strftime("%Y-%m-%d %a", 0), "1970-01-01 Thu");
+    }
+}
