@@ -36,7 +36,7 @@ use crate::scrape::ScrapeManager;
 use crate::shutdown;
 use crate::store::PodStore;
 use crate::telemetry;
-use crate::tokenize::Tokenizer;
+use crate::tokenize::{LocalTokenizers, PodTokenizer};
 
 /// gRPC health service names, as the Gateway API Inference Extension's picker uses.
 pub const LIVENESS_SERVICE: &str = "liveness";
@@ -112,15 +112,17 @@ impl App {
                 .as_deref()
                 .map(crate::scrape::tls_connector)
                 .transpose()?;
+            let local = LocalTokenizers::load(&config.tokenizers)?;
             let index = Arc::new(PreciseIndex::with_budget(config.kv_events_index_bytes));
             picker.match_on_events(PreciseRouting::new(
                 Arc::clone(&index),
                 config.prefix_source,
-                Tokenizer::new(
+                PodTokenizer::new(
                     config.tokenize_timeout,
                     config.scrape.pod_api_key.clone(),
                     pod_tls,
                 ),
+                local,
             ));
             Some(index)
         } else {

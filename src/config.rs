@@ -255,6 +255,14 @@ pub struct ServeArgs {
     /// approximate index.
     #[arg(long, env = "KVROUTE_TOKENIZE_TIMEOUT", default_value = "100ms", value_parser = humantime::parse_duration)]
     pub tokenize_timeout: Duration,
+    /// `[MODEL=]DIR`: the model's Hugging Face directory (`tokenizer.json`, and
+    /// `tokenizer_config.json` or `chat_template.jinja` for chats), so that kvroute
+    /// tokenizes prompts itself instead of asking a pod's /tokenize (no round trip).
+    /// Without `MODEL=` it serves every model; repeat for several (comma-separated in
+    /// the environment). Requests it cannot render exactly (tools, documents, their own
+    /// chat template) still go to a pod's /tokenize. Needs --prefix-source precise or auto.
+    #[arg(long = "tokenizer", env = "KVROUTE_TOKENIZER", value_delimiter = ',')]
+    pub tokenizers: Vec<crate::tokenize::TokenizerSpec>,
     /// Connections each listener (ext_proc, health, admin, metrics, debug) holds open at
     /// most; past it a new connection is closed on arrival and counted. A gateway opens a
     /// few per Envoy worker.
@@ -479,6 +487,8 @@ pub struct ServeConfig {
     pub kv_events_index_bytes: usize,
     /// See [`ServeArgs::tokenize_timeout`].
     pub tokenize_timeout: Duration,
+    /// See [`ServeArgs::tokenizers`].
+    pub tokenizers: Vec<crate::tokenize::TokenizerSpec>,
     pub drain_timeout: Duration,
     /// See [`ServeArgs::max_connections`].
     pub max_connections: usize,
@@ -560,6 +570,7 @@ impl ServeConfig {
             kv_events: KvEventsConfig::default(),
             kv_events_index_bytes: kvroute_core::fleet::DEFAULT_PREFIX_BUDGET_BYTES,
             tokenize_timeout: Duration::from_millis(100),
+            tokenizers: Vec::new(),
             drain_timeout: Duration::from_secs(10),
             drain_grace: Duration::from_secs(3),
             max_connections: 4096,
@@ -678,6 +689,7 @@ impl ServeConfig {
             },
             kv_events_index_bytes: (args.kv_events_index_mib as usize) << 20,
             tokenize_timeout: args.tokenize_timeout,
+            tokenizers: args.tokenizers.clone(),
             drain_timeout: args.drain_timeout,
             drain_grace: args.drain_grace,
             max_connections: args.max_connections as usize,
@@ -786,6 +798,12 @@ impl ServeConfig {
         }
         if self.prefix_source.uses_events() && self.tokenize_timeout.is_zero() {
             return invalid("--tokenize-timeout must be above zero");
+        }
+        if !self.prefix_source.uses_events() && !self.tokenizers.is_empty() {
+            return invalid(
+                "--tokenizer is read only with --prefix-source precise or auto (the approximate \
+                 index matches the prompt's text, not its tokens)",
+            );
         }
         Ok(self.scheduler.validate()?)
     }

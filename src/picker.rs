@@ -40,7 +40,10 @@ use crate::flow::{DropReason, FlowSettings, RequestClass};
 use crate::kvevents::{PreciseIndex, PrefixSource};
 use crate::store::PodStore;
 use crate::telemetry::{self, ModelLabels, Outcome, QueueExit};
-use crate::tokenize::{TokenizeError, Tokenizer, tokenize_body};
+use crate::tokenize::{
+    LocalTokenizer, LocalTokenizers, PodTokenizer, TokenizeError, Unsupported, tokenize_body,
+};
+use kvroute_core::request::ApiKind;
 
 use waiting::{Waiter, WaitingRoom};
 
@@ -115,17 +118,26 @@ pub struct PreciseRouting {
     pub index: Arc<PreciseIndex>,
     /// `Precise` or `Auto` (`Approximate` never builds one).
     pub source: PrefixSource,
-    pub tokenizer: Tokenizer,
+    /// Prompts kvroute cannot tokenize itself are asked of a pod.
+    pub tokenizer: PodTokenizer,
+    /// The models' own tokenizers (`--tokenizer`), tried first: no round trip.
+    pub local: LocalTokenizers,
     /// Where the next tokenization starts looking for a pod.
     next_pod: AtomicUsize,
 }
 
 impl PreciseRouting {
-    pub fn new(index: Arc<PreciseIndex>, source: PrefixSource, tokenizer: Tokenizer) -> Self {
+    pub fn new(
+        index: Arc<PreciseIndex>,
+        source: PrefixSource,
+        tokenizer: PodTokenizer,
+        local: LocalTokenizers,
+    ) -> Self {
         PreciseRouting {
             index,
             source,
             tokenizer,
+            local,
             next_pod: AtomicUsize::new(0),
         }
     }
@@ -584,7 +596,18 @@ impl LivePicker {
         if inference.prompt_tokens < block_tokens {
             return None;
         }
-        let body = tokenize_body(raw.api, raw.body)?;
+        // The model's own tokenizer where kvroute has it (an adapter's is its base
+        // model's), else the pod's `/tokenize`.
+        let base_model = pod
+            .models
+            .as_ref()
+            .and_then(|m| m.adapters.get(&inference.model))
+            .unwrap_or(&inference.model);
+        let local = precise.local.for_model(base_model);
+        let asked = match &local {
+            Some(_) => Asked::Local(raw.api, raw.body.to_vec()),
+            None => Asked::Pod(tokenize_body(raw.api, raw.body)?),
+        };
         let me = self.me.get()?.upgrade()?;
         // Blocks of an adapter's requests are stored under its name.
         let adapter = pod
@@ -601,25 +624,23 @@ impl LivePicker {
         let (answer, answered) = oneshot::channel();
         tokio::spawn(async move {
             let mut answer = answer;
-            let started = Instant::now();
-            let tokens = tokenizer.tokenize(endpoint, body).await;
-            let outcome = tokens.as_ref().err().map(TokenizeError::kind);
-            telemetry::record_tokenize(started.elapsed(), outcome);
-            let tokens = match tokens {
-                Ok(tokens) => {
-                    // The pod's own count replaces the estimate from the text: the KV the
-                    // prompt needs, and the most of it a pod can hold cached.
-                    inference.prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
-                    Some(TokenBlocks {
-                        chains: token_block_hashes(adapter.as_deref(), &tokens, block_tokens),
-                        block_tokens,
-                    })
+            let tokens = match (asked, local) {
+                (Asked::Local(api, body), Some(local)) => {
+                    tokenize_here_or_on(&tokenizer, local, endpoint, api, body).await
                 }
-                Err(error) => {
-                    debug!(pod = %endpoint, %error, "tokenization failed; matching on what kvroute sent");
-                    None
+                (Asked::Pod(body), _) | (Asked::Local(_, body), None) => {
+                    tokenize_on(&tokenizer, endpoint, body).await
                 }
             };
+            let tokens = tokens.map(|tokens| {
+                // The engine's count replaces the estimate from the text: the KV the
+                // prompt needs, and the most of it a pod can hold cached.
+                inference.prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+                TokenBlocks {
+                    chains: token_block_hashes(adapter.as_deref(), &tokens, block_tokens),
+                    block_tokens,
+                }
+            });
             // The client left while the prompt was tokenized.
             if answer.is_closed() {
                 return;
@@ -801,6 +822,64 @@ fn tokenizing_pod<'s>(
                 && streaming.contains(&pod.endpoint)
                 && pod.models.as_ref().is_some_and(|m| m.serves(model))
         })
+}
+
+/// What a tokenization will be asked of: kvroute's own tokenizer, with the request's
+/// API and body, or a pod, with the `/tokenize` body.
+enum Asked {
+    Local(ApiKind, Vec<u8>),
+    Pod(Vec<u8>),
+}
+
+/// The prompt of `body` tokenized by `local`, on a blocking thread (a long prompt is
+/// milliseconds of CPU), or by the pod at `endpoint` where `local` cannot render it
+/// exactly. `None` where neither tokenized it.
+async fn tokenize_here_or_on(
+    pod: &PodTokenizer,
+    local: Arc<LocalTokenizer>,
+    endpoint: SocketAddr,
+    api: ApiKind,
+    body: Vec<u8>,
+) -> Option<Vec<u32>> {
+    let started = Instant::now();
+    let worked = tokio::task::spawn_blocking(move || {
+        let tokens = local.tokenize(api, &body);
+        (tokens, body)
+    })
+    .await;
+    let (tokens, body) = match worked {
+        Ok(worked) => worked,
+        Err(error) => {
+            debug!(%error, "local tokenization did not finish; matching on what kvroute sent");
+            return None;
+        }
+    };
+    let unsupported = tokens.as_ref().err().map(Unsupported::kind);
+    telemetry::record_local_tokenize(started.elapsed(), unsupported);
+    match tokens {
+        Ok(tokens) => Some(tokens),
+        Err(Unsupported::NotOneText) => None,
+        Err(why) => {
+            debug!(%why, "prompt not tokenized locally; asking a pod");
+            tokenize_on(pod, endpoint, tokenize_body(api, &body)?).await
+        }
+    }
+}
+
+/// The prompt of a `/tokenize` body as the pod at `endpoint` tokenizes it; `None` when
+/// it failed or was late.
+async fn tokenize_on(pod: &PodTokenizer, endpoint: SocketAddr, body: Vec<u8>) -> Option<Vec<u32>> {
+    let started = Instant::now();
+    let tokens = pod.tokenize(endpoint, body).await;
+    telemetry::record_tokenize(
+        started.elapsed(),
+        tokens.as_ref().err().map(TokenizeError::kind),
+    );
+    tokens
+        .inspect_err(|error| {
+            debug!(pod = %endpoint, %error, "tokenization failed; matching on what kvroute sent");
+        })
+        .ok()
 }
 
 /// The prompt's text blocks for the approximate index. Hashing is the costly part of

@@ -216,7 +216,7 @@ fn build_and_install(idle_gauge_timeout: Duration) -> Result<PrometheusHandle, T
             b.set_buckets_for_metric(Matcher::Full(FLOW_QUEUE_WAIT.into()), &wait_buckets)
         })
         // A pod's /tokenize: a loopback round trip is a fraction of a millisecond, a long
-        // chat rendered in Python tens of them.
+        // chat rendered in Python tens of them; kvroute's own tokenizer a few per 10k tokens.
         .and_then(|b| {
             b.set_buckets_for_metric(Matcher::Full(TOKENIZE_DURATION.into()), &scrape_buckets)
         })
@@ -367,7 +367,7 @@ fn describe() {
     describe_histogram!(
         TOKENIZE_DURATION,
         Unit::Seconds,
-        "Time to tokenize a prompt on a pod's /tokenize before matching it on the KV event index, by outcome (ok, http, timeout, status, answer)."
+        "Time to tokenize a prompt before matching it on the KV event index, by tokenizer (pod: its /tokenize; local: kvroute's own, --tokenizer) and outcome (pod: ok, http, timeout, status, answer; local: ok, or why the pod was asked instead: left_to_pod, no_chat_template, render, encode, not_one_text)."
     );
     describe_counter!(
         PREFIX_PREDICTED,
@@ -713,7 +713,14 @@ pub fn record_prefix_check(
 
 /// One prompt tokenized on a pod (`failure`: why not, if it failed).
 pub fn record_tokenize(duration: Duration, failure: Option<&'static str>) {
-    histogram!(TOKENIZE_DURATION, "outcome" => failure.unwrap_or("ok"))
+    histogram!(TOKENIZE_DURATION, "outcome" => failure.unwrap_or("ok"), "tokenizer" => "pod")
+        .record(duration.as_secs_f64());
+}
+
+/// One prompt tokenized by kvroute's own tokenizer (`unsupported`: why it was not, the
+/// pod being asked instead).
+pub fn record_local_tokenize(duration: Duration, unsupported: Option<&'static str>) {
+    histogram!(TOKENIZE_DURATION, "outcome" => unsupported.unwrap_or("ok"), "tokenizer" => "local")
         .record(duration.as_secs_f64());
 }
 

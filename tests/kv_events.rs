@@ -9,6 +9,7 @@
 mod support;
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -17,15 +18,25 @@ use support::{
 };
 
 use kvroute::kvevents::{EndpointTemplate, PrefixSource};
+use kvroute::tokenize::TokenizerSpec;
 use kvroute_sim::{FleetConfig, PodConfig, SimFleet};
 
 const MODEL: &str = "events-model";
 
 /// Two pods publishing events, on consecutive ports so one template names both.
 async fn fleet() -> (SimFleet, kvroute_lab::compare::KvEventTemplates) {
+    fleet_tokenizing(None).await
+}
+
+/// [`fleet`], its pods tokenizing with the model directory `tokenizer` (else the
+/// simulator's synthetic tokenizer).
+async fn fleet_tokenizing(
+    tokenizer: Option<PathBuf>,
+) -> (SimFleet, kvroute_lab::compare::KvEventTemplates) {
     let config = FleetConfig {
         model: MODEL.into(),
         speedup: 20.0,
+        tokenizer,
         ..FleetConfig::uniform(2, PodConfig::default())
     };
     let (config, templates) =
@@ -136,8 +147,9 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
     }
     let text = kvroute.metrics_text().await;
     assert!(
-        text.lines()
-            .any(|l| l.starts_with("kvroute_tokenize_duration_seconds_count{outcome=\"ok\"} ")),
+        text.lines().any(|l| l.starts_with(
+            "kvroute_tokenize_duration_seconds_count{outcome=\"ok\",tokenizer=\"pod\"} "
+        )),
         "prompts were tokenized on the pods:\n{text}"
     );
     // The telemetry weighs what kvroute expected the pods to hold against what they say
@@ -168,6 +180,107 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
         .filter_map(|d| d["prefix_source"].as_str())
         .collect();
     assert_eq!(sources, ["kv_events"; 6], "{decisions:#}");
+    fleet.shutdown().await;
+}
+
+/// The lab's test tokenizer: a byte-level BPE with a Llama-3-style chat template.
+fn test_tokenizer() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("crates/lab/tokenizers/bpe-4k")
+}
+
+/// A chat whose system message is `context`, asking `question`.
+fn chat(context: &str, question: &str) -> serde_json::Value {
+    json!({
+        "model": MODEL,
+        "max_tokens": 1,
+        "messages": [
+            {"role": "system", "content": context},
+            {"role": "user", "content": question},
+        ],
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cannot_render() {
+    let (fleet, templates) = fleet_tokenizing(Some(test_tokenizer())).await;
+    let pods = fleet.endpoints();
+    let mut config = test_config(pods.clone());
+    config.debug_decisions = 16;
+    config.tokenizers = vec![TokenizerSpec {
+        model: None,
+        dir: test_tokenizer(),
+    }];
+    let kvroute = following_events(config, &templates, &pods).await;
+
+    // Each conversation's context is computed on one pod directly, rendered with the
+    // pods' chat template and tokenized by their tokenizer: only that pod's events hold
+    // its blocks.
+    let client = http_client();
+    let contexts: Vec<(String, SocketAddr)> = (0..4).map(|k| (prompt(k), pods[k % 2])).collect();
+    for (context, pod) in &contexts {
+        let status = client
+            .post(format!("http://{pod}/v1/chat/completions"))
+            .json(&chat(context, "What is the first word?"))
+            .send()
+            .await
+            .expect("the pod answers")
+            .status();
+        assert_eq!(status, 200);
+    }
+    wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 4.0 * 18.0).await;
+
+    // The same conversations with another question, through Envoy; the last one also
+    // offers a tool, which kvroute leaves to a pod's /tokenize to render.
+    let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &pods).await;
+    let url = envoy.url("/v1/chat/completions");
+    let mut asked: Vec<(serde_json::Value, SocketAddr)> = contexts
+        .iter()
+        .map(|(context, warm)| (chat(context, "And the last one?"), *warm))
+        .collect();
+    let mut with_tool = chat(&contexts[0].0, "Which tool fits?");
+    with_tool["tools"] = json!([{"type": "function", "function": {"name": "lookup"}}]);
+    asked.push((with_tool, contexts[0].1));
+    for (k, (body, warm)) in asked.iter().enumerate() {
+        let response = client
+            .post(&url)
+            .json(body)
+            .send()
+            .await
+            .expect("Envoy answers");
+        assert_eq!(response.status(), 200, "{}", envoy.log());
+        let served = response
+            .headers()
+            .get("x-sim-pod")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok())
+            .expect("the pod names itself");
+        assert_eq!(
+            pods[served],
+            *warm,
+            "chat {k} went to pod {served}, not to the pod caching its context:\n{}",
+            kvroute.metrics_text().await
+        );
+    }
+    let text = kvroute.metrics_text().await;
+    let tokenized = |outcome: &str, tokenizer: &str| {
+        metric_value(
+            &text,
+            &format!(
+                "kvroute_tokenize_duration_seconds_count{{outcome=\"{outcome}\",tokenizer=\"{tokenizer}\"}}"
+            ),
+        )
+    };
+    assert_eq!(tokenized("ok", "local"), 4.0, "{text}");
+    assert_eq!(tokenized("left_to_pod", "local"), 1.0, "{text}");
+    assert_eq!(tokenized("ok", "pod"), 1.0, "{text}");
+    let decisions = decision_log(kvroute.addrs.debug.expect("debug pages")).await;
+    let sources: Vec<&str> = decisions
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|d| d["prefix_source"].as_str())
+        .collect();
+    assert_eq!(sources, ["kv_events"; 5], "{decisions:#}");
     fleet.shutdown().await;
 }
 

@@ -253,7 +253,7 @@ async fn pods_are_scraped_over_https_trusting_only_the_given_ca_bundle() {
 /// tokens the pod gives over plain HTTP.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompts_are_tokenized_on_https_pods_trusting_only_the_given_ca_bundle() {
-    use kvroute::tokenize::{Tokenizer, tokenize_body};
+    use kvroute::tokenize::{PodTokenizer, tokenize_body};
     use kvroute_core::request::ApiKind;
     use kvroute_sim::{FleetConfig, PodConfig, SimFleet};
 
@@ -274,14 +274,14 @@ async fn prompts_are_tokenized_on_https_pods_trusting_only_the_given_ca_bundle()
     .expect("a chat to tokenize");
     let timeout = Duration::from_secs(5);
 
-    let plain = Tokenizer::new(timeout, None, None)
+    let plain = PodTokenizer::new(timeout, None, None)
         .tokenize(pod, body.clone())
         .await
         .expect("tokenized over plain HTTP");
     assert!(plain.len() > 8, "{plain:?}");
     let trusting = kvroute::scrape::tls_connector(&pki.write("pod-ca.pem", &pki.ca_pem()))
         .expect("the bundle loads");
-    let https = Tokenizer::new(timeout, None, Some(trusting));
+    let https = PodTokenizer::new(timeout, None, Some(trusting));
     for _ in 0..2 {
         // The second time over the pooled connection.
         let tokens = https
@@ -296,13 +296,13 @@ async fn prompts_are_tokenized_on_https_pods_trusting_only_the_given_ca_bundle()
     let untrusting =
         kvroute::scrape::tls_connector(&stranger.write("other-ca.pem", &stranger.ca_pem()))
             .expect("the bundle loads");
-    let refused = Tokenizer::new(timeout, None, Some(untrusting))
+    let refused = PodTokenizer::new(timeout, None, Some(untrusting))
         .tokenize(front, body.clone())
         .await
         .expect_err("an untrusted pod");
     assert_eq!(refused.kind(), "http", "{refused}");
     // Plain HTTP to the TLS port does not get an answer either.
-    let plain_to_tls = Tokenizer::new(timeout, None, None)
+    let plain_to_tls = PodTokenizer::new(timeout, None, None)
         .tokenize(front, body)
         .await
         .expect_err("plain text to a TLS port");
@@ -392,7 +392,7 @@ async fn precise_routing_reaches_https_pods_through_envoy() {
     assert!(
         support::metric_value(
             &text,
-            "kvroute_tokenize_duration_seconds_count{outcome=\"ok\"}"
+            "kvroute_tokenize_duration_seconds_count{outcome=\"ok\",tokenizer=\"pod\"}"
         ) >= 2.0,
         "both prompts tokenized over HTTPS:\n{text}"
     );

@@ -1,15 +1,10 @@
-//! A request's prompt as the engine's token ids, asked of a pod's own `POST /tokenize`.
-//!
-//! Matching a request against the blocks the pods' KV events reported needs the prompt
-//! cut into the same blocks of tokens the engine cut it into: the model's tokenizer, and
-//! for a chat request its chat template, tools and generation prompt rendered exactly as
-//! the engine renders them. The pod's `/tokenize` does exactly that (vLLM applies the
-//! same template and special-token rules as for the completion itself), so the tokens are
-//! right by construction, for any model, without kvroute carrying tokenizers and Jinja
-//! templates. The price is one HTTP round trip per request before it is placed
-//! (measured in `docs/kv-events.md`), bounded by a timeout after which the request is
-//! placed on the approximate index alone. Pods that speak HTTPS (`--pod-ca-bundle`) are
-//! asked over TLS, trusting the same CAs as their scrapes.
+//! Prompts tokenized on a pod's own `POST /tokenize`: vLLM applies the same template and
+//! special-token rules as for the completion itself, so the tokens are right by
+//! construction, for any model, without a tokenizer in kvroute. The price is one HTTP
+//! round trip per request before it is placed (measured in `docs/kv-events.md`), bounded
+//! by a timeout after which the request is placed on the approximate index alone. Pods
+//! that speak HTTPS (`--pod-ca-bundle`) are asked over TLS, trusting the same CAs as
+//! their scrapes.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -78,6 +73,8 @@ struct PromptFields<'a> {
     continue_final_message: Option<&'a RawValue>,
     #[serde(borrow)]
     documents: Option<&'a RawValue>,
+    #[serde(borrow)]
+    add_special_tokens: Option<&'a RawValue>,
 }
 
 /// The `/tokenize` body for an inference request's `body`, or `None` when its prompt is
@@ -101,30 +98,43 @@ pub fn tokenize_body(api: ApiKind, body: &[u8]) -> Option<Vec<u8>> {
             }
             out.extend_from_slice(b",\"prompt\":");
             out.extend_from_slice(prompt.get().as_bytes());
+            copy_fields(
+                &mut out,
+                &[("add_special_tokens", fields.add_special_tokens)],
+            );
         }
         ApiKind::ChatCompletions => {
             let messages = fields.messages?;
             out.extend_from_slice(b",\"messages\":");
             out.extend_from_slice(messages.get().as_bytes());
-            for (name, value) in [
-                ("tools", fields.tools),
-                ("chat_template", fields.chat_template),
-                ("chat_template_kwargs", fields.chat_template_kwargs),
-                ("add_generation_prompt", fields.add_generation_prompt),
-                ("continue_final_message", fields.continue_final_message),
-                ("documents", fields.documents),
-            ] {
-                if let Some(value) = value.filter(|v| v.get() != "null") {
-                    out.push(b',');
-                    out.extend_from_slice(format!("\"{name}\":").as_bytes());
-                    out.extend_from_slice(value.get().as_bytes());
-                }
-            }
+            copy_fields(
+                &mut out,
+                &[
+                    ("tools", fields.tools),
+                    ("chat_template", fields.chat_template),
+                    ("chat_template_kwargs", fields.chat_template_kwargs),
+                    ("add_generation_prompt", fields.add_generation_prompt),
+                    ("continue_final_message", fields.continue_final_message),
+                    ("documents", fields.documents),
+                    ("add_special_tokens", fields.add_special_tokens),
+                ],
+            );
         }
         ApiKind::Other => return None,
     }
     out.push(b'}');
     Some(out)
+}
+
+/// Appends each field the client set (not `null`) to the JSON object being written.
+fn copy_fields(out: &mut Vec<u8>, fields: &[(&str, Option<&RawValue>)]) {
+    for (name, value) in fields {
+        if let Some(value) = value.filter(|v| v.get() != "null") {
+            out.push(b',');
+            out.extend_from_slice(format!("\"{name}\":").as_bytes());
+            out.extend_from_slice(value.get().as_bytes());
+        }
+    }
 }
 
 /// vLLM's `/tokenize` answer (the fields kvroute reads).
@@ -138,7 +148,7 @@ const MAX_ANSWER_BYTES: usize = 8 << 20;
 
 /// Tokenizes prompts on the pods, over pooled keep-alive connections.
 #[derive(Debug, Clone)]
-pub struct Tokenizer {
+pub struct PodTokenizer {
     client: Client<PodConnector, Full<Bytes>>,
     /// `https` where the pods speak TLS, else `http`.
     scheme: &'static str,
@@ -146,12 +156,12 @@ pub struct Tokenizer {
     api_key: Option<ApiKey>,
 }
 
-impl Tokenizer {
+impl PodTokenizer {
     /// `tls`: the pods speak HTTPS and are trusted by this connector (the scrapes' own,
     /// from `--pod-ca-bundle`); `None`: plain HTTP.
     pub fn new(timeout: Duration, api_key: Option<ApiKey>, tls: Option<TlsConnector>) -> Self {
         let scheme = if tls.is_some() { "https" } else { "http" };
-        Tokenizer {
+        PodTokenizer {
             client: Client::builder(TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(30))
                 .build(PodConnector { tls }),
@@ -237,7 +247,7 @@ impl tower_service::Service<Uri> for PodConnector {
 
     fn call(&mut self, uri: Uri) -> Self::Future {
         let tls = self.tls.clone();
-        // The URI is [`Tokenizer::ask`]'s, made from the pod's address.
+        // The URI is [`PodTokenizer::ask`]'s, made from the pod's address.
         let endpoint = uri
             .authority()
             .and_then(|a| a.as_str().parse::<SocketAddr>().ok());
@@ -285,6 +295,18 @@ mod tests {
             Some(
                 r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}],"add_generation_prompt":false}"#
             )
+        );
+    }
+
+    #[test]
+    fn the_clients_special_token_choice_is_forwarded() {
+        let got = body(
+            ApiKind::Completions,
+            r#"{"model":"m","prompt":"x","add_special_tokens":false}"#,
+        );
+        assert_eq!(
+            got.as_deref(),
+            Some(r#"{"model":"m","prompt":"x","add_special_tokens":false}"#)
         );
     }
 

@@ -1,0 +1,452 @@
+//! Prompts tokenized in kvroute itself, from the model's own `tokenizer.json` and chat
+//! template (`--tokenizer [MODEL=]DIR`), as vLLM's OpenAI server makes them:
+//!
+//! - a completion's `prompt` (one string) is encoded with `add_special_tokens` (the
+//!   request's field, default true: the tokenizer's post-processor adds the BOS);
+//! - a chat's `messages` are rendered with the chat template (Jinja, as transformers'
+//!   `apply_chat_template` runs it: blocks trimmed and left-stripped, loop controls,
+//!   `raise_exception`, `strftime_now`, Python's string methods), with
+//!   `add_generation_prompt` (default true), the tokenizer's `bos_token` and `eos_token`
+//!   and the request's `chat_template_kwargs`; the text is encoded with
+//!   `add_special_tokens` default false (the template writes the BOS itself). A message's
+//!   content is one string, its text parts joined by a newline (vLLM's "string" content
+//!   format), or a list of text parts where the template loops over the content ("openai").
+//!
+//! What a local rendering could get wrong is left to the pod's `/tokenize`
+//! ([`super::pod`]), which renders it exactly: a request carrying its own chat template,
+//! tools or documents (vLLM passes them through pydantic models, which add fields), tool
+//! calls or tool results, non-text content, `continue_final_message` (transformers trims
+//! the rendered text after the fact). Removing the round trip matters most below a
+//! fleet's knee, where it is a visible part of the time to first token, and it takes the
+//! tokenization off the pods' API servers.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+
+use minijinja::{Environment, Error as TemplateError, ErrorKind, Value};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use kvroute_core::request::ApiKind;
+
+/// The template's name in its environment.
+const CHAT: &str = "chat";
+
+/// Why a tokenizer directory could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[error("tokenizer {path}: {message}")]
+pub struct LoadError {
+    path: PathBuf,
+    message: String,
+}
+
+impl LoadError {
+    fn new(path: &Path, message: impl ToString) -> Self {
+        LoadError {
+            path: path.to_owned(),
+            message: message.to_string(),
+        }
+    }
+}
+
+/// Why a prompt was not tokenized here. Except for [`Unsupported::NotOneText`], which no
+/// tokenizer can make one sequence of, the pod's `/tokenize` is asked instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unsupported {
+    #[error("the prompt is not one text (a batch, token ids, or a body that does not parse)")]
+    NotOneText,
+    #[error("the request {0}, which only the pod renders exactly")]
+    LeftToPod(&'static str),
+    #[error("the tokenizer has no chat template")]
+    NoChatTemplate,
+    #[error("the chat template failed: {0}")]
+    Render(String),
+    #[error("encoding failed: {0}")]
+    Encode(String),
+}
+
+impl Unsupported {
+    /// A bounded label value.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Unsupported::NotOneText => "not_one_text",
+            Unsupported::LeftToPod(_) => "left_to_pod",
+            Unsupported::NoChatTemplate => "no_chat_template",
+            Unsupported::Render(_) => "render",
+            Unsupported::Encode(_) => "encode",
+        }
+    }
+}
+
+/// `--tokenizer [MODEL=]DIR`: a model directory as Hugging Face ships it, for one
+/// model (and its adapters) or, without `MODEL=`, for every model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenizerSpec {
+    pub model: Option<String>,
+    pub dir: PathBuf,
+}
+
+impl FromStr for TokenizerSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (model, dir) = match s.split_once('=') {
+            Some((model, dir)) if !model.is_empty() => (Some(model.to_owned()), dir),
+            Some(_) => return Err(format!("`{s}`: the model before `=` is empty")),
+            None => (None, s),
+        };
+        if dir.is_empty() {
+            return Err(format!("`{s}`: no directory"));
+        }
+        Ok(TokenizerSpec {
+            model,
+            dir: PathBuf::from(dir),
+        })
+    }
+}
+
+/// The loaded tokenizers, by the base model they serve.
+#[derive(Debug, Default, Clone)]
+pub struct LocalTokenizers {
+    by_model: HashMap<String, Arc<LocalTokenizer>>,
+    any: Option<Arc<LocalTokenizer>>,
+}
+
+impl LocalTokenizers {
+    /// Loads every directory of `specs`; the first error names its path.
+    pub fn load(specs: &[TokenizerSpec]) -> Result<Self, LoadError> {
+        let mut loaded = LocalTokenizers::default();
+        for spec in specs {
+            let tokenizer = Arc::new(LocalTokenizer::load(&spec.dir)?);
+            match &spec.model {
+                Some(model) => {
+                    loaded.by_model.insert(model.clone(), tokenizer);
+                }
+                None => loaded.any = Some(tokenizer),
+            }
+        }
+        Ok(loaded)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_model.is_empty() && self.any.is_none()
+    }
+
+    /// The tokenizer of `base_model` (an adapter's requests use its base model's).
+    pub fn for_model(&self, base_model: &str) -> Option<Arc<LocalTokenizer>> {
+        self.by_model.get(base_model).or(self.any.as_ref()).cloned()
+    }
+}
+
+/// One model's tokenizer and chat template.
+pub struct LocalTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    chat: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for LocalTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalTokenizer")
+            .field("vocab", &self.tokenizer.get_vocab_size(true))
+            .field("chat_template", &self.chat.is_some())
+            .finish()
+    }
+}
+
+/// A chat template ready to render, with what the tokenizer's configuration gives it.
+struct ChatTemplate {
+    env: Environment<'static>,
+    /// Messages' content as a list of text parts (the template loops over it), else one
+    /// string.
+    content_parts: bool,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+/// What `tokenizer_config.json` says that tokenization reads.
+#[derive(Deserialize, Default)]
+struct TokenizerConfig {
+    #[serde(default)]
+    chat_template: Option<serde_json::Value>,
+    #[serde(default)]
+    bos_token: Option<serde_json::Value>,
+    #[serde(default)]
+    eos_token: Option<serde_json::Value>,
+}
+
+impl LocalTokenizer {
+    /// Loads `dir`: `tokenizer.json` (required), `tokenizer_config.json` (its
+    /// `chat_template`, `bos_token`, `eos_token`), and `chat_template.jinja`, which
+    /// takes precedence over the configuration's template as in transformers.
+    pub fn load(dir: &Path) -> Result<Self, LoadError> {
+        let file = dir.join("tokenizer.json");
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(&file).map_err(|e| LoadError::new(&file, e))?;
+        let config_file = dir.join("tokenizer_config.json");
+        let config: TokenizerConfig = match std::fs::read(&config_file) {
+            Ok(bytes) => {
+                serde_json::from_slice(&bytes).map_err(|e| LoadError::new(&config_file, e))?
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => TokenizerConfig::default(),
+            Err(e) => return Err(LoadError::new(&config_file, e)),
+        };
+        let jinja_file = dir.join("chat_template.jinja");
+        let (source, source_file) = match std::fs::read_to_string(&jinja_file) {
+            Ok(source) => (Some(source), jinja_file),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (
+                config
+                    .chat_template
+                    .as_ref()
+                    .and_then(default_template)
+                    .map(str::to_owned),
+                config_file,
+            ),
+            Err(e) => return Err(LoadError::new(&jinja_file, e)),
+        };
+        let chat = source
+            .map(|source| {
+                ChatTemplate::new(
+                    source,
+                    token_text(config.bos_token.as_ref()),
+                    token_text(config.eos_token.as_ref()),
+                )
+                .map_err(|e| LoadError::new(&source_file, e))
+            })
+            .transpose()?;
+        Ok(LocalTokenizer { tokenizer, chat })
+    }
+
+    /// The token ids vLLM makes of the prompt of `body`, a request of `api`.
+    pub fn tokenize(&self, api: ApiKind, body: &[u8]) -> Result<Vec<u32>, Unsupported> {
+        let request: PromptRequest<'_> =
+            serde_json::from_slice(body).map_err(|_| Unsupported::NotOneText)?;
+        let (text, add_special_tokens) = match api {
+            ApiKind::Completions => {
+                let prompt = request.prompt.ok_or(Unsupported::NotOneText)?;
+                let text: String =
+                    serde_json::from_str(prompt.get()).map_err(|_| Unsupported::NotOneText)?;
+                (text, request.add_special_tokens.unwrap_or(true))
+            }
+            ApiKind::ChatCompletions => {
+                let chat = self.chat.as_ref().ok_or(Unsupported::NoChatTemplate)?;
+                (
+                    chat.render(&request)?,
+                    request.add_special_tokens.unwrap_or(false),
+                )
+            }
+            ApiKind::Other => return Err(Unsupported::NotOneText),
+        };
+        let encoding = self
+            .tokenizer
+            .encode_fast(text.as_str(), add_special_tokens)
+            .map_err(|e| Unsupported::Encode(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+}
+
+/// The request fields that decide a prompt's tokens.
+#[derive(Deserialize)]
+struct PromptRequest<'a> {
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(default)]
+    messages: Option<Vec<serde_json::Map<String, serde_json::Value>>>,
+    #[serde(borrow, default)]
+    chat_template: Option<&'a RawValue>,
+    #[serde(default)]
+    chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    documents: Option<&'a RawValue>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    continue_final_message: Option<bool>,
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+}
+
+impl ChatTemplate {
+    fn new(
+        source: String,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self, TemplateError> {
+        let content_parts = loops_over_content(&source);
+        let mut env = Environment::new();
+        // transformers' sandboxed environment: `trim_blocks` and `lstrip_blocks` on.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned(CHAT, source)?;
+        Ok(ChatTemplate {
+            env,
+            content_parts,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// The conversation of `request` as the template writes it.
+    fn render(&self, request: &PromptRequest<'_>) -> Result<String, Unsupported> {
+        let messages = request.messages.as_ref().ok_or(Unsupported::NotOneText)?;
+        let set = |field: Option<&RawValue>| field.is_some_and(|v| v.get() != "null");
+        for (field, what) in [
+            (request.chat_template, "brings its own chat template"),
+            (request.tools, "has tools"),
+            (request.documents, "has documents"),
+        ] {
+            if set(field) {
+                return Err(Unsupported::LeftToPod(what));
+            }
+        }
+        if request.continue_final_message == Some(true) {
+            return Err(Unsupported::LeftToPod("continues its final message"));
+        }
+        let messages = messages
+            .iter()
+            .map(|message| self.message(message))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut context: Vec<(String, Value)> = vec![
+            ("messages".into(), Value::from(messages)),
+            (
+                "add_generation_prompt".into(),
+                Value::from(request.add_generation_prompt.unwrap_or(true)),
+            ),
+        ];
+        for (name, token) in [
+            ("bos_token", &self.bos_token),
+            ("eos_token", &self.eos_token),
+        ] {
+            if let Some(token) = token {
+                context.push((name.into(), Value::from(token.as_str())));
+            }
+        }
+        // The request's keyword arguments override the special tokens, as in transformers.
+        for (name, value) in request.chat_template_kwargs.iter().flatten() {
+            context.push((name.clone(), Value::from_serialize(value)));
+        }
+        let context: Value = context.into_iter().collect();
+        self.env
+            .get_template(CHAT)
+            .and_then(|template| template.render(context))
+            .map_err(|e| Unsupported::Render(e.to_string()))
+    }
+
+    /// One message as the template receives it: its role, its name if it has one, and its
+    /// content as one string (text parts joined by a newline) or as a list of text parts,
+    /// as [`ChatTemplate::content_parts`] says.
+    fn message(
+        &self,
+        message: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Value, Unsupported> {
+        if message.contains_key("tool_calls")
+            || message.get("role").and_then(serde_json::Value::as_str) == Some("tool")
+        {
+            return Err(Unsupported::LeftToPod("has tool calls or results"));
+        }
+        // No content is an empty string (an empty list of parts), as vLLM hands it over.
+        let texts = match message.get("content") {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(serde_json::Value::String(text)) => vec![text.as_str()],
+            Some(serde_json::Value::Array(parts)) => parts
+                .iter()
+                .map(|part| {
+                    let text = part.get("text").and_then(serde_json::Value::as_str);
+                    match part.get("type").and_then(serde_json::Value::as_str) {
+                        Some("text") => text,
+                        _ => None,
+                    }
+                    .ok_or(Unsupported::LeftToPod("has content other than text"))
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            Some(_) => return Err(Unsupported::LeftToPod("has content other than text")),
+        };
+        let content = if self.content_parts {
+            Value::from(
+                texts
+                    .into_iter()
+                    .map(|text| {
+                        [("type", Value::from("text")), ("text", Value::from(text))]
+                            .into_iter()
+                            .collect::<Value>()
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        } else {
+            Value::from(texts.join("\n"))
+        };
+        // vLLM hands the template a text message's role, content and name, nothing else.
+        Ok(["role", "name"]
+            .into_iter()
+            .filter_map(|field| Some((field, Value::from_serialize(message.get(field)?))))
+            .chain(std::iter::once(("content", content)))
+            .collect())
+    }
+}
+
+/// Whether the template loops over a message's content (vLLM's "openai" content format
+/// then hands it the list of parts; otherwise one string).
+fn loops_over_content(source: &str) -> bool {
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        let after = &rest[start + 2..];
+        let end = after.find("%}").unwrap_or(after.len());
+        let statement = after[..end].trim_start_matches(['-', '+']).trim_start();
+        if let Some(head) = statement.strip_prefix("for ")
+            && let Some((_, iterable)) = head.split_once(" in ")
+            && iterable.contains("content")
+        {
+            return true;
+        }
+        rest = &after[end..];
+    }
+    false
+}
+
+/// The default chat template of `tokenizer_config.json`'s `chat_template`: a string, or
+/// a list of named templates of which `default` is the one transformers uses.
+fn default_template(value: &serde_json::Value) -> Option<&str> {
+    match value {
+        serde_json::Value::String(source) => Some(source),
+        serde_json::Value::Array(named) => named
+            .iter()
+            .find(|t| t.get("name").and_then(serde_json::Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(serde_json::Value::as_str),
+        _ => None,
+    }
+}
+
+/// A special token's text: a string, or an added token's `content`.
+fn token_text(value: Option<&serde_json::Value>) -> Option<String> {
+    match value? {
+        serde_json::Value::String(text) => Some(text.clone()),
+        token => token
+            .get("content")
+            .and_then(serde_json::Value::as_str)
+            .map(str::to_owned),
+    }
+}
+
+/// The template's own refusal (an unknown role, roles out of order).
+fn raise_exception(message: String) -> Result<Value, TemplateError> {
+    Err(TemplateError::new(ErrorKind::InvalidOperation, message))
+}
+
+/// The local time formatted as Python's `strftime` does (some templates write today's
+/// date into the system prompt, as vLLM renders it where the request is served).
+fn strftime_now(format: String) -> Result<Value, TemplateError> {
+    let now = jiff::Zoned::now();
+    jiff::fmt::strtime::format(format.as_str(), &now)
+        .map(Value::from)
+        .map_err(|e| TemplateError::new(ErrorKind::InvalidOperation, e.to_string()))
+}
+
+#[cfg(test)]
+mod tests;
