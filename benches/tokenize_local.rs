@@ -4,6 +4,8 @@
 //! context, the workload precise routing is for) and a short question, and completions of
 //! the same text, on the lab's byte-level BPE (`crates/lab/tokenizers/bpe-4k`, 4,096
 //! tokens: smaller vocabularies cut text into more tokens, so this errs on the dear side).
+//! Each with the long pieces remembered (the default: a context sent again is copied, a
+//! new one encoded and remembered) and encoded whole (`--tokenizer-cache-mib 0`).
 //!
 //! Run: `cargo bench --bench tokenize_local`
 
@@ -13,7 +15,7 @@
 use std::hint::black_box;
 use std::path::PathBuf;
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvroute::tokenize::LocalTokenizer;
 use kvroute_core::request::ApiKind;
 use serde_json::json;
@@ -27,31 +29,62 @@ fn text(chars: usize) -> String {
 
 fn tokenize(c: &mut Criterion) {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let tokenizer = LocalTokenizer::load(&root.join("crates/lab/tokenizers/bpe-4k")).unwrap();
+    let dir = root.join("crates/lab/tokenizers/bpe-4k");
+    // Remembering the long pieces (the default), and encoding every prompt whole.
+    let remembering = LocalTokenizer::load(&dir, 64 << 20).unwrap();
+    let whole = LocalTokenizer::load(&dir, 0).unwrap();
     let mut group = c.benchmark_group("tokenize_local");
     for chars in [2_000, 8_000, 32_000] {
         let context = text(chars);
-        let chat = serde_json::to_vec(&json!({
-            "model": "m",
-            "messages": [
-                {"role": "system", "content": context},
-                {"role": "user", "content": "What does the second paragraph say about replicas?"},
-            ],
-        }))
-        .unwrap();
+        let chat = |context: &str| {
+            serde_json::to_vec(&json!({
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": context},
+                    {"role": "user", "content": "What does the second paragraph say about replicas?"},
+                ],
+            }))
+            .unwrap()
+        };
+        let shared = chat(&context);
         let completion = serde_json::to_vec(&json!({"model": "m", "prompt": context})).unwrap();
-        let tokens = tokenizer
-            .tokenize(ApiKind::ChatCompletions, &chat)
+        let tokens = whole
+            .tokenize(ApiKind::ChatCompletions, &shared)
             .unwrap()
             .len();
         group.throughput(Throughput::Elements(tokens as u64));
-        group.bench_with_input(BenchmarkId::new("chat", tokens), &chat, |b, body| {
-            b.iter(|| tokenizer.tokenize(ApiKind::ChatCompletions, black_box(body)))
+        // A tenant's context sent again: its piece is remembered.
+        group.bench_with_input(
+            BenchmarkId::new("chat_shared_context", tokens),
+            &shared,
+            |b, body| b.iter(|| remembering.tokenize(ApiKind::ChatCompletions, black_box(body))),
+        );
+        // A context never seen: encoded, then remembered (the price of a miss).
+        let mut fresh = 0u64;
+        group.bench_function(BenchmarkId::new("chat_new_context", tokens), |b| {
+            b.iter_batched(
+                || {
+                    fresh += 1;
+                    chat(&format!("{fresh} {context}"))
+                },
+                |body| remembering.tokenize(ApiKind::ChatCompletions, &body),
+                BatchSize::SmallInput,
+            )
         });
         group.bench_with_input(
-            BenchmarkId::new("completion", tokens),
+            BenchmarkId::new("chat_whole", tokens),
+            &shared,
+            |b, body| b.iter(|| whole.tokenize(ApiKind::ChatCompletions, black_box(body))),
+        );
+        group.bench_with_input(
+            BenchmarkId::new("completion_shared", tokens),
             &completion,
-            |b, body| b.iter(|| tokenizer.tokenize(ApiKind::Completions, black_box(body))),
+            |b, body| b.iter(|| remembering.tokenize(ApiKind::Completions, black_box(body))),
+        );
+        group.bench_with_input(
+            BenchmarkId::new("completion_whole", tokens),
+            &completion,
+            |b, body| b.iter(|| whole.tokenize(ApiKind::Completions, black_box(body))),
         );
     }
     group.finish();

@@ -112,7 +112,7 @@ impl App {
                 .as_deref()
                 .map(crate::scrape::tls_connector)
                 .transpose()?;
-            let local = LocalTokenizers::load(&config.tokenizers)?;
+            let local = LocalTokenizers::load(&config.tokenizers, config.tokenizer_cache_bytes)?;
             let index = Arc::new(PreciseIndex::with_budget(config.kv_events_index_bytes));
             picker.match_on_events(PreciseRouting::new(
                 Arc::clone(&index),

@@ -263,6 +263,11 @@ pub struct ServeArgs {
     /// chat template) still go to a pod's /tokenize. Needs --prefix-source precise or auto.
     #[arg(long = "tokenizer", env = "KVROUTE_TOKENIZER", value_delimiter = ',')]
     pub tokenizers: Vec<crate::tokenize::TokenizerSpec>,
+    /// Memory for the tokens of long texts --tokenizer has encoded, in MiB (shared system
+    /// prompts and contexts are encoded once, then copied; the least recently used are
+    /// forgotten first); 0 encodes every prompt whole.
+    #[arg(long, env = "KVROUTE_TOKENIZER_CACHE_MIB", default_value_t = 64)]
+    pub tokenizer_cache_mib: u32,
     /// Connections each listener (ext_proc, health, admin, metrics, debug) holds open at
     /// most; past it a new connection is closed on arrival and counted. A gateway opens a
     /// few per Envoy worker.
@@ -489,6 +494,8 @@ pub struct ServeConfig {
     pub tokenize_timeout: Duration,
     /// See [`ServeArgs::tokenizers`].
     pub tokenizers: Vec<crate::tokenize::TokenizerSpec>,
+    /// See [`ServeArgs::tokenizer_cache_mib`]; in bytes.
+    pub tokenizer_cache_bytes: usize,
     pub drain_timeout: Duration,
     /// See [`ServeArgs::max_connections`].
     pub max_connections: usize,
@@ -571,6 +578,7 @@ impl ServeConfig {
             kv_events_index_bytes: kvroute_core::fleet::DEFAULT_PREFIX_BUDGET_BYTES,
             tokenize_timeout: Duration::from_millis(100),
             tokenizers: Vec::new(),
+            tokenizer_cache_bytes: 64 << 20,
             drain_timeout: Duration::from_secs(10),
             drain_grace: Duration::from_secs(3),
             max_connections: 4096,
@@ -690,6 +698,7 @@ impl ServeConfig {
             kv_events_index_bytes: (args.kv_events_index_mib as usize) << 20,
             tokenize_timeout: args.tokenize_timeout,
             tokenizers: args.tokenizers.clone(),
+            tokenizer_cache_bytes: (args.tokenizer_cache_mib as usize) << 20,
             drain_timeout: args.drain_timeout,
             drain_grace: args.drain_grace,
             max_connections: args.max_connections as usize,

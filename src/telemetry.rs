@@ -63,6 +63,7 @@ pub const KV_EVENT_RESETS: &str = "kvroute_kv_event_resets_total";
 pub const KV_EVENT_STREAMS: &str = "kvroute_kv_event_streams";
 pub const KV_EVENT_INDEX_ENTRIES: &str = "kvroute_kv_event_index_entries";
 pub const TOKENIZE_DURATION: &str = "kvroute_tokenize_duration_seconds";
+pub const LOCAL_TOKENS: &str = "kvroute_local_tokenizer_tokens_total";
 pub const PREFIX_PREDICTED: &str = "kvroute_prefix_predicted_cached_tokens_total";
 pub const POD_PREFIX_HITS: &str = "kvroute_pod_prefix_cache_hit_tokens_total";
 pub const PREFIX_CHECKS: &str = "kvroute_prefix_checks_total";
@@ -368,6 +369,10 @@ fn describe() {
         TOKENIZE_DURATION,
         Unit::Seconds,
         "Time to tokenize a prompt before matching it on the KV event index, by tokenizer (pod: its /tokenize; local: kvroute's own, --tokenizer) and outcome (pod: ok, http, timeout, status, answer; local: ok, or why the pod was asked instead: left_to_pod, no_chat_template, render, encode, not_one_text)."
+    );
+    describe_counter!(
+        LOCAL_TOKENS,
+        "Tokens kvroute's own tokenizer produced, by source: remembered (copied from a long piece of text it had encoded before, such as a shared system prompt) or encoded."
     );
     describe_counter!(
         PREFIX_PREDICTED,
@@ -722,6 +727,13 @@ pub fn record_tokenize(duration: Duration, failure: Option<&'static str>) {
 pub fn record_local_tokenize(duration: Duration, unsupported: Option<&'static str>) {
     histogram!(TOKENIZE_DURATION, "outcome" => unsupported.unwrap_or("ok"), "tokenizer" => "local")
         .record(duration.as_secs_f64());
+}
+
+/// The tokens of one prompt kvroute's own tokenizer made: `remembered` copied from
+/// pieces it had encoded before, `encoded` encoded now.
+pub fn record_local_tokens(remembered: usize, encoded: usize) {
+    counter!(LOCAL_TOKENS, "source" => "remembered").increment(remembered as u64);
+    counter!(LOCAL_TOKENS, "source" => "encoded").increment(encoded as u64);
 }
 
 /// A gap in a pod's sequence numbers.

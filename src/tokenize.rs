@@ -9,6 +9,7 @@
 //! when no tokenizer is given.
 
 mod local;
+mod pieces;
 mod pod;
 
 pub use local::{LoadError, LocalTokenizer, LocalTokenizers, TokenizerSpec, Unsupported};

@@ -31,6 +31,8 @@ use serde_json::value::RawValue;
 
 use kvroute_core::request::ApiKind;
 
+use super::pieces::Pieces;
+
 /// The template's name in its environment.
 const CHAT: &str = "chat";
 
@@ -115,11 +117,13 @@ pub struct LocalTokenizers {
 }
 
 impl LocalTokenizers {
-    /// Loads every directory of `specs`; the first error names its path.
-    pub fn load(specs: &[TokenizerSpec]) -> Result<Self, LoadError> {
+    /// Loads every directory of `specs`, sharing `cache_bytes` between them for the
+    /// pieces of text they remember (0: none); the first error names its path.
+    pub fn load(specs: &[TokenizerSpec], cache_bytes: usize) -> Result<Self, LoadError> {
         let mut loaded = LocalTokenizers::default();
+        let cache_bytes = cache_bytes / specs.len().max(1);
         for spec in specs {
-            let tokenizer = Arc::new(LocalTokenizer::load(&spec.dir)?);
+            let tokenizer = Arc::new(LocalTokenizer::load(&spec.dir, cache_bytes)?);
             match &spec.model {
                 Some(model) => {
                     loaded.by_model.insert(model.clone(), tokenizer);
@@ -144,6 +148,10 @@ impl LocalTokenizers {
 pub struct LocalTokenizer {
     tokenizer: tokenizers::Tokenizer,
     chat: Option<ChatTemplate>,
+    /// Texts encoded piece by piece between special tokens, the long pieces remembered
+    /// (`None`: encoded whole, where the tokenizer's pieces depend on one another or
+    /// nothing may be remembered).
+    pieces: Option<Pieces>,
 }
 
 impl std::fmt::Debug for LocalTokenizer {
@@ -151,6 +159,7 @@ impl std::fmt::Debug for LocalTokenizer {
         f.debug_struct("LocalTokenizer")
             .field("vocab", &self.tokenizer.get_vocab_size(true))
             .field("chat_template", &self.chat.is_some())
+            .field("remembers_pieces", &self.pieces.is_some())
             .finish()
     }
 }
@@ -179,8 +188,9 @@ struct TokenizerConfig {
 impl LocalTokenizer {
     /// Loads `dir`: `tokenizer.json` (required), `tokenizer_config.json` (its
     /// `chat_template`, `bos_token`, `eos_token`), and `chat_template.jinja`, which
-    /// takes precedence over the configuration's template as in transformers.
-    pub fn load(dir: &Path) -> Result<Self, LoadError> {
+    /// takes precedence over the configuration's template as in transformers. Up to
+    /// `cache_bytes` of long pieces' tokens are remembered (`pieces.rs`).
+    pub fn load(dir: &Path, cache_bytes: usize) -> Result<Self, LoadError> {
         let file = dir.join("tokenizer.json");
         let tokenizer =
             tokenizers::Tokenizer::from_file(&file).map_err(|e| LoadError::new(&file, e))?;
@@ -215,7 +225,14 @@ impl LocalTokenizer {
                 .map_err(|e| LoadError::new(&source_file, e))
             })
             .transpose()?;
-        Ok(LocalTokenizer { tokenizer, chat })
+        let pieces = (cache_bytes > 0)
+            .then(|| Pieces::new(&tokenizer, cache_bytes))
+            .flatten();
+        Ok(LocalTokenizer {
+            tokenizer,
+            chat,
+            pieces,
+        })
     }
 
     /// The token ids vLLM makes of the prompt of `body`, a request of `api`.
@@ -238,10 +255,18 @@ impl LocalTokenizer {
             }
             ApiKind::Other => return Err(Unsupported::NotOneText),
         };
+        if let Some(pieces) = &self.pieces {
+            let (ids, reuse) = pieces
+                .encode(&self.tokenizer, &text, add_special_tokens)
+                .map_err(Unsupported::Encode)?;
+            crate::telemetry::record_local_tokens(reuse.remembered, reuse.encoded);
+            return Ok(ids);
+        }
         let encoding = self
             .tokenizer
             .encode_fast(text.as_str(), add_special_tokens)
             .map_err(|e| Unsupported::Encode(e.to_string()))?;
+        crate::telemetry::record_local_tokens(0, encoding.len());
         Ok(encoding.get_ids().to_vec())
     }
 }

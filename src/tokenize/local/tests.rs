@@ -9,10 +9,12 @@ fn fixture() -> PathBuf {
 }
 
 fn loaded() -> LocalTokenizer {
-    LocalTokenizer::load(&fixture()).expect("the fixture loads")
+    LocalTokenizer::load(&fixture(), CACHE).expect("the fixture loads")
 }
 
 const BOS: u32 = 0;
+/// Room for the long pieces the tests encode.
+const CACHE: usize = 1 << 20;
 
 /// A directory holding the fixture's `tokenizer.json` and, as `chat_template.jinja`,
 /// `template`.
@@ -102,7 +104,7 @@ fn text_parts_are_one_string_joined_by_newlines_unless_the_template_loops_over_t
     let looping = with_template(
         "{% for m in messages %}[{% for part in m['content'] %}{{ part['text'] }};{% endfor %}]{% endfor %}",
     );
-    let looping = LocalTokenizer::load(looping.path()).expect("loads");
+    let looping = LocalTokenizer::load(looping.path(), CACHE).expect("loads");
     let expected = looping
         .tokenizer
         .encode("[one;two;][three;]", false)
@@ -123,7 +125,7 @@ fn the_requests_template_arguments_reach_the_template() {
     let dir = with_template(
         "{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}{{ bos_token }}",
     );
-    let tokenizer = LocalTokenizer::load(dir.path()).expect("loads");
+    let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
     let encode = |text: &str| {
         tokenizer
             .tokenizer
@@ -197,7 +199,7 @@ fn a_tokenizer_without_a_template_leaves_chats_to_the_pod() {
         dir.path().join("tokenizer.json"),
     )
     .expect("copy");
-    let tokenizer = LocalTokenizer::load(dir.path()).expect("loads");
+    let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
     assert_eq!(
         tokenizer.tokenize(
             ApiKind::ChatCompletions,
@@ -215,7 +217,7 @@ fn a_tokenizer_without_a_template_leaves_chats_to_the_pod() {
 #[test]
 fn load_errors_name_the_file() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let missing = LocalTokenizer::load(dir.path()).expect_err("no tokenizer.json");
+    let missing = LocalTokenizer::load(dir.path(), CACHE).expect_err("no tokenizer.json");
     assert!(missing.to_string().contains("tokenizer.json"), "{missing}");
     std::fs::copy(
         fixture().join("tokenizer.json"),
@@ -223,14 +225,14 @@ fn load_errors_name_the_file() {
     )
     .expect("copy");
     std::fs::write(dir.path().join("chat_template.jinja"), "{% for %}").expect("write");
-    let broken = LocalTokenizer::load(dir.path()).expect_err("bad template");
+    let broken = LocalTokenizer::load(dir.path(), CACHE).expect_err("bad template");
     assert!(
         broken.to_string().contains("chat_template.jinja"),
         "{broken}"
     );
     std::fs::remove_file(dir.path().join("chat_template.jinja")).expect("remove");
     std::fs::write(dir.path().join("tokenizer_config.json"), "{").expect("write");
-    let config = LocalTokenizer::load(dir.path()).expect_err("bad config");
+    let config = LocalTokenizer::load(dir.path(), CACHE).expect_err("bad config");
     assert!(
         config.to_string().contains("tokenizer_config.json"),
         "{config}"
@@ -256,17 +258,23 @@ fn specs_name_a_model_or_serve_every_model() {
     assert!("=/models/llama".parse::<TokenizerSpec>().is_err());
     assert!("m=".parse::<TokenizerSpec>().is_err());
 
-    let named = LocalTokenizers::load(&[TokenizerSpec {
-        model: Some("llama".into()),
-        dir: fixture(),
-    }])
+    let named = LocalTokenizers::load(
+        &[TokenizerSpec {
+            model: Some("llama".into()),
+            dir: fixture(),
+        }],
+        CACHE,
+    )
     .expect("loads");
     assert!(named.for_model("llama").is_some());
     assert!(named.for_model("mistral").is_none());
-    let any = LocalTokenizers::load(&[TokenizerSpec {
-        model: None,
-        dir: fixture(),
-    }])
+    let any = LocalTokenizers::load(
+        &[TokenizerSpec {
+            model: None,
+            dir: fixture(),
+        }],
+        CACHE,
+    )
     .expect("loads");
     assert!(any.for_model("mistral").is_some());
 }
