@@ -37,9 +37,21 @@ CHAT_TEMPLATE = (
 )
 
 
+# The lab's prompt words (crates/lab/src/loadgen/workload/generator.rs, WORDS), each one
+# token in the simulator's synthetic tokenizer: repeated in the corpus so that each is one
+# token here too, and the workloads' token counts (their KV budgets) hold with this one.
+LAB_WORDS = (
+    " the and for not are but can one all any new now old see two way who boy did its let"
+    " put say she too use day get has him his how man our out own run set sun red big box"
+    " car cat dog eat far fun hot job key law low map net oil pay sea sit top war yes of to"
+)
+
+
 def corpus():
     for path in sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")]):
         yield path.read_text(encoding="utf-8")
+    for _ in range(200):
+        yield LAB_WORDS
 
 
 def main():

@@ -456,6 +456,8 @@ fn register_counters() {
     }
     standing.push(counter!(KV_EVENT_GAPS));
     standing.push(counter!(KV_EVENT_RESETS));
+    standing
+        .extend(["remembered", "encoded"].map(|source| counter!(LOCAL_TOKENS, "source" => source)));
     let _ = STANDING.set(standing);
     // The default band's queue length, at 0 until something waits.
     let _ = STANDING_GAUGES.set(vec![gauge!(FLOW_QUEUE, "priority" => "0")]);

@@ -1534,11 +1534,15 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus_scraping_kvro
         kv_usage: 0.97,
         ..FakeMetrics::default()
     });
-    // A simulated pod publishing its KV events, followed by kvroute (the event panels).
+    // A simulated pod publishing its KV events, followed by kvroute (the event panels),
+    // both tokenizing with the lab's test tokenizer (the local tokenizer's panel).
+    let tokenizer =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("crates/lab/tokenizers/bpe-4k");
     let (events_config, templates) =
         kvroute_lab::compare::with_kv_events(kvroute_sim::FleetConfig {
             model: EVENTS_MODEL.into(),
             speedup: 20.0,
+            tokenizer: Some(tokenizer.clone()),
             ..kvroute_sim::FleetConfig::uniform(1, kvroute_sim::PodConfig::default())
         })
         .expect("ports for the events");
@@ -1559,6 +1563,10 @@ async fn every_dashboard_query_returns_data_from_a_real_prometheus_scraping_kvro
         kvroute::kvevents::EndpointTemplate::parse(&templates.endpoint).expect("template");
     config.kv_events.replay_endpoint =
         Some(kvroute::kvevents::EndpointTemplate::parse(&templates.replay).expect("template"));
+    config.tokenizers = vec![kvroute::tokenize::TokenizerSpec {
+        model: Some(EVENTS_MODEL.into()),
+        dir: tokenizer,
+    }];
     let kvroute = Kvroute::start(config).await;
     kvroute
         .wait_for(

@@ -61,6 +61,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         observe_responses: false,
         repeat: 1,
         seeds: None,
+        tokenizer: None,
     })
     .await
 }

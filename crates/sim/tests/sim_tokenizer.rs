@@ -63,7 +63,7 @@ async fn tokenize_answers_what_the_model_tokenizer_computes() {
     assert_eq!(
         ids(&tok["tokens"]),
         [
-            0, 889, 551, 865, 321, 470, 323, 353, 3041, 470, 711, 400, 18
+            0, 929, 571, 910, 321, 483, 335, 368, 3049, 483, 767, 413, 18
         ]
     );
     assert_eq!(tok["count"], 13);
@@ -76,7 +76,7 @@ async fn tokenize_answers_what_the_model_tokenizer_computes() {
         json!({"prompt": prompt, "add_special_tokens": false}),
     )
     .await;
-    assert_eq!(tok["tokens"][0], 889, "no BOS when declined: {tok}");
+    assert_eq!(tok["tokens"][0], 929, "no BOS when declined: {tok}");
 
     let chat = json!({"model": MODEL, "messages": [
         {"role": "system", "content": "Be brief."},

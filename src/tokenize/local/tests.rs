@@ -41,7 +41,7 @@ fn a_completion_is_encoded_as_pythons_tokenizers_encodes_it() {
     assert_eq!(
         tokens,
         [
-            0, 889, 551, 865, 321, 470, 323, 353, 3041, 470, 711, 400, 18
+            0, 929, 571, 910, 321, 483, 335, 368, 3049, 483, 767, 413, 18
         ]
     );
     let without_bos = loaded()

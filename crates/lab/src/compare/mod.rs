@@ -96,6 +96,11 @@ pub struct CompareArgs {
     /// offline, so that the two compare like with like.
     #[arg(long, env = "KVROUTE_COMPARE_SEEDS", value_parser = repeats::parse_seeds, conflicts_with = "repeat")]
     pub seeds: Option<repeats::Seeds>,
+    /// Every pod tokenizes with this model directory (`tokenizer.json`, chat template), as
+    /// vLLM does, instead of the simulator's synthetic tokenizer, for every router;
+    /// `kvroute-events-local` tokenizes with it too (e.g. crates/lab/tokenizers/bpe-4k).
+    #[arg(long, env = "KVROUTE_COMPARE_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// Wall period of the fleet sampler.
@@ -213,9 +218,10 @@ async fn run_router(
     tools: &Tools,
 ) -> anyhow::Result<RouterRun> {
     let wall = Instant::now();
-    let fleet_config = workload
+    let mut fleet_config = workload
         .fleet_config()
         .with_context(|| format!("workload {}: fleet", workload.name))?;
+    fleet_config.tokenizer = tools.tokenizer.clone();
     let speedup = fleet_config.speedup;
     let (fleet_config, kv_events) = if kind.follows_kv_events() {
         let (config, templates) = routers::with_kv_events(fleet_config)?;
@@ -411,6 +417,7 @@ async fn run_once(
         log_dir: out.to_path_buf(),
         kvroute_scrape_interval: args.kvroute_scrape_interval,
         observe_responses: args.observe_responses,
+        tokenizer: args.tokenizer.clone(),
     };
     let wall = Instant::now();
     let names: Vec<&str> = kinds.iter().map(|k| k.name()).collect();
@@ -610,6 +617,7 @@ mod tests {
             observe_responses: false,
             repeat: 1,
             seeds: None,
+            tokenizer: None,
         }
     }
 

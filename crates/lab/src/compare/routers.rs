@@ -37,6 +37,9 @@ pub enum RouterKind {
     /// Two kvroute replicas behind one Envoy, both following the pods' KV events.
     #[value(name = "kvroute-events-x2")]
     KvrouteEventsReplicas,
+    /// kvroute following the pods' KV events and tokenizing prompts itself with the model's
+    /// tokenizer (`--tokenizer`, the directory `compare --tokenizer` gives the pods).
+    KvrouteEventsLocal,
     /// Envoy ROUND_ROBIN.
     RoundRobin,
     /// Envoy LEAST_REQUEST.
@@ -61,7 +64,7 @@ impl RouterKind {
     ];
 
     /// Every router including the opt-in ones, in report order (their plot colours).
-    pub const EVERY: [RouterKind; 9] = [
+    pub const EVERY: [RouterKind; 10] = [
         RouterKind::Kvroute,
         RouterKind::RoundRobin,
         RouterKind::LeastRequest,
@@ -71,6 +74,7 @@ impl RouterKind {
         RouterKind::KvrouteReplicas,
         RouterKind::KvrouteEventsReplicas,
         RouterKind::CacheAware,
+        RouterKind::KvrouteEventsLocal,
     ];
 
     /// The name used in flags, tables and file names.
@@ -80,6 +84,7 @@ impl RouterKind {
             RouterKind::KvrouteEvents => "kvroute-events",
             RouterKind::KvrouteReplicas => "kvroute-x2",
             RouterKind::KvrouteEventsReplicas => "kvroute-events-x2",
+            RouterKind::KvrouteEventsLocal => "kvroute-events-local",
             RouterKind::RoundRobin => "round-robin",
             RouterKind::LeastRequest => "least-request",
             RouterKind::Sglang => "sglang",
@@ -103,6 +108,9 @@ impl RouterKind {
             RouterKind::KvrouteEventsReplicas => {
                 "two kvroute replicas as `kvroute-events`, behind one Envoy whose ext_proc cluster balances streams over both; each follows every pod's KV events, so both see what the pods cache"
             }
+            RouterKind::KvrouteEventsLocal => {
+                "kvroute as `kvroute-events`, tokenizing each prompt itself with the model's `tokenizer.json` and chat template (`--tokenizer`, the directory the pods tokenize with) instead of a pod's `/tokenize`"
+            }
             RouterKind::RoundRobin => "Envoy `ROUND_ROBIN`",
             RouterKind::LeastRequest => "Envoy `LEAST_REQUEST`",
             RouterKind::Sglang => "sglang-router `--policy cache_aware` (PyPI)",
@@ -116,7 +124,7 @@ impl RouterKind {
     /// How many kvroute processes serve as this router (0: not kvroute).
     pub fn kvroute_replicas(self) -> usize {
         match self {
-            RouterKind::Kvroute | RouterKind::KvrouteEvents => 1,
+            RouterKind::Kvroute | RouterKind::KvrouteEvents | RouterKind::KvrouteEventsLocal => 1,
             RouterKind::KvrouteReplicas | RouterKind::KvrouteEventsReplicas => 2,
             _ => 0,
         }
@@ -126,7 +134,9 @@ impl RouterKind {
     pub fn follows_kv_events(self) -> bool {
         matches!(
             self,
-            RouterKind::KvrouteEvents | RouterKind::KvrouteEventsReplicas
+            RouterKind::KvrouteEvents
+                | RouterKind::KvrouteEventsReplicas
+                | RouterKind::KvrouteEventsLocal
         )
     }
 
@@ -155,6 +165,9 @@ pub struct Tools {
     pub kvroute_scrape_interval: Option<Duration>,
     /// kvroute's gateways run their response observer (`compare --observe-responses`).
     pub observe_responses: bool,
+    /// The model directory the pods tokenize with (`compare --tokenizer`), which
+    /// `kvroute-events-local` tokenizes with too.
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// What kvroute's own counters said at the end of a run.
@@ -315,7 +328,8 @@ pub async fn start(
         RouterKind::Kvroute
         | RouterKind::KvrouteEvents
         | RouterKind::KvrouteReplicas
-        | RouterKind::KvrouteEventsReplicas => {
+        | RouterKind::KvrouteEventsReplicas
+        | RouterKind::KvrouteEventsLocal => {
             let mut timing = KvrouteTiming::for_speedup(speedup);
             if let Some(interval) = tools.kvroute_scrape_interval {
                 timing.scrape_interval = interval;
@@ -328,6 +342,13 @@ pub async fn start(
                 None
             };
             let replicas = kind.kvroute_replicas();
+            let tokenizer = if kind == RouterKind::KvrouteEventsLocal {
+                Some(tools.tokenizer.as_deref().context(
+                    "kvroute-events-local tokenizes with the pods' tokenizer: give `--tokenizer DIR`",
+                )?)
+            } else {
+                None
+            };
             let launch = KvrouteLaunch {
                 timing,
                 pods,
@@ -335,6 +356,7 @@ pub async fn start(
                 tools,
                 kv_events: events,
                 replicas,
+                tokenizer,
             };
             start_kvroute(&launch).await?
         }
@@ -488,6 +510,8 @@ struct KvrouteLaunch<'a> {
     tools: &'a Tools,
     kv_events: Option<&'a KvEventTemplates>,
     replicas: usize,
+    /// kvroute's own tokenizer (`--tokenizer`), if it tokenizes prompts itself.
+    tokenizer: Option<&'a Path>,
 }
 
 /// Runs `launch`'s kvroute processes, each in its own process as every other router runs
@@ -571,6 +595,7 @@ fn spawn_kvroute(
         tools,
         kv_events,
         replicas,
+        tokenizer,
     } = *launch;
     let exe = &tools.kvroute;
     let [grpc, metrics, debug] = ports else {
@@ -617,6 +642,11 @@ fn spawn_kvroute(
                 format!("--kv-events-replay-endpoint={}", t.replay),
             ]
         }))
+        .args(
+            tokenizer
+                .into_iter()
+                .map(|dir| format!("--tokenizer={}", dir.display())),
+        )
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
