@@ -80,6 +80,9 @@ async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
 impl App {
     pub async fn bind(config: ServeConfig) -> anyhow::Result<App> {
         config.validate()?;
+        // A model's tokenizer is read (and a bad one refused) before anything binds.
+        let local_tokenizers =
+            LocalTokenizers::load(&config.tokenizers, config.tokenizer_cache_bytes)?;
         let discovery = Discovery::connect(&config.discovery()).await?;
         let prometheus = telemetry::install(config.idle_gauge_timeout)?;
         let grpc = bind(config.grpc_addr, "--grpc-addr").await?;
@@ -112,7 +115,6 @@ impl App {
                 .as_deref()
                 .map(crate::scrape::tls_connector)
                 .transpose()?;
-            let local = LocalTokenizers::load(&config.tokenizers, config.tokenizer_cache_bytes)?;
             let index = Arc::new(PreciseIndex::with_budget(config.kv_events_index_bytes));
             picker.match_on_events(PreciseRouting::new(
                 Arc::clone(&index),
@@ -122,7 +124,7 @@ impl App {
                     config.scrape.pod_api_key.clone(),
                     pod_tls,
                 ),
-                local,
+                local_tokenizers,
             ));
             Some(index)
         } else {

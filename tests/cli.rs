@@ -199,3 +199,37 @@ fn moved_commands_run_from_the_laboratory_binaries_or_say_where_they_went() {
         );
     }
 }
+
+#[test]
+fn a_tokenizer_directory_that_does_not_load_is_refused_with_its_path() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let output = kvroute()
+        .args([
+            "serve",
+            "--endpoints",
+            "10.0.0.1:8000",
+            "--prefix-source",
+            "auto",
+        ])
+        .arg(format!("--tokenizer={}", dir.path().display()))
+        .args([
+            "--grpc-addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--health-addr",
+            "off",
+            "--admin-addr",
+            "off",
+            "--debug-addr",
+            "off",
+        ])
+        .output()
+        .expect("run kvroute");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let expected = dir.path().join("tokenizer.json");
+    assert!(stderr.contains(&expected.display().to_string()), "{stderr}");
+}

@@ -375,3 +375,44 @@ fn a_malformed_or_repeated_objective_is_refused_with_its_text() {
     .expect_err("named twice");
     assert!(repeated.contains("`critical` twice"), "{repeated}");
 }
+
+#[test]
+fn tokenizers_name_their_model_or_serve_all_and_need_the_events() {
+    let base = ["--endpoints", "10.0.0.1:8000", "--prefix-source", "auto"];
+    let with = |extra: &[&str]| parse(&[&base[..], extra].concat());
+    let config = with(&[
+        "--tokenizer",
+        "/models/llama",
+        "--tokenizer",
+        "mistral=/models/mistral",
+        "--tokenizer-cache-mib",
+        "8",
+    ])
+    .expect("valid");
+    assert_eq!(
+        config.tokenizers,
+        [
+            crate::tokenize::TokenizerSpec {
+                model: None,
+                dir: "/models/llama".into(),
+            },
+            crate::tokenize::TokenizerSpec {
+                model: Some("mistral".into()),
+                dir: "/models/mistral".into(),
+            },
+        ]
+    );
+    assert_eq!(config.tokenizer_cache_bytes, 8 << 20);
+    assert_eq!(with(&[]).expect("valid").tokenizer_cache_bytes, 64 << 20);
+    let error = with(&["--tokenizer", "=/models/llama"]).expect_err("no model");
+    assert!(error.contains("model before `=` is empty"), "{error}");
+    // The approximate index matches text, not tokens: a tokenizer there is a mistake.
+    let error = parse(&[
+        "--endpoints",
+        "10.0.0.1:8000",
+        "--tokenizer",
+        "/models/llama",
+    ])
+    .expect_err("approximate");
+    assert!(error.contains("--prefix-source precise or auto"), "{error}");
+}
