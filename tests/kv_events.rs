@@ -77,6 +77,26 @@ async fn scrape_after(kvroute: &Kvroute, name: &str, at_least: f64) -> String {
     kvroute.metrics_text().await
 }
 
+/// Where each decision in kvroute's log took its prefix scores from, oldest first.
+async fn prefix_sources(kvroute: &Kvroute) -> Vec<String> {
+    let decisions = decision_log(kvroute.addrs.debug.expect("debug pages")).await;
+    decisions
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter_map(|d| d["prefix_source"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The simulated pod that served `response`, which names itself (none when no pod did).
+fn served_by(response: &reqwest::Response) -> Option<usize> {
+    response
+        .headers()
+        .get("x-sim-pod")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+}
+
 /// Has each prompt computed on its pod directly, not through kvroute.
 async fn compute_on(client: &reqwest::Client, prompts: &[(String, SocketAddr)]) {
     for (text, pod) in prompts {
@@ -127,12 +147,7 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
         assert_eq!(response.status(), 200, "{}", envoy.log());
         // Waiting for a pod's /tokenize is not waiting for room: no queue time reported.
         assert_eq!(response.headers().get("server-timing"), None);
-        let served = response
-            .headers()
-            .get("x-sim-pod")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<usize>().ok())
-            .expect("the pod names itself");
+        let served = served_by(&response).expect("the pod names itself");
         if pods[served] != *warm {
             let text = kvroute.metrics_text().await;
             let relevant: Vec<&str> = text
@@ -172,14 +187,7 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
         "the pods' own hits are mirrored:\n{text}"
     );
     // The decision trace says the prefix scores came from the events.
-    let decisions = decision_log(kvroute.addrs.debug.expect("debug pages")).await;
-    let sources: Vec<&str> = decisions
-        .as_array()
-        .expect("a list")
-        .iter()
-        .filter_map(|d| d["prefix_source"].as_str())
-        .collect();
-    assert_eq!(sources, ["kv_events"; 6], "{decisions:#}");
+    assert_eq!(prefix_sources(&kvroute).await, ["kv_events"; 6]);
     fleet.shutdown().await;
 }
 
@@ -248,12 +256,7 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
             .await
             .expect("Envoy answers");
         assert_eq!(response.status(), 200, "{}", envoy.log());
-        let served = response
-            .headers()
-            .get("x-sim-pod")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<usize>().ok())
-            .expect("the pod names itself");
+        let served = served_by(&response).expect("the pod names itself");
         assert_eq!(
             pods[served],
             *warm,
@@ -273,14 +276,7 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
     assert_eq!(tokenized("ok", "local"), 4.0, "{text}");
     assert_eq!(tokenized("left_to_pod", "local"), 1.0, "{text}");
     assert_eq!(tokenized("ok", "pod"), 1.0, "{text}");
-    let decisions = decision_log(kvroute.addrs.debug.expect("debug pages")).await;
-    let sources: Vec<&str> = decisions
-        .as_array()
-        .expect("a list")
-        .iter()
-        .filter_map(|d| d["prefix_source"].as_str())
-        .collect();
-    assert_eq!(sources, ["kv_events"; 5], "{decisions:#}");
+    assert_eq!(prefix_sources(&kvroute).await, ["kv_events"; 5]);
     fleet.shutdown().await;
 }
 
@@ -378,12 +374,7 @@ async fn ask(client: &reqwest::Client, url: &str, text: &str) -> (u16, Option<us
         .send()
         .await
         .expect("Envoy answers");
-    let pod = response
-        .headers()
-        .get("x-sim-pod")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok());
-    (response.status().as_u16(), pod)
+    (response.status().as_u16(), served_by(&response))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
