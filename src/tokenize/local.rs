@@ -337,8 +337,13 @@ impl ChatTemplate {
             .iter()
             .map(|message| self.message(message))
             .collect::<Result<Vec<_>, _>>()?;
+        // Later entries override earlier ones. `tools` and `documents` are none, not
+        // undefined, as transformers passes them (`tools is not none` is true of an
+        // undefined value); the request's keyword arguments override the special tokens
+        // and the generation prompt, not the conversation.
         let mut context: Vec<(String, Value)> = vec![
-            ("messages".into(), Value::from(messages)),
+            ("tools".into(), Value::from(())),
+            ("documents".into(), Value::from(())),
             (
                 "add_generation_prompt".into(),
                 Value::from(request.add_generation_prompt.unwrap_or(true)),
@@ -352,10 +357,10 @@ impl ChatTemplate {
                 context.push((name.into(), Value::from(token.as_str())));
             }
         }
-        // The request's keyword arguments override the special tokens, as in transformers.
         for (name, value) in request.chat_template_kwargs.iter().flatten() {
             context.push((name.clone(), Value::from_serialize(value)));
         }
+        context.push(("messages".into(), Value::from(messages)));
         let context: Value = context.into_iter().collect();
         self.env
             .get_template(CHAT)

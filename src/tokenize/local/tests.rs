@@ -152,6 +152,31 @@ fn the_requests_template_arguments_reach_the_template() {
 }
 
 #[test]
+fn tools_and_documents_are_none_as_transformers_passes_them() {
+    let dir = with_template(
+        "{% if tools is not none %}tools{% endif %}{% if documents is none %}no documents{% endif %}\
+         {% for m in messages %}|{{ m['content'] }}{% endfor %}",
+    );
+    let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
+    let tokens = tokenizer
+        .tokenize(
+            ApiKind::ChatCompletions,
+            br#"{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":{"messages":[]}}"#,
+        )
+        .expect("tokenized");
+    let expected = tokenizer
+        .tokenizer
+        .encode("no documents|hi", false)
+        .expect("encodes")
+        .get_ids()
+        .to_vec();
+    assert_eq!(
+        tokens, expected,
+        "and the keyword arguments do not replace the messages"
+    );
+}
+
+#[test]
 fn what_only_the_pod_renders_exactly_is_left_to_it() {
     let tokenizer = loaded();
     let chat = |body: &str| tokenizer.tokenize(ApiKind::ChatCompletions, body.as_bytes());
