@@ -6,8 +6,9 @@
 //! - a chat's `messages` are rendered with the chat template (Jinja, as transformers'
 //!   `apply_chat_template` runs it: blocks trimmed and left-stripped, loop controls,
 //!   `raise_exception`, `strftime_now`, Python's string methods), with
-//!   `add_generation_prompt` (default true), the tokenizer's `bos_token` and `eos_token`
-//!   and the request's `chat_template_kwargs`; the text is encoded with
+//!   `add_generation_prompt` (default true), `tools` and `documents` none, the
+//!   tokenizer's `bos_token` and `eos_token` (not its other special tokens, which chat
+//!   templates rarely read) and the request's `chat_template_kwargs`; the text is encoded with
 //!   `add_special_tokens` default false (the template writes the BOS itself). A message's
 //!   content is one string, its text parts joined by a newline (vLLM's "string" content
 //!   format), or a list of text parts where the template loops over the content ("openai").
