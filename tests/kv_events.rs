@@ -241,9 +241,15 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
     // offers a tool, which kvroute leaves to a pod's /tokenize to render.
     let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &pods).await;
     let url = envoy.url("/v1/chat/completions");
-    let mut asked: Vec<(serde_json::Value, SocketAddr)> = contexts
-        .iter()
-        .map(|(context, warm)| (chat(context, "And the last one?"), *warm))
+    // Each context twice: the second time kvroute has it remembered and tokenizes the
+    // request on the spot.
+    let mut asked: Vec<(serde_json::Value, SocketAddr)> = ["And the last one?", "And then?"]
+        .into_iter()
+        .flat_map(|question| {
+            contexts
+                .iter()
+                .map(move |(context, warm)| (chat(context, question), *warm))
+        })
         .collect();
     let mut with_tool = chat(&contexts[0].0, "Which tool fits?");
     with_tool["tools"] = json!([{"type": "function", "function": {"name": "lookup"}}]);
@@ -273,10 +279,23 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
             ),
         )
     };
-    assert_eq!(tokenized("ok", "local"), 4.0, "{text}");
+    assert_eq!(tokenized("ok", "local"), 8.0, "{text}");
     assert_eq!(tokenized("left_to_pod", "local"), 1.0, "{text}");
     assert_eq!(tokenized("ok", "pod"), 1.0, "{text}");
-    assert_eq!(prefix_sources(&kvroute).await, ["kv_events"; 5]);
+    // The contexts were encoded once each (with the first questions), then copied: the
+    // second round encoded only its questions and headers.
+    let tokens = |source: &str| {
+        metric_value(
+            &text,
+            &format!("kvroute_local_tokenizer_tokens_total{{source=\"{source}\"}}"),
+        )
+    };
+    let (remembered, encoded) = (tokens("remembered"), tokens("encoded"));
+    assert!(
+        remembered > 4.0 * 300.0 && encoded - remembered < 4.0 * 2.0 * 20.0,
+        "{text}"
+    );
+    assert_eq!(prefix_sources(&kvroute).await, ["kv_events"; 9]);
     fleet.shutdown().await;
 }
 

@@ -36,6 +36,9 @@ use super::pieces::Pieces;
 
 /// The template's name in its environment.
 const CHAT: &str = "chat";
+/// Most text [`LocalTokenizer::tokenize_if_cheap`] encodes afresh: about 500 tokens,
+/// a few hundred microseconds at most.
+pub const CHEAP_BYTES: usize = 2048;
 
 /// Why a tokenizer directory could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -238,37 +241,78 @@ impl LocalTokenizer {
 
     /// The token ids vLLM makes of the prompt of `body`, a request of `api`.
     pub fn tokenize(&self, api: ApiKind, body: &[u8]) -> Result<Vec<u32>, Unsupported> {
+        self.tokenize_within(api, body, usize::MAX)
+            .unwrap_or_else(|| Err(Unsupported::Encode("no limit, yet over it".into())))
+    }
+
+    /// [`LocalTokenizer::tokenize`] if it encodes at most [`CHEAP_BYTES`] of text it has
+    /// not remembered (a shared context seen before and a short question: tens of
+    /// microseconds, cheaper done at once than handed to a blocking thread); `None`
+    /// where it would encode more, to be done where a long encoding blocks nobody.
+    pub fn tokenize_if_cheap(
+        &self,
+        api: ApiKind,
+        body: &[u8],
+    ) -> Option<Result<Vec<u32>, Unsupported>> {
+        self.tokenize_within(api, body, CHEAP_BYTES)
+    }
+
+    /// The tokens of `body`'s prompt, or `None` once more than `fresh_bytes` of text not
+    /// remembered would have to be encoded.
+    fn tokenize_within(
+        &self,
+        api: ApiKind,
+        body: &[u8],
+        fresh_bytes: usize,
+    ) -> Option<Result<Vec<u32>, Unsupported>> {
+        let (text, add_special_tokens) = match self.prompt_text(api, body) {
+            Ok(prompt) => prompt,
+            Err(unsupported) => return Some(Err(unsupported)),
+        };
+        if let Some(pieces) = &self.pieces {
+            return match pieces.encode(&self.tokenizer, &text, add_special_tokens, fresh_bytes) {
+                Ok(Some((ids, reuse))) => {
+                    crate::telemetry::record_local_tokens(reuse.remembered, reuse.encoded);
+                    Some(Ok(ids))
+                }
+                Ok(None) => None,
+                Err(e) => Some(Err(Unsupported::Encode(e))),
+            };
+        }
+        if text.len() > fresh_bytes {
+            return None;
+        }
+        let encoded = self
+            .tokenizer
+            .encode_fast(text.as_str(), add_special_tokens)
+            .map(|encoding| encoding.get_ids().to_vec())
+            .map_err(|e| Unsupported::Encode(e.to_string()));
+        if let Ok(ids) = &encoded {
+            crate::telemetry::record_local_tokens(0, ids.len());
+        }
+        Some(encoded)
+    }
+
+    /// The text vLLM encodes for `body`, and whether it adds the special tokens.
+    fn prompt_text(&self, api: ApiKind, body: &[u8]) -> Result<(String, bool), Unsupported> {
         let request: PromptRequest<'_> =
             serde_json::from_slice(body).map_err(|_| Unsupported::NotOneText)?;
-        let (text, add_special_tokens) = match api {
+        match api {
             ApiKind::Completions => {
                 let prompt = request.prompt.ok_or(Unsupported::NotOneText)?;
                 let text: String =
                     serde_json::from_str(prompt.get()).map_err(|_| Unsupported::NotOneText)?;
-                (text, request.add_special_tokens.unwrap_or(true))
+                Ok((text, request.add_special_tokens.unwrap_or(true)))
             }
             ApiKind::ChatCompletions => {
                 let chat = self.chat.as_ref().ok_or(Unsupported::NoChatTemplate)?;
-                (
+                Ok((
                     chat.render(&request)?,
                     request.add_special_tokens.unwrap_or(false),
-                )
+                ))
             }
-            ApiKind::Other => return Err(Unsupported::NotOneText),
-        };
-        if let Some(pieces) = &self.pieces {
-            let (ids, reuse) = pieces
-                .encode(&self.tokenizer, &text, add_special_tokens)
-                .map_err(Unsupported::Encode)?;
-            crate::telemetry::record_local_tokens(reuse.remembered, reuse.encoded);
-            return Ok(ids);
+            ApiKind::Other => Err(Unsupported::NotOneText),
         }
-        let encoding = self
-            .tokenizer
-            .encode_fast(text.as_str(), add_special_tokens)
-            .map_err(|e| Unsupported::Encode(e.to_string()))?;
-        crate::telemetry::record_local_tokens(0, encoding.len());
-        Ok(encoding.get_ids().to_vec())
     }
 }
 

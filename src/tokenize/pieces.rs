@@ -37,6 +37,14 @@ pub(super) struct Pieces {
     remembered: Mutex<Remembered>,
 }
 
+/// How much a text may have encoded afresh.
+enum Fresh {
+    /// This many more bytes; long pieces are remembered.
+    Within(usize),
+    /// Any amount, nothing remembered: the probes at load.
+    Probing,
+}
+
 /// What a piece lookup found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(super) struct Reuse {
@@ -82,7 +90,9 @@ impl Pieces {
                 .ok()
         };
         for probe in &probes {
-            let (split, _) = pieces.encode_unwrapped(tokenizer, probe, false).ok()?;
+            let (split, _) = pieces
+                .encode_unwrapped(tokenizer, probe, &mut Fresh::Probing)
+                .ok()??;
             if Some(split) != whole(probe, false) {
                 return None;
             }
@@ -91,92 +101,102 @@ impl Pieces {
         Some(pieces)
     }
 
-    /// The tokens of `text`, and how many came from remembered pieces; `Err` where the
+    /// The tokens of `text`, and how many came from remembered pieces; `None` once more
+    /// than `fresh_bytes` of text not remembered would have to be encoded; `Err` where the
     /// tokenizer failed.
     pub(super) fn encode(
         &self,
         tokenizer: &Tokenizer,
         text: &str,
         add_special_tokens: bool,
-    ) -> Result<(Vec<u32>, Reuse), String> {
+        fresh_bytes: usize,
+    ) -> Result<Option<(Vec<u32>, Reuse)>, String> {
+        let mut budget = Fresh::Within(fresh_bytes);
         if !add_special_tokens {
-            return self.encode_unwrapped(tokenizer, text, true);
+            return self.encode_unwrapped(tokenizer, text, &mut budget);
         }
         let Some((before, after)) = &self.wrap else {
+            if text.len() > fresh_bytes {
+                return Ok(None);
+            }
             let ids = encode(tokenizer, text, true)?;
             let encoded = ids.len();
-            return Ok((
+            return Ok(Some((
                 ids,
                 Reuse {
                     encoded,
                     ..Reuse::default()
                 },
-            ));
+            )));
         };
-        let (body, reuse) = self.encode_unwrapped(tokenizer, text, true)?;
+        let Some((body, reuse)) = self.encode_unwrapped(tokenizer, text, &mut budget)? else {
+            return Ok(None);
+        };
         let mut ids = Vec::with_capacity(before.len() + body.len() + after.len());
         ids.extend_from_slice(before);
         ids.extend_from_slice(&body);
         ids.extend_from_slice(after);
-        Ok((ids, reuse))
+        Ok(Some((ids, reuse)))
     }
 
     /// The tokens of `text` without the sequence's special tokens, piece by piece,
-    /// remembering long pieces where `remember` says.
+    /// remembering long pieces unless `budget` says not to.
     fn encode_unwrapped(
         &self,
         tokenizer: &Tokenizer,
         text: &str,
-        remember: bool,
-    ) -> Result<(Vec<u32>, Reuse), String> {
+        budget: &mut Fresh,
+    ) -> Result<Option<(Vec<u32>, Reuse)>, String> {
         let mut ids = Vec::with_capacity(text.len() / 3);
         let mut reuse = Reuse::default();
         let mut start = 0;
         for found in self.specials.find_iter(text) {
-            self.piece(
-                tokenizer,
-                &text[start..found.start()],
-                remember,
-                &mut ids,
-                &mut reuse,
-            )?;
+            let piece = &text[start..found.start()];
+            if !self.piece(tokenizer, piece, budget, &mut ids, &mut reuse)? {
+                return Ok(None);
+            }
             ids.push(self.ids[found.pattern().as_usize()]);
             start = found.end();
         }
-        self.piece(tokenizer, &text[start..], remember, &mut ids, &mut reuse)?;
-        Ok((ids, reuse))
+        if !self.piece(tokenizer, &text[start..], budget, &mut ids, &mut reuse)? {
+            return Ok(None);
+        }
+        Ok(Some((ids, reuse)))
     }
 
-    /// Appends the tokens of `piece` (no special token in it) to `ids`.
+    /// Appends the tokens of `piece` (no special token in it) to `ids`; `false` where
+    /// that would encode more than `budget` allows.
     fn piece(
         &self,
         tokenizer: &Tokenizer,
         piece: &str,
-        remember: bool,
+        budget: &mut Fresh,
         ids: &mut Vec<u32>,
         reuse: &mut Reuse,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
         if piece.is_empty() {
-            return Ok(());
+            return Ok(true);
         }
-        if !remember || piece.len() < REMEMBERED_FROM_BYTES {
-            let encoded = encode(tokenizer, piece, false)?;
-            reuse.encoded += encoded.len();
-            ids.extend_from_slice(&encoded);
-            return Ok(());
-        }
-        let key = xxhash_rust::xxh3::xxh3_128(piece.as_bytes());
-        let known = self.lock().get(key);
-        if let Some(known) = known {
+        let remember = matches!(budget, Fresh::Within(_)) && piece.len() >= REMEMBERED_FROM_BYTES;
+        let key = remember.then(|| xxhash_rust::xxh3::xxh3_128(piece.as_bytes()));
+        if let Some(known) = key.and_then(|key| self.lock().get(key)) {
             reuse.remembered += known.len();
             ids.extend_from_slice(&known);
-            return Ok(());
+            return Ok(true);
+        }
+        if let Fresh::Within(left) = budget {
+            let Some(rest) = left.checked_sub(piece.len()) else {
+                return Ok(false);
+            };
+            *left = rest;
         }
         let encoded: Arc<[u32]> = encode(tokenizer, piece, false)?.into();
         reuse.encoded += encoded.len();
         ids.extend_from_slice(&encoded);
-        self.lock().insert(key, encoded);
-        Ok(())
+        if let Some(key) = key {
+            self.lock().insert(key, encoded);
+        }
+        Ok(true)
     }
 
     /// The remembered pieces (a panic elsewhere while holding them leaves a consistent

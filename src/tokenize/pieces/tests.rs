@@ -71,7 +71,10 @@ fn pieces_encode_as_the_whole_text_encodes_remembered_or_not() {
     for case in 0..400 {
         let text = random_text(&mut rng, &long);
         for add in [false, true] {
-            let (ids, reuse) = pieces.encode(&tokenizer, &text, add).expect("encodes");
+            let (ids, reuse) = pieces
+                .encode(&tokenizer, &text, add, usize::MAX)
+                .expect("encodes")
+                .expect("within no limit");
             assert_eq!(
                 ids,
                 whole(&tokenizer, &text, add),
@@ -95,11 +98,13 @@ fn a_long_piece_is_encoded_once_then_copied() {
         format!("<|start_header_id|>system<|end_header_id|>{context}<|eot_id|>{question}")
     };
     let (_, first) = pieces
-        .encode(&tokenizer, &text("Who?"), false)
+        .encode(&tokenizer, &text("Who?"), false, usize::MAX)
+        .expect("encodes")
         .expect("encodes");
     assert_eq!(first.remembered, 0);
     let (ids, second) = pieces
-        .encode(&tokenizer, &text("Why?"), false)
+        .encode(&tokenizer, &text("Why?"), false, usize::MAX)
+        .expect("encodes")
         .expect("encodes");
     assert_eq!(ids, whole(&tokenizer, &text("Why?"), false));
     assert!(second.remembered > 300 && second.encoded < 5, "{second:?}");
@@ -113,7 +118,8 @@ fn remembered_pieces_stay_within_the_budget_the_least_recently_used_forgotten_fi
     let piece = |k: usize| format!("Context number {k}: {}", "words of it ".repeat(60));
     let reused = |k: usize| {
         pieces
-            .encode(&tokenizer, &piece(k), false)
+            .encode(&tokenizer, &piece(k), false, usize::MAX)
+            .expect("encodes")
             .expect("encodes")
             .1
             .remembered
@@ -163,4 +169,30 @@ fn tokenizers_whose_pieces_depend_on_each_other_encode_whole() {
         "the probe would see the difference"
     );
     assert!(Pieces::new(&first_only, 1 << 20).is_none());
+}
+
+#[test]
+fn within_a_budget_only_what_is_remembered_is_free() {
+    let tokenizer = fixture();
+    let pieces = Pieces::new(&tokenizer, 1 << 20).expect("by pieces");
+    let context = "A tenant's context, long enough to remember. ".repeat(40);
+    let text = format!("<|start_header_id|>system<|end_header_id|>{context}<|eot_id|>Who?");
+    // Unseen, the context is more than 200 bytes of fresh text: not within them.
+    assert_eq!(
+        pieces
+            .encode(&tokenizer, &text, false, 200)
+            .expect("encodes"),
+        None
+    );
+    let (whole_ids, _) = pieces
+        .encode(&tokenizer, &text, false, usize::MAX)
+        .expect("encodes")
+        .expect("no limit");
+    // Remembered now: only the question's few bytes are fresh.
+    let (ids, reuse) = pieces
+        .encode(&tokenizer, &text, false, 200)
+        .expect("encodes")
+        .expect("within 200 bytes");
+    assert_eq!(ids, whole_ids);
+    assert!(reuse.remembered > 500 && reuse.encoded < 10, "{reuse:?}");
 }
