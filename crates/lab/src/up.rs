@@ -62,6 +62,11 @@ pub struct UpArgs {
     /// With --kv-events: the first pod's replay port (pod i on PORT+i).
     #[arg(long, default_value_t = 5567)]
     pub kv_events_replay_port: u16,
+    /// With --kv-events: the pods tokenize with this Hugging Face model directory as vLLM
+    /// does, and kvroute tokenizes prompts itself with it (`--tokenizer`) instead of
+    /// asking a pod (e.g. crates/lab/tokenizers/bpe-4k).
+    #[arg(long, requires = "kv_events")]
+    pub tokenizer: Option<PathBuf>,
     /// Where the logs and Envoy's configuration go.
     #[arg(long, default_value = "kvroute-up")]
     pub log_dir: PathBuf,
@@ -297,14 +302,20 @@ fn kv_events_flags(args: &UpArgs) -> Vec<String> {
         return Vec::new();
     }
     let shifted = |to: u16| crate::compare::port_shift_template(args.pods_port, to);
-    vec![
+    let mut flags = vec![
         "--prefix-source=auto".into(),
         format!("--kv-events-endpoint={}", shifted(args.kv_events_port)),
         format!(
             "--kv-events-replay-endpoint={}",
             shifted(args.kv_events_replay_port)
         ),
-    ]
+    ];
+    flags.extend(
+        args.tokenizer
+            .iter()
+            .map(|dir| format!("--tokenizer={}", dir.display())),
+    );
+    flags
 }
 
 fn log_file(dir: &Path, name: &str) -> anyhow::Result<std::fs::File> {
@@ -348,6 +359,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                     args.kv_events_port, args.kv_events_replay_port
                 )
             }))
+            .args(
+                args.tokenizer
+                    .iter()
+                    .map(|dir| format!("--tokenizer={}", dir.display())),
+            )
             .env("RUST_LOG", "info")
             // Its own process group: a terminal's Ctrl-C reaches `up` alone, which then
             // stops Envoy first, lets kvroute drain, and the pods last.
@@ -634,6 +650,15 @@ mod tests {
                 "--kv-events-endpoint=tcp://{host}:{port-2443}",
                 "--kv-events-replay-endpoint=tcp://{host}:{port+1000}",
             ]
+        );
+        let tokenizing = args(&["--kv-events", "--tokenizer", "crates/lab/tokenizers/bpe-4k"]);
+        assert_eq!(
+            kv_events_flags(&tokenizing).last().map(String::as_str),
+            Some("--tokenizer=crates/lab/tokenizers/bpe-4k")
+        );
+        // Without events kvroute has no use for a tokenizer.
+        assert!(
+            Cli::try_parse_from(["up", "--tokenizer", "crates/lab/tokenizers/bpe-4k"]).is_err()
         );
     }
 
