@@ -39,6 +39,8 @@ const CHAT: &str = "chat";
 /// Most text [`LocalTokenizer::tokenize_if_cheap`] encodes afresh: about 500 tokens,
 /// a few hundred microseconds at most.
 pub const CHEAP_BYTES: usize = 2048;
+/// Longest request body tokenized here: about 250k tokens of text, past any context.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
 
 /// Why a tokenizer directory could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -295,6 +297,11 @@ impl LocalTokenizer {
 
     /// The text vLLM encodes for `body`, and whether it adds the special tokens.
     fn prompt_text(&self, api: ApiKind, body: &[u8]) -> Result<(String, bool), Unsupported> {
+        // A bound on the CPU one request can cost kvroute (about 1 µs a token, a quarter
+        // of a second here); a longer prompt is a pod's to tokenize.
+        if body.len() > MAX_BODY_BYTES {
+            return Err(Unsupported::LeftToPod("is longer than kvroute tokenizes"));
+        }
         let request: PromptRequest<'_> =
             serde_json::from_slice(body).map_err(|_| Unsupported::NotOneText)?;
         match api {

@@ -195,6 +195,12 @@ fn what_only_the_pod_renders_exactly_is_left_to_it() {
             chat(body)
         );
     }
+    // A body past what kvroute tokenizes.
+    let long = format!(
+        r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x ".repeat(MAX_BODY_BYTES / 2)
+    );
+    assert!(matches!(chat(&long), Err(Unsupported::LeftToPod(_))));
     // Fields set to null are as good as absent.
     assert!(chat(r#"{"messages":[{"role":"user","content":"x"}],"tools":null}"#).is_ok());
     // The template's own refusal.
