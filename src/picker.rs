@@ -642,8 +642,8 @@ impl LivePicker {
                 }
             }
         }
-        let asked = match &local {
-            Some(_) => Asked::Local(raw.api, raw.body.to_vec()),
+        let asked = match local {
+            Some(local) => Asked::Local(local, raw.api, raw.body.to_vec()),
             None => Asked::Pod(tokenize_body(raw.api, raw.body)?),
         };
         let me = self.me.get()?.upgrade()?;
@@ -655,13 +655,11 @@ impl LivePicker {
         let (answer, answered) = oneshot::channel();
         tokio::spawn(async move {
             let mut answer = answer;
-            let tokens = match (asked, local) {
-                (Asked::Local(api, body), Some(local)) => {
+            let tokens = match asked {
+                Asked::Local(local, api, body) => {
                     tokenize_here_or_on(&tokenizer, local, endpoint, api, body).await
                 }
-                (Asked::Pod(body), _) | (Asked::Local(_, body), None) => {
-                    tokenize_on(&tokenizer, endpoint, body).await
-                }
+                Asked::Pod(body) => tokenize_on(&tokenizer, endpoint, body).await,
             };
             let tokens = tokens.map(|tokens| {
                 // The engine's count replaces the estimate from the text: the KV the
@@ -858,7 +856,7 @@ fn tokenizing_pod<'s>(
 /// What a tokenization will be asked of: kvroute's own tokenizer, with the request's
 /// API and body, or a pod, with the `/tokenize` body.
 enum Asked {
-    Local(ApiKind, Vec<u8>),
+    Local(Arc<LocalTokenizer>, ApiKind, Vec<u8>),
     Pod(Vec<u8>),
 }
 
