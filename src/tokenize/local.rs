@@ -130,6 +130,15 @@ impl LocalTokenizers {
         let cache_bytes = cache_bytes / specs.len().max(1);
         for spec in specs {
             let tokenizer = Arc::new(LocalTokenizer::load(&spec.dir, cache_bytes)?);
+            // What an operator checks first when prompts stop matching the events.
+            tracing::info!(
+                model = spec.model.as_deref().unwrap_or("every model"),
+                dir = %spec.dir.display(),
+                vocab = tokenizer.tokenizer.get_vocab_size(true),
+                chat_template = tokenizer.chat.is_some(),
+                remembers_pieces = tokenizer.pieces.is_some(),
+                "local tokenizer loaded"
+            );
             match &spec.model {
                 Some(model) => {
                     loaded.by_model.insert(model.clone(), tokenizer);
