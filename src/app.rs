@@ -37,6 +37,7 @@ use crate::shutdown;
 use crate::store::PodStore;
 use crate::telemetry;
 use crate::tokenize::{LocalTokenizers, PodTokenizer};
+use tokio_rustls::TlsConnector;
 
 /// gRPC health service names, as the Gateway API Inference Extension's picker uses.
 pub const LIVENESS_SERVICE: &str = "liveness";
@@ -67,6 +68,8 @@ pub struct App {
     picker: Arc<LivePicker>,
     /// The index fed by the pods' KV events, when the prefix source uses them.
     precise: Option<Arc<PreciseIndex>>,
+    /// TLS to the pods (`--pod-ca-bundle`), for the scrapes and the tokenizations alike.
+    pod_tls: Option<TlsConnector>,
     prometheus: PrometheusHandle,
     discovery: Discovery,
 }
@@ -80,9 +83,16 @@ async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
 impl App {
     pub async fn bind(config: ServeConfig) -> anyhow::Result<App> {
         config.validate()?;
-        // A model's tokenizer is read (and a bad one refused) before anything binds.
+        // A model's tokenizer and the pods' CA bundle are read (and bad ones refused)
+        // before anything binds. Pods are addressed by IP on the cluster network.
         let local_tokenizers =
             LocalTokenizers::load(&config.tokenizers, config.tokenizer_cache_bytes)?;
+        let pod_tls = config
+            .scrape
+            .pod_ca_bundle
+            .as_deref()
+            .map(crate::scrape::tls_connector)
+            .transpose()?;
         let discovery = Discovery::connect(&config.discovery()).await?;
         let prometheus = telemetry::install(config.idle_gauge_timeout)?;
         let grpc = bind(config.grpc_addr, "--grpc-addr").await?;
@@ -108,21 +118,15 @@ impl App {
             Arc::new(config.flow.clone()),
         ));
         let precise = if config.prefix_source.uses_events() {
-            // Prompts are tokenized on the pods, over HTTPS where they are scraped so.
-            let pod_tls = config
-                .scrape
-                .pod_ca_bundle
-                .as_deref()
-                .map(crate::scrape::tls_connector)
-                .transpose()?;
             let index = Arc::new(PreciseIndex::with_budget(config.kv_events_index_bytes));
             picker.match_on_events(PreciseRouting::new(
                 Arc::clone(&index),
                 config.prefix_source,
+                // Prompts are tokenized on the pods over HTTPS where they are scraped so.
                 PodTokenizer::new(
                     config.tokenize_timeout,
                     config.scrape.pod_api_key.clone(),
-                    pod_tls,
+                    pod_tls.clone(),
                 ),
                 local_tokenizers,
             ));
@@ -140,6 +144,7 @@ impl App {
             store,
             picker,
             precise,
+            pod_tls,
             prometheus,
             discovery,
         })
@@ -187,12 +192,13 @@ impl App {
             store,
             picker,
             precise,
+            pod_tls,
             prometheus,
             discovery,
         } = self;
 
         let grpc_tls = config.grpc_tls.as_ref().map(server_tls).transpose()?;
-        let scrapers = ScrapeManager::new(Arc::clone(&store), config.scrape.clone())
+        let scrapers = ScrapeManager::new(Arc::clone(&store), config.scrape.clone(), pod_tls)
             .context("cannot build the HTTP client for scraping")?;
         let subscribers = precise
             .map(|index| KvEventsManager::new(Arc::clone(&store), index, config.kv_events.clone()));

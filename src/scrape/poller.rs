@@ -101,13 +101,13 @@ impl std::fmt::Debug for ScrapeManager {
 }
 
 impl ScrapeManager {
-    pub fn new(store: Arc<PodStore>, config: ScrapeConfig) -> anyhow::Result<Self> {
-        // Pods are addressed by IP on the cluster network, without a proxy.
-        let tls = config
-            .pod_ca_bundle
-            .as_deref()
-            .map(tls_connector)
-            .transpose()?;
+    /// Scrapes the pods in `store` as `config` says, over HTTPS with `tls` (the
+    /// connector of `config.pod_ca_bundle`, [`tls_connector`]) where given.
+    pub fn new(
+        store: Arc<PodStore>,
+        config: ScrapeConfig,
+        tls: Option<TlsConnector>,
+    ) -> anyhow::Result<Self> {
         let metrics_path = Uri::try_from(format!("/metrics?{}", metrics_query()))
             .context("forming the /metrics request")?;
         Ok(ScrapeManager {
