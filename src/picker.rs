@@ -24,7 +24,7 @@ use kvroute_core::flow::{
     FlowRules, Hold, Holds, MAX_MISSES_PER_PASS, Shadows, TenantShares, is_sheddable, pods_key,
 };
 use kvroute_core::kvevents::{PromptBlocks, TokenBlocks, matches_with_events, token_block_hashes};
-use kvroute_core::request::RouteRequest;
+use kvroute_core::request::{InferenceRequest, RouteRequest};
 use kvroute_core::scheduler::{Decision, Outlook, PickError, Picked, SchedulerConfig};
 use serde::Serialize;
 use tokio::sync::{broadcast, oneshot};
@@ -616,29 +616,24 @@ impl LivePicker {
         if let Some(cheap) = local.as_ref() {
             let started = Instant::now();
             if let Some(tokens) = cheap.tokenize_if_cheap(raw.api, raw.body) {
-                let unsupported = tokens.as_ref().err().map(Unsupported::kind);
-                telemetry::record_local_tokenize(started.elapsed(), unsupported);
-                match tokens {
-                    Ok(tokens) => {
+                match local_outcome(started, tokens) {
+                    LocalOutcome::Tokens(tokens) => {
                         let mut inference = inference.clone();
-                        inference.prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+                        let tokens =
+                            take_tokens(&mut inference, adapter.as_deref(), &tokens, block_tokens);
                         let request = RouteRequest {
                             inference: Some(&inference),
                             subset: request.subset,
                         };
-                        let tokens = Some(TokenBlocks {
-                            chains: token_block_hashes(adapter.as_deref(), &tokens, block_tokens),
-                            block_tokens,
-                        });
-                        let blocks = PromptBlocks { text, tokens };
+                        let blocks = PromptBlocks {
+                            text,
+                            tokens: Some(tokens),
+                        };
                         return Some(self.route_with(&request, class, first_token_visible, blocks));
                     }
-                    Err(Unsupported::NotOneText) => return None,
+                    LocalOutcome::NotOneText => return None,
                     // Left to a pod, below: not tried here again.
-                    Err(why) => {
-                        debug!(%why, "prompt not tokenized locally; asking a pod");
-                        local = None;
-                    }
+                    LocalOutcome::AskPod => local = None,
                 }
             }
         }
@@ -662,13 +657,7 @@ impl LivePicker {
                 Asked::Pod(body) => tokenize_on(&tokenizer, endpoint, body).await,
             };
             let tokens = tokens.map(|tokens| {
-                // The engine's count replaces the estimate from the text: the KV the
-                // prompt needs, and the most of it a pod can hold cached.
-                inference.prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
-                TokenBlocks {
-                    chains: token_block_hashes(adapter.as_deref(), &tokens, block_tokens),
-                    block_tokens,
-                }
+                take_tokens(&mut inference, adapter.as_deref(), &tokens, block_tokens)
             });
             // The client left while the prompt was tokenized.
             if answer.is_closed() {
@@ -883,15 +872,49 @@ async fn tokenize_here_or_on(
             return None;
         }
     };
+    match local_outcome(started, tokens) {
+        LocalOutcome::Tokens(tokens) => Some(tokens),
+        LocalOutcome::NotOneText => None,
+        LocalOutcome::AskPod => tokenize_on(pod, endpoint, tokenize_body(api, &body)?).await,
+    }
+}
+
+/// What kvroute's own tokenizer made of a prompt.
+enum LocalOutcome {
+    Tokens(Vec<u32>),
+    /// Not one sequence's text: nobody tokenizes it.
+    NotOneText,
+    /// Only a pod renders it exactly.
+    AskPod,
+}
+
+/// `tokens`, kvroute's own tokenization begun at `started`, recorded with its outcome.
+fn local_outcome(started: Instant, tokens: Result<Vec<u32>, Unsupported>) -> LocalOutcome {
     let unsupported = tokens.as_ref().err().map(Unsupported::kind);
     telemetry::record_local_tokenize(started.elapsed(), unsupported);
     match tokens {
-        Ok(tokens) => Some(tokens),
-        Err(Unsupported::NotOneText) => None,
+        Ok(tokens) => LocalOutcome::Tokens(tokens),
+        Err(Unsupported::NotOneText) => LocalOutcome::NotOneText,
         Err(why) => {
             debug!(%why, "prompt not tokenized locally; asking a pod");
-            tokenize_on(pod, endpoint, tokenize_body(api, &body)?).await
+            LocalOutcome::AskPod
         }
+    }
+}
+
+/// The prompt's engine `tokens` as blocks to match, their count replacing the estimate
+/// from the text in `inference`: the KV the prompt needs, and the most of it a pod can
+/// hold cached.
+fn take_tokens(
+    inference: &mut InferenceRequest,
+    adapter: Option<&str>,
+    tokens: &[u32],
+    block_tokens: u32,
+) -> TokenBlocks {
+    inference.prompt_tokens = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+    TokenBlocks {
+        chains: token_block_hashes(adapter, tokens, block_tokens),
+        block_tokens,
     }
 }
 
