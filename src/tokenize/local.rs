@@ -32,7 +32,7 @@ use serde_json::value::RawValue;
 
 use kvroute_core::request::ApiKind;
 
-use super::pieces::Pieces;
+use super::pieces::{Pieces, encode_whole};
 
 /// The template's name in its environment.
 const CHAT: &str = "chat";
@@ -280,28 +280,18 @@ impl LocalTokenizer {
             Ok(prompt) => prompt,
             Err(unsupported) => return Some(Err(unsupported)),
         };
-        if let Some(pieces) = &self.pieces {
-            return match pieces.encode(&self.tokenizer, &text, add_special_tokens, fresh_bytes) {
-                Ok(Some((ids, reuse))) => {
-                    crate::telemetry::record_local_tokens(reuse.remembered, reuse.encoded);
-                    Some(Ok(ids))
-                }
-                Ok(None) => None,
-                Err(e) => Some(Err(Unsupported::Encode(e))),
-            };
+        let encoded = match &self.pieces {
+            Some(pieces) => pieces.encode(&self.tokenizer, &text, add_special_tokens, fresh_bytes),
+            None => encode_whole(&self.tokenizer, &text, add_special_tokens, fresh_bytes),
+        };
+        match encoded {
+            Ok(Some((ids, reuse))) => {
+                crate::telemetry::record_local_tokens(reuse.remembered, reuse.encoded);
+                Some(Ok(ids))
+            }
+            Ok(None) => None,
+            Err(e) => Some(Err(Unsupported::Encode(e))),
         }
-        if text.len() > fresh_bytes {
-            return None;
-        }
-        let encoded = self
-            .tokenizer
-            .encode_fast(text.as_str(), add_special_tokens)
-            .map(|encoding| encoding.get_ids().to_vec())
-            .map_err(|e| Unsupported::Encode(e.to_string()));
-        if let Ok(ids) = &encoded {
-            crate::telemetry::record_local_tokens(0, ids.len());
-        }
-        Some(encoded)
     }
 
     /// The text vLLM encodes for `body`, and whether it adds the special tokens.

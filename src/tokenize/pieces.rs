@@ -116,18 +116,7 @@ impl Pieces {
             return self.encode_unwrapped(tokenizer, text, &mut budget);
         }
         let Some((before, after)) = &self.wrap else {
-            if text.len() > fresh_bytes {
-                return Ok(None);
-            }
-            let ids = encode(tokenizer, text, true)?;
-            let encoded = ids.len();
-            return Ok(Some((
-                ids,
-                Reuse {
-                    encoded,
-                    ..Reuse::default()
-                },
-            )));
+            return encode_whole(tokenizer, text, true, fresh_bytes);
         };
         let Some((body, reuse)) = self.encode_unwrapped(tokenizer, text, &mut budget)? else {
             return Ok(None);
@@ -213,6 +202,28 @@ impl Pieces {
         let remembered = self.lock();
         (remembered.bytes, remembered.budget)
     }
+}
+
+/// The tokens of `text` encoded whole, nothing remembered; `None` where it is longer than
+/// `fresh_bytes`.
+pub(super) fn encode_whole(
+    tokenizer: &Tokenizer,
+    text: &str,
+    add_special_tokens: bool,
+    fresh_bytes: usize,
+) -> Result<Option<(Vec<u32>, Reuse)>, String> {
+    if text.len() > fresh_bytes {
+        return Ok(None);
+    }
+    let ids = encode(tokenizer, text, add_special_tokens)?;
+    let encoded = ids.len();
+    Ok(Some((
+        ids,
+        Reuse {
+            encoded,
+            ..Reuse::default()
+        },
+    )))
 }
 
 fn encode(tokenizer: &Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
