@@ -45,7 +45,6 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use minijinja::value::Kwargs;
 use minijinja::{Environment, ErrorKind, Value as JinjaValue};
@@ -474,16 +473,10 @@ fn jinja_environment() -> Environment<'static> {
         },
     );
     env.add_function("strftime_now", |format: String| {
-        strftime(&format, unix_now())
+        strftime(&format, jiff::Timestamp::now().as_second())
     });
     env.add_filter("tojson", tojson);
     env
-}
-
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 /// Python's `time.strftime` for the directives chat templates use, in UTC (a pod's clock
@@ -512,15 +505,16 @@ fn strftime(format: &str, unix_secs: i64) -> String {
         "Saturday",
         "Sunday",
     ];
-    let days = unix_secs.div_euclid(86_400);
-    let secs = unix_secs.rem_euclid(86_400);
-    let (year, month, day) = civil_from_days(days);
-    let (hour, minute, second) = (secs / 3600, secs / 60 % 60, secs % 60);
-    // 1970-01-01 was a Thursday (index 3 from Monday).
-    let weekday = (days + 3).rem_euclid(7) as usize;
-    let day_of_year = days - days_from_civil(year, 1, 1) + 1;
-    let month_name = MONTHS[(month - 1) as usize];
-    let day_name = DAYS[weekday];
+    // The calendar is jiff's (a time outside its range reads as the epoch); the
+    // directives are written here, so that an unknown one stays as Python leaves it.
+    let time = jiff::Timestamp::from_second(unix_secs)
+        .unwrap_or(jiff::Timestamp::UNIX_EPOCH)
+        .to_zoned(jiff::tz::TimeZone::UTC);
+    let (year, month, day) = (time.year(), time.month(), time.day());
+    let (hour, minute, second) = (time.hour(), time.minute(), time.second());
+    let day_of_year = time.day_of_year();
+    let month_name = MONTHS[usize::try_from(month - 1).unwrap_or(0)];
+    let day_name = DAYS[usize::from(time.weekday().to_monday_zero_offset().unsigned_abs())];
     let mut out = String::with_capacity(format.len() + 16);
     let mut chars = format.chars();
     while let Some(c) = chars.next() {
@@ -554,30 +548,6 @@ fn strftime(format: &str, unix_secs: i64) -> String {
         out.push_str(&piece);
     }
     out
-}
-
-/// (year, month 1-12, day 1-31) of a day count since 1970-01-01 (Howard Hinnant's algorithm).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
-}
-
-fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y.rem_euclid(400);
-    let mp = if month > 2 { month - 3 } else { month + 9 };
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }
 
 /// transformers' `tojson` filter: Python's `json.dumps(x, ensure_ascii=False, indent=None,
