@@ -9,6 +9,7 @@ use tracing_subscriber::EnvFilter;
 use kvroute::admin::tap::{EndpointsArgs, TapArgs};
 use kvroute::app::{App, shutdown_signal};
 use kvroute::config::{LogFormat, ServeArgs, ServeConfig};
+use kvroute::tokenize::check::TokenizeArgs;
 
 /// jemalloc, with its background threads purging freed pages, rather than the system
 /// allocator: memory freed after a burst (a flood of streams, a wave of large bodies)
@@ -40,6 +41,9 @@ enum Command {
     Tap(TapArgs),
     /// Print the endpoints kvroute routes to, with their scraped metrics.
     Endpoints(EndpointsArgs),
+    /// Tokenize a request body's prompt as `serve --tokenizer DIR` does, and with
+    /// --pod compare the tokens with the engine's own (exit status 1 if they differ).
+    Tokenize(TokenizeArgs),
 }
 
 /// Logs to stderr; `RUST_LOG` overrides `default_filter`.
@@ -115,6 +119,15 @@ async fn main() -> std::process::ExitCode {
         Command::Endpoints(args) => {
             init_logging(LogFormat::Text, "warn");
             kvroute::admin::tap::endpoints(args).await
+        }
+        Command::Tokenize(args) => {
+            init_logging(LogFormat::Text, "warn");
+            match kvroute::tokenize::check::tokenize(args).await {
+                // The tokens differ from the pod's: the report says where.
+                Ok(false) => return std::process::ExitCode::FAILURE,
+                Ok(true) => Ok(()),
+                Err(error) => Err(error),
+            }
         }
     };
     match result {

@@ -8,6 +8,7 @@
 //! exactly, and a pod's `POST /tokenize` ([`pod`]) for the rest, or for every request
 //! when no tokenizer is given.
 
+pub mod check;
 mod local;
 mod pieces;
 mod pod;

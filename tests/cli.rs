@@ -233,3 +233,108 @@ fn a_tokenizer_directory_that_does_not_load_is_refused_with_its_path() {
     let expected = dir.path().join("tokenizer.json");
     assert!(stderr.contains(&expected.display().to_string()), "{stderr}");
 }
+
+/// The lab's test tokenizer, the one the simulated pods below tokenize with.
+fn test_tokenizer() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("crates/lab/tokenizers/bpe-4k")
+}
+
+/// `kvroute tokenize --pod`'s report on `body` for the directory `tokenizer`, and
+/// whether the command succeeded.
+async fn tokenize_against(
+    tokenizer: &std::path::Path,
+    pod: std::net::SocketAddr,
+    body: &'static str,
+) -> (bool, serde_json::Value) {
+    let mut command = kvroute();
+    command
+        .arg("tokenize")
+        .arg("--tokenizer")
+        .arg(tokenizer)
+        .args(["--pod", &pod.to_string(), "--text"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let output = tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut child = command.spawn().expect("run kvroute tokenize");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(body.as_bytes())
+            .expect("write the body");
+        child.wait_with_output().expect("kvroute tokenize ends")
+    })
+    .await
+    .expect("the command's thread");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let report = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("a JSON report ({e}); stderr: {stderr}"));
+    (output.status.success(), report)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvroute_tokenize_agrees_with_a_pod_of_the_same_tokenizer_and_shows_where_another_differs()
+{
+    let fleet = kvroute_sim::SimFleet::start(kvroute_sim::FleetConfig {
+        port: 0,
+        tokenizer: Some(test_tokenizer()),
+        ..kvroute_sim::FleetConfig::uniform(1, kvroute_sim::PodConfig::default())
+    })
+    .await
+    .expect("the pod starts");
+    let pod = fleet.endpoints()[0];
+    let body = r#"{"model": "meta-llama/Llama-3.1-8B-Instruct", "messages": [
+        {"role": "system", "content": "The KV cache of every pod is scraped every 50 ms."},
+        {"role": "user", "content": "Which pod holds my context?"}]}"#;
+
+    let (agrees, report) = tokenize_against(&test_tokenizer(), pod, body).await;
+    assert!(agrees, "{report:#}");
+    assert_eq!(report["agrees"], true, "{report:#}");
+    assert_eq!(report["local"]["ids"], report["pod"]["ids"], "{report:#}");
+    let text = report["local"]["text"].as_str().expect("the rendered text");
+    assert!(
+        text.starts_with("<|begin_of_text|><|start_header_id|>system"),
+        "{text}"
+    );
+    assert!(report["local"]["tokens"].as_u64() > Some(20), "{report:#}");
+
+    // The same tokenizer with a template that writes the roles in capitals: the tokens
+    // part at the first header's role.
+    let other = tempfile::tempdir().expect("temp dir");
+    std::fs::copy(
+        test_tokenizer().join("tokenizer.json"),
+        other.path().join("tokenizer.json"),
+    )
+    .expect("copy tokenizer.json");
+    std::fs::write(
+        other.path().join("chat_template.jinja"),
+        "{{- bos_token }}{%- for m in messages %}<|start_header_id|>{{ m.role | upper }}\
+         <|end_header_id|>\n\n{{ m.content }}<|eot_id|>{%- endfor %}",
+    )
+    .expect("write the template");
+    std::fs::copy(
+        test_tokenizer().join("tokenizer_config.json"),
+        other.path().join("tokenizer_config.json"),
+    )
+    .expect("copy tokenizer_config.json");
+    let (agrees, report) = tokenize_against(other.path(), pod, body).await;
+    assert!(!agrees, "{report:#}");
+    assert_eq!(report["agrees"], false, "{report:#}");
+    let difference = &report["first_difference"];
+    assert_eq!(difference["at"], 2, "{report:#}");
+    assert!(
+        difference["local"]["text"]
+            .as_str()
+            .is_some_and(|t| t.contains("SYSTEM")),
+        "{report:#}"
+    );
+    assert!(
+        difference["pod"]["text"]
+            .as_str()
+            .is_some_and(|t| t.contains("system")),
+        "{report:#}"
+    );
+    fleet.shutdown().await;
+}

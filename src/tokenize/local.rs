@@ -295,7 +295,7 @@ impl LocalTokenizer {
     }
 
     /// The text vLLM encodes for `body`, and whether it adds the special tokens.
-    fn prompt_text(&self, api: ApiKind, body: &[u8]) -> Result<(String, bool), Unsupported> {
+    pub fn prompt_text(&self, api: ApiKind, body: &[u8]) -> Result<(String, bool), Unsupported> {
         // A bound on the CPU one request can cost kvroute (about 1 µs a token, a quarter
         // of a second here); a longer prompt is a pod's to tokenize.
         if body.len() > MAX_BODY_BYTES {
@@ -319,6 +319,15 @@ impl LocalTokenizer {
             }
             ApiKind::Other => Err(Unsupported::NotOneText),
         }
+    }
+}
+
+impl LocalTokenizer {
+    /// The text of `ids`, special tokens included (for showing where tokens differ).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer
+            .decode(ids, false)
+            .unwrap_or_else(|e| format!("<cannot decode: {e}>"))
     }
 }
 

@@ -1,0 +1,237 @@
+//! `kvroute tokenize`: a request body's prompt tokenized as kvroute tokenizes it with
+//! `--tokenizer`, and, with `--pod`, compared with the tokens the engine itself makes of
+//! it (its `POST /tokenize`). A tokenizer directory that disagrees with the engine makes
+//! precise prefix routing miss without an error anywhere (the blocks' hashes differ), so
+//! an operator checks the directory against a serving pod before rolling it out.
+
+use std::io::Read;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, ValueEnum};
+use serde_json::{Value, json};
+
+use kvroute_core::request::ApiKind;
+
+use super::{LocalTokenizer, PodTokenizer, Unsupported, tokenize_body};
+use crate::scrape::ApiKey;
+
+/// How many tokens on each side of the first difference are shown.
+const CONTEXT_TOKENS: usize = 8;
+
+/// `kvroute tokenize`'s arguments.
+#[derive(Debug, Args)]
+pub struct TokenizeArgs {
+    /// The model's Hugging Face directory, as given to `kvroute serve --tokenizer`.
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+    /// The request body (an OpenAI chat or completion request, JSON); `-` reads stdin.
+    #[arg(default_value = "-")]
+    pub body: PathBuf,
+    /// The API the body is for; by default `chat` when it has `messages`, else
+    /// `completions`.
+    #[arg(long, value_enum)]
+    pub api: Option<Api>,
+    /// A serving pod (`HOST:PORT` of vLLM's HTTP server) whose `/tokenize` the tokens
+    /// are compared with; the command fails when they differ.
+    #[arg(long)]
+    pub pod: Option<String>,
+    /// PEM CA bundle trusted for a pod that speaks HTTPS (as `serve --pod-ca-bundle`).
+    #[arg(long)]
+    pub pod_ca_bundle: Option<PathBuf>,
+    /// Bearer token for the pod, when vLLM runs with --api-key.
+    #[arg(long, env = "KVROUTE_POD_API_KEY", hide_env_values = true)]
+    pub pod_api_key: Option<String>,
+    /// Give up on the pod after this long.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+    /// Print the prompt text the template rendered, as well as its token ids.
+    #[arg(long)]
+    pub text: bool,
+}
+
+/// `--api`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Api {
+    Chat,
+    Completions,
+}
+
+/// What the command found: printed as JSON; `Ok(false)` when the pod disagreed.
+pub async fn tokenize(args: TokenizeArgs) -> anyhow::Result<bool> {
+    let body = read_body(&args.body)?;
+    let api = match args.api {
+        Some(Api::Chat) => ApiKind::ChatCompletions,
+        Some(Api::Completions) => ApiKind::Completions,
+        None => infer_api(&body)?,
+    };
+    // Nothing is remembered between runs of one prompt: no cache.
+    let tokenizer = LocalTokenizer::load(&args.tokenizer, 0)?;
+    let local = tokenizer
+        .prompt_text(api, &body)
+        .and_then(|(text, special)| {
+            let ids = tokenizer.tokenize(api, &body)?;
+            Ok((text, special, ids))
+        });
+    let mut report = serde_json::Map::new();
+    report.insert("api".into(), json!(api_name(api)));
+    report.insert("local".into(), local_report(&local, args.text));
+    let Some(pod) = &args.pod else {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(true);
+    };
+    let pod_ids = ask_pod(&args, pod, api, &body).await?;
+    report.insert(
+        "pod".into(),
+        json!({ "tokens": pod_ids.len(), "ids": pod_ids }),
+    );
+    let agrees = match &local {
+        Ok((_, _, ids)) => {
+            let difference = first_difference(ids, &pod_ids);
+            report.insert("agrees".into(), json!(difference.is_none()));
+            if let Some(at) = difference {
+                report.insert(
+                    "first_difference".into(),
+                    difference_report(&tokenizer, ids, &pod_ids, at),
+                );
+            }
+            difference.is_none()
+        }
+        // Nothing to compare: kvroute asks a pod for this request, so it cannot disagree.
+        Err(_) => true,
+    };
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(agrees)
+}
+
+fn read_body(path: &PathBuf) -> anyhow::Result<Vec<u8>> {
+    let mut body = Vec::new();
+    if path.as_os_str() == "-" {
+        std::io::stdin()
+            .read_to_end(&mut body)
+            .context("cannot read the request body from stdin")?;
+    } else {
+        body = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    }
+    Ok(body)
+}
+
+/// `chat` for a body with `messages`, `completions` for one with `prompt`.
+fn infer_api(body: &[u8]) -> anyhow::Result<ApiKind> {
+    let value: Value = serde_json::from_slice(body).context("the body is not JSON")?;
+    if value.get("messages").is_some() {
+        Ok(ApiKind::ChatCompletions)
+    } else if value.get("prompt").is_some() {
+        Ok(ApiKind::Completions)
+    } else {
+        bail!("the body has neither `messages` nor `prompt`: name its API with --api")
+    }
+}
+
+fn api_name(api: ApiKind) -> &'static str {
+    match api {
+        ApiKind::ChatCompletions => "chat",
+        ApiKind::Completions => "completions",
+        ApiKind::Other => "other",
+    }
+}
+
+/// The local result: the tokens (and the text), or why kvroute leaves the prompt to a
+/// pod's `/tokenize`.
+fn local_report(local: &Result<(String, bool, Vec<u32>), Unsupported>, text: bool) -> Value {
+    match local {
+        Ok((rendered, add_special_tokens, ids)) => {
+            let mut out = json!({
+                "tokens": ids.len(),
+                "add_special_tokens": add_special_tokens,
+                "ids": ids,
+            });
+            if text {
+                out["text"] = json!(rendered);
+            }
+            out
+        }
+        Err(unsupported) => json!({
+            "asks_a_pod": unsupported.to_string(),
+            "kind": unsupported.kind(),
+        }),
+    }
+}
+
+/// The pod's tokens for the body, asked as the gateway asks (the same `/tokenize` body).
+async fn ask_pod(
+    args: &TokenizeArgs,
+    pod: &str,
+    api: ApiKind,
+    body: &[u8],
+) -> anyhow::Result<Vec<u32>> {
+    let address = resolve(pod)?;
+    let tls = args
+        .pod_ca_bundle
+        .as_deref()
+        .map(crate::scrape::tls_connector)
+        .transpose()?;
+    let client = PodTokenizer::new(args.timeout, args.pod_api_key.clone().map(ApiKey), tls);
+    let request = tokenize_body(api, body).context(
+        "the body's prompt is not one text to tokenize (a batch, token ids, or no `model`)",
+    )?;
+    client
+        .tokenize(address, request)
+        .await
+        .with_context(|| format!("the pod at {pod} did not tokenize the prompt"))
+}
+
+fn resolve(pod: &str) -> anyhow::Result<SocketAddr> {
+    pod.to_socket_addrs()
+        .with_context(|| format!("--pod {pod}: not HOST:PORT"))?
+        .next()
+        .with_context(|| format!("--pod {pod}: resolves to no address"))
+}
+
+/// Where two token sequences first differ (one ending early counts), if they do.
+fn first_difference(local: &[u32], pod: &[u32]) -> Option<usize> {
+    let common = local.iter().zip(pod).take_while(|(a, b)| a == b).count();
+    (common < local.len().max(pod.len())).then_some(common)
+}
+
+/// Both sides' tokens around `at`, with their text.
+fn difference_report(tokenizer: &LocalTokenizer, local: &[u32], pod: &[u32], at: usize) -> Value {
+    let window = |ids: &[u32]| {
+        let start = at.saturating_sub(CONTEXT_TOKENS).min(ids.len());
+        let end = (at + CONTEXT_TOKENS).min(ids.len());
+        let ids = &ids[start..end];
+        json!({ "from": start, "ids": ids, "text": tokenizer.decode(ids) })
+    };
+    json!({ "at": at, "local": window(local), "pod": window(pod) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_difference_is_where_the_sequences_part_or_one_ends() {
+        assert_eq!(first_difference(&[1, 2, 3], &[1, 2, 3]), None);
+        assert_eq!(first_difference(&[1, 2, 3], &[1, 9, 3]), Some(1));
+        assert_eq!(first_difference(&[1, 2], &[1, 2, 3]), Some(2));
+        assert_eq!(first_difference(&[1, 2, 3], &[1, 2]), Some(2));
+        assert_eq!(first_difference(&[], &[]), None);
+    }
+
+    #[test]
+    fn the_api_follows_the_body_and_a_body_without_a_prompt_is_refused() {
+        assert_eq!(
+            infer_api(br#"{"messages": []}"#).expect("chat"),
+            ApiKind::ChatCompletions
+        );
+        assert_eq!(
+            infer_api(br#"{"prompt": "x"}"#).expect("completion"),
+            ApiKind::Completions
+        );
+        let error = infer_api(br#"{"input": "x"}"#).expect_err("neither");
+        assert!(error.to_string().contains("--api"), "{error}");
+        assert!(infer_api(b"{").is_err());
+    }
+}
