@@ -7,17 +7,21 @@
 //!   `apply_chat_template` runs it: blocks trimmed and left-stripped, loop controls,
 //!   `raise_exception`, `strftime_now`, Python's string methods), with
 //!   `add_generation_prompt` (default true), `tools` and `documents` none, the
-//!   tokenizer's `bos_token` and `eos_token` (not its other special tokens, which chat
-//!   templates rarely read) and the request's `chat_template_kwargs`; the text is encoded with
-//!   `add_special_tokens` default false (the template writes the BOS itself). A message's
-//!   content is one string, its text parts joined by a newline (vLLM's "string" content
-//!   format), or a list of text parts where the template loops over the content ("openai").
+//!   tokenizer's named special tokens (`bos_token`, `eos_token`, `unk_token`, `sep_token`,
+//!   `pad_token`, `cls_token`, `mask_token`: `tokenizer_config.json`'s, else
+//!   `special_tokens_map.json`'s) and the request's `chat_template_kwargs`; the text is
+//!   encoded with `add_special_tokens` default false (the template writes the BOS
+//!   itself). A message is its role, its name, its content (one string, its text parts
+//!   joined by a newline: vLLM's "string" content format; or a list of text parts where
+//!   the template loops over the content: "openai") and an assistant's reasoning (as both
+//!   `reasoning` and `reasoning_content`, as vLLM hands it over).
 //!
 //! What a local rendering could get wrong is left to the pod's `/tokenize`
 //! ([`super::pod`]), which renders it exactly: a request carrying its own chat template,
-//! tools or documents (vLLM passes them through pydantic models, which add fields), tool
-//! calls or tool results, non-text content, `continue_final_message` (transformers trims
-//! the rendered text after the fact). Removing the round trip matters most below a
+//! tools or documents (vLLM passes them through pydantic models, which add fields; in the
+//! request's fields or its `chat_template_kwargs`), tool calls or tool results, non-text
+//! content, `continue_final_message` (transformers trims the rendered text after the
+//! fact). Removing the round trip matters most below a
 //! fleet's knee, where it is a visible part of the time to first token, and it takes the
 //! tokenization off the pods' API servers.
 
@@ -185,59 +189,100 @@ struct ChatTemplate {
     /// Messages' content as a list of text parts (the template loops over it), else one
     /// string.
     content_parts: bool,
-    bos_token: Option<String>,
-    eos_token: Option<String>,
+    /// The named special tokens the tokenizer has, by name ([`SPECIAL_TOKENS`]).
+    special_tokens: Vec<(&'static str, String)>,
 }
 
-/// What `tokenizer_config.json` says that tokenization reads.
+/// The special tokens transformers hands a chat template by name (its tokenizer's
+/// `special_tokens_map`).
+const SPECIAL_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// `chat_template_kwargs` that name what only the pod renders exactly (vLLM merges the
+/// request's keyword arguments over its own, so these replace the request's tools,
+/// documents or template) or what it refuses.
+const KWARGS_LEFT_TO_POD: [&str; 6] = [
+    "tools",
+    "documents",
+    "chat_template",
+    "continue_final_message",
+    "messages",
+    "tokenize",
+];
+
+/// What `tokenizer_config.json` says that tokenization reads: the template, and the
+/// special tokens (among the other keys).
 #[derive(Deserialize, Default)]
 struct TokenizerConfig {
     #[serde(default)]
     chat_template: Option<serde_json::Value>,
-    #[serde(default)]
-    bos_token: Option<serde_json::Value>,
-    #[serde(default)]
-    eos_token: Option<serde_json::Value>,
+    #[serde(flatten)]
+    others: serde_json::Map<String, serde_json::Value>,
 }
 
 impl LocalTokenizer {
     /// Loads `dir`: `tokenizer.json` (required), `tokenizer_config.json` (its
-    /// `chat_template`, `bos_token`, `eos_token`), and `chat_template.jinja`, which
-    /// takes precedence over the configuration's template as in transformers. Up to
+    /// `chat_template` and special tokens), `special_tokens_map.json` (the special tokens
+    /// the configuration does not name), and `chat_template.jinja` or
+    /// `chat_template.json`, which take precedence over the configuration's template. Up to
     /// `cache_bytes` of long pieces' tokens are remembered (`pieces.rs`).
     pub fn load(dir: &Path, cache_bytes: usize) -> Result<Self, LoadError> {
         let file = dir.join("tokenizer.json");
         let tokenizer =
             tokenizers::Tokenizer::from_file(&file).map_err(|e| LoadError::new(&file, e))?;
         let config_file = dir.join("tokenizer_config.json");
-        let config: TokenizerConfig = match std::fs::read(&config_file) {
-            Ok(bytes) => {
-                serde_json::from_slice(&bytes).map_err(|e| LoadError::new(&config_file, e))?
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => TokenizerConfig::default(),
-            Err(e) => return Err(LoadError::new(&config_file, e)),
-        };
+        let config: TokenizerConfig = read_json(&config_file)?.unwrap_or_default();
+        let map_file = dir.join("special_tokens_map.json");
+        let special_tokens_map: serde_json::Map<String, serde_json::Value> =
+            read_json(&map_file)?.unwrap_or_default();
+        let special_tokens = SPECIAL_TOKENS
+            .into_iter()
+            .filter_map(|name| {
+                let text = token_text(config.others.get(name))
+                    .or_else(|| token_text(special_tokens_map.get(name)))?;
+                Some((name, text))
+            })
+            .collect();
+        // transformers' order: `chat_template.jinja`, then a processor's
+        // `chat_template.json` (vLLM prefers a multimodal model's processor template to
+        // its tokenizer's), then the configuration's.
         let jinja_file = dir.join("chat_template.jinja");
+        let json_file = dir.join("chat_template.json");
         let (source, source_file) = match std::fs::read_to_string(&jinja_file) {
             Ok(source) => (Some(source), jinja_file),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (
-                config
-                    .chat_template
-                    .as_ref()
-                    .and_then(default_template)
-                    .map(str::to_owned),
-                config_file,
-            ),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                match read_json::<TokenizerConfig>(&json_file)? {
+                    Some(processor) => (
+                        processor
+                            .chat_template
+                            .as_ref()
+                            .and_then(default_template)
+                            .map(str::to_owned),
+                        json_file,
+                    ),
+                    None => (
+                        config
+                            .chat_template
+                            .as_ref()
+                            .and_then(default_template)
+                            .map(str::to_owned),
+                        config_file,
+                    ),
+                }
+            }
             Err(e) => return Err(LoadError::new(&jinja_file, e)),
         };
         let chat = source
             .map(|source| {
-                ChatTemplate::new(
-                    source,
-                    token_text(config.bos_token.as_ref()),
-                    token_text(config.eos_token.as_ref()),
-                )
-                .map_err(|e| LoadError::new(&source_file, e))
+                ChatTemplate::new(source, special_tokens)
+                    .map_err(|e| LoadError::new(&source_file, e))
             })
             .transpose()?;
         let pieces = (cache_bytes > 0)
@@ -357,10 +402,10 @@ struct PromptRequest<'a> {
 impl ChatTemplate {
     fn new(
         source: String,
-        bos_token: Option<String>,
-        eos_token: Option<String>,
+        special_tokens: Vec<(&'static str, String)>,
     ) -> Result<Self, TemplateError> {
         let content_parts = loops_over_content(&source);
+        let source = without_generation_tags(&source);
         let mut env = Environment::new();
         // transformers' sandboxed environment: `trim_blocks` and `lstrip_blocks` on.
         env.set_trim_blocks(true);
@@ -372,8 +417,7 @@ impl ChatTemplate {
         Ok(ChatTemplate {
             env,
             content_parts,
-            bos_token,
-            eos_token,
+            special_tokens,
         })
     }
 
@@ -393,6 +437,15 @@ impl ChatTemplate {
         if request.continue_final_message == Some(true) {
             return Err(Unsupported::LeftToPod("continues its final message"));
         }
+        let kwargs = request.chat_template_kwargs.iter().flatten();
+        if kwargs
+            .clone()
+            .any(|(name, value)| !value.is_null() && KWARGS_LEFT_TO_POD.contains(&name.as_str()))
+        {
+            return Err(Unsupported::LeftToPod(
+                "names tools, documents or a template in its chat_template_kwargs",
+            ));
+        }
         let messages = messages
             .iter()
             .map(|message| self.message(message))
@@ -409,15 +462,10 @@ impl ChatTemplate {
                 Value::from(request.add_generation_prompt.unwrap_or(true)),
             ),
         ];
-        for (name, token) in [
-            ("bos_token", &self.bos_token),
-            ("eos_token", &self.eos_token),
-        ] {
-            if let Some(token) = token {
-                context.push((name.into(), Value::from(token.as_str())));
-            }
+        for (name, token) in &self.special_tokens {
+            context.push(((*name).into(), Value::from(token.as_str())));
         }
-        for (name, value) in request.chat_template_kwargs.iter().flatten() {
+        for (name, value) in kwargs {
             context.push((name.clone(), Value::from_serialize(value)));
         }
         context.push(("messages".into(), Value::from(messages)));
@@ -471,12 +519,28 @@ impl ChatTemplate {
         } else {
             Value::from(texts.join("\n"))
         };
-        // vLLM hands the template a text message's role, content and name, nothing else.
-        Ok(["role", "name"]
-            .into_iter()
-            .filter_map(|field| Some((field, Value::from_serialize(message.get(field)?))))
-            .chain(std::iter::once(("content", content)))
-            .collect())
+        // vLLM hands the template a text message's role, content and name (a string), an
+        // assistant's reasoning under both its names, nothing else.
+        let text = |field| message.get(field).filter(|value| value.is_string());
+        let role = message.get("role").map(Value::from_serialize);
+        let reasoning = (message.get("role").and_then(serde_json::Value::as_str)
+            == Some("assistant"))
+        .then(|| {
+            ["reasoning", "reasoning_content"]
+                .into_iter()
+                .find_map(|field| message.get(field).filter(|value| !value.is_null()))
+        })
+        .flatten()
+        .map(Value::from_serialize);
+        let mut fields: Vec<(&str, Value)> = Vec::with_capacity(5);
+        fields.extend(role.map(|role| ("role", role)));
+        fields.extend(text("name").map(|name| ("name", Value::from_serialize(name))));
+        fields.push(("content", content));
+        if let Some(reasoning) = reasoning {
+            fields.push(("reasoning", reasoning.clone()));
+            fields.push(("reasoning_content", reasoning));
+        }
+        Ok(fields.into_iter().collect())
     }
 }
 
@@ -497,6 +561,56 @@ fn loops_over_content(source: &str) -> bool {
         rest = &after[end..];
     }
     false
+}
+
+/// `source` with transformers' `{% generation %}` blocks (which mark the assistant's
+/// tokens for training masks, and render their body unchanged) as `{% if true %}`
+/// blocks, which minijinja knows and which trim whitespace as the tags did.
+fn without_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        let after = &rest[start + 2..];
+        let Some(end) = after.find("%}") else {
+            break;
+        };
+        let inner = &after[..end];
+        let left = if inner.starts_with(['-', '+']) {
+            &inner[..1]
+        } else {
+            ""
+        };
+        let right = if inner.ends_with(['-', '+']) {
+            &inner[inner.len() - 1..]
+        } else {
+            ""
+        };
+        let word = inner[left.len()..inner.len() - right.len()].trim();
+        let replacement = match word {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        out.push_str(&rest[..start]);
+        match replacement {
+            Some(statement) => out.push_str(&format!("{{%{left} {statement} {right}%}}")),
+            None => out.push_str(&rest[start..start + 2 + end + 2]),
+        }
+        rest = &after[end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A JSON file of the model directory, or `None` where there is none.
+fn read_json<T: serde::de::DeserializeOwned>(file: &Path) -> Result<Option<T>, LoadError> {
+    match std::fs::read(file) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| LoadError::new(file, e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(LoadError::new(file, e)),
+    }
 }
 
 /// The default chat template of `tokenizer_config.json`'s `chat_template`: a string, or

@@ -161,7 +161,7 @@ fn tools_and_documents_are_none_as_transformers_passes_them() {
     let tokens = tokenizer
         .tokenize(
             ApiKind::ChatCompletions,
-            br#"{"messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":{"messages":[]}}"#,
+            br#"{"messages":[{"role":"user","content":"hi"}]}"#,
         )
         .expect("tokenized");
     let expected = tokenizer
@@ -170,10 +170,7 @@ fn tools_and_documents_are_none_as_transformers_passes_them() {
         .expect("encodes")
         .get_ids()
         .to_vec();
-    assert_eq!(
-        tokens, expected,
-        "and the keyword arguments do not replace the messages"
-    );
+    assert_eq!(tokens, expected);
 }
 
 #[test]
@@ -188,6 +185,12 @@ fn what_only_the_pod_renders_exactly_is_left_to_it() {
         r#"{"messages":[{"role":"assistant","content":null,"tool_calls":[]}]}"#,
         r#"{"messages":[{"role":"tool","content":"42","tool_call_id":"a"}]}"#,
         r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}]}"#,
+        // vLLM merges the keyword arguments over its own: these replace what the
+        // request's fields say, or fail the request.
+        r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"tools":[{"type":"function","function":{"name":"f"}}]}}"#,
+        r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"documents":[{"text":"d"}]}}"#,
+        r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"chat_template":"{{ 1 }}"}}"#,
+        r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"messages":[]}}"#,
     ] {
         assert!(
             matches!(chat(body), Err(Unsupported::LeftToPod(_))),
@@ -308,4 +311,103 @@ fn specs_name_a_model_or_serve_every_model() {
     )
     .expect("loads");
     assert!(any.for_model("mistral").is_some());
+}
+
+#[test]
+fn every_named_special_token_reaches_the_template() {
+    let dir = with_template(
+        "{{ bos_token }}|{{ pad_token }}|{{ unk_token }}|{{ sep_token }}|{{ mask_token is defined }}|\
+         {{ messages[0].content }}",
+    );
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"bos_token": "<s>", "pad_token": {"content": "<pad>", "special": true},
+            "unk_token": "<unk>", "sep_token": null}"#,
+    )
+    .expect("write");
+    // The legacy map fills in what the configuration does not name; it does not
+    // override what it does.
+    std::fs::write(
+        dir.path().join("special_tokens_map.json"),
+        r#"{"sep_token": "<sep>", "unk_token": "<other>"}"#,
+    )
+    .expect("write");
+    let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
+    let (text, _) = tokenizer
+        .prompt_text(
+            ApiKind::ChatCompletions,
+            br#"{"messages":[{"role":"user","content":"hi"}]}"#,
+        )
+        .expect("rendered");
+    assert_eq!(text, "<s>|<pad>|<unk>|<sep>|False|hi");
+}
+
+#[test]
+fn an_assistants_reasoning_reaches_the_template_under_both_names() {
+    let dir = with_template(
+        "{% for m in messages %}[{{ m.role }}:{{ m.content }}\
+         {% if m.reasoning_content is defined %}:{{ m.reasoning_content }}/{{ m.reasoning }}{% endif %}\
+         {% if m.name is defined %}:{{ m.name }}{% endif %}]{% endfor %}",
+    );
+    let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
+    let (text, _) = tokenizer
+        .prompt_text(
+            ApiKind::ChatCompletions,
+            br#"{"messages":[{"role":"user","content":"2+2?","name":"ann","reasoning":"not mine"},
+                {"role":"assistant","content":"4","reasoning_content":"two and two"},
+                {"role":"assistant","content":"5","reasoning":"r","reasoning_content":"rc"},
+                {"role":"user","content":"q","name":7}]}"#,
+        )
+        .expect("rendered");
+    // Only an assistant's reasoning is handed over (`reasoning` first, as vLLM reads
+    // it), and a name only when it is a string.
+    assert_eq!(
+        text,
+        "[user:2+2?:ann][assistant:4:two and two/two and two][assistant:5:r/r][user:q]"
+    );
+}
+
+#[test]
+fn generation_blocks_render_their_body_and_trim_as_their_tags_do() {
+    // transformers' `{% generation %}` marks the assistant's tokens for training masks;
+    // jinja2 renders "A" "B" "hi" "C" here, the tags' dashes trimming the whitespace.
+    let dir = with_template(
+        "A\n  {%- generation %}B{{ messages[0].content }}{% endgeneration -%}\n  C\
+         {%generation%}D{%endgeneration%}",
+    );
+    let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
+    let (text, _) = tokenizer
+        .prompt_text(
+            ApiKind::ChatCompletions,
+            br#"{"messages":[{"role":"user","content":"hi"}]}"#,
+        )
+        .expect("rendered");
+    assert_eq!(text, "ABhiCD");
+}
+
+#[test]
+fn a_processors_template_comes_before_the_configurations_and_after_the_jinja_file() {
+    let dir = with_template("jinja");
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"chat_template": "config"}"#,
+    )
+    .expect("write");
+    std::fs::write(
+        dir.path().join("chat_template.json"),
+        r#"{"chat_template": "processor"}"#,
+    )
+    .expect("write");
+    let rendered = |dir: &std::path::Path| {
+        LocalTokenizer::load(dir, CACHE)
+            .expect("loads")
+            .prompt_text(ApiKind::ChatCompletions, br#"{"messages":[]}"#)
+            .expect("rendered")
+            .0
+    };
+    assert_eq!(rendered(dir.path()), "jinja");
+    std::fs::remove_file(dir.path().join("chat_template.jinja")).expect("remove");
+    assert_eq!(rendered(dir.path()), "processor");
+    std::fs::remove_file(dir.path().join("chat_template.json")).expect("remove");
+    assert_eq!(rendered(dir.path()), "config");
 }
