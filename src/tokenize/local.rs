@@ -37,6 +37,10 @@ use serde_json::value::RawValue;
 use kvroute_core::request::ApiKind;
 
 use super::pieces::{Pieces, encode_whole};
+use source::{loops_over_content, with_python_string_escapes, without_generation_tags};
+
+mod python;
+mod source;
 
 /// The template's name in its environment.
 const CHAT: &str = "chat";
@@ -385,8 +389,9 @@ struct PromptRequest<'a> {
     messages: Option<Vec<serde_json::Map<String, serde_json::Value>>>,
     #[serde(borrow, default)]
     chat_template: Option<&'a RawValue>,
+    /// Read in its order (a dict a template prints keeps it, as in Python).
     #[serde(default)]
-    chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    chat_template_kwargs: Option<Value>,
     #[serde(borrow, default)]
     tools: Option<&'a RawValue>,
     #[serde(borrow, default)]
@@ -405,12 +410,15 @@ impl ChatTemplate {
         special_tokens: Vec<(&'static str, String)>,
     ) -> Result<Self, TemplateError> {
         let content_parts = loops_over_content(&source);
-        let source = without_generation_tags(&source);
+        let source = with_python_string_escapes(&without_generation_tags(&source));
         let mut env = Environment::new();
         // transformers' sandboxed environment: `trim_blocks` and `lstrip_blocks` on.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_formatter(python::format);
+        env.add_filter("string", python::string);
+        env.add_filter("trim", python::trim);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(CHAT, source)?;
@@ -437,10 +445,10 @@ impl ChatTemplate {
         if request.continue_final_message == Some(true) {
             return Err(Unsupported::LeftToPod("continues its final message"));
         }
-        let kwargs = request.chat_template_kwargs.iter().flatten();
+        let kwargs = keyword_arguments(request.chat_template_kwargs.as_ref())?;
         if kwargs
-            .clone()
-            .any(|(name, value)| !value.is_null() && KWARGS_LEFT_TO_POD.contains(&name.as_str()))
+            .iter()
+            .any(|(name, value)| !value.is_none() && KWARGS_LEFT_TO_POD.contains(&name.as_str()))
         {
             return Err(Unsupported::LeftToPod(
                 "names tools, documents or a template in its chat_template_kwargs",
@@ -465,9 +473,7 @@ impl ChatTemplate {
         for (name, token) in &self.special_tokens {
             context.push(((*name).into(), Value::from(token.as_str())));
         }
-        for (name, value) in kwargs {
-            context.push((name.clone(), Value::from_serialize(value)));
-        }
+        context.extend(kwargs);
         context.push(("messages".into(), Value::from(messages)));
         let context: Value = context.into_iter().collect();
         self.env
@@ -532,74 +538,38 @@ impl ChatTemplate {
         })
         .flatten()
         .map(Value::from_serialize);
+        // In vLLM's order, which a template that prints a message shows.
         let mut fields: Vec<(&str, Value)> = Vec::with_capacity(5);
         fields.extend(role.map(|role| ("role", role)));
-        fields.extend(text("name").map(|name| ("name", Value::from_serialize(name))));
         fields.push(("content", content));
         if let Some(reasoning) = reasoning {
             fields.push(("reasoning", reasoning.clone()));
             fields.push(("reasoning_content", reasoning));
         }
+        fields.extend(text("name").map(|name| ("name", Value::from_serialize(name))));
         Ok(fields.into_iter().collect())
     }
 }
 
-/// Whether the template loops over a message's content (vLLM's "openai" content format
-/// then hands it the list of parts; otherwise one string).
-fn loops_over_content(source: &str) -> bool {
-    let mut rest = source;
-    while let Some(start) = rest.find("{%") {
-        let after = &rest[start + 2..];
-        let end = after.find("%}").unwrap_or(after.len());
-        let statement = after[..end].trim_start_matches(['-', '+']).trim_start();
-        if let Some(head) = statement.strip_prefix("for ")
-            && let Some((_, iterable)) = head.split_once(" in ")
-            && iterable.contains("content")
-        {
-            return true;
-        }
-        rest = &after[end..];
+/// The request's `chat_template_kwargs` by name, in their order (none: no arguments).
+fn keyword_arguments(kwargs: Option<&Value>) -> Result<Vec<(String, Value)>, Unsupported> {
+    let Some(kwargs) = kwargs.filter(|kwargs| !kwargs.is_none()) else {
+        return Ok(Vec::new());
+    };
+    let not_an_object =
+        || Unsupported::LeftToPod("has chat_template_kwargs that are not an object");
+    if kwargs.kind() != minijinja::value::ValueKind::Map {
+        return Err(not_an_object());
     }
-    false
-}
-
-/// `source` with transformers' `{% generation %}` blocks (which mark the assistant's
-/// tokens for training masks, and render their body unchanged) as `{% if true %}`
-/// blocks, which minijinja knows and which trim whitespace as the tags did.
-fn without_generation_tags(source: &str) -> String {
-    let mut out = String::with_capacity(source.len());
-    let mut rest = source;
-    while let Some(start) = rest.find("{%") {
-        let after = &rest[start + 2..];
-        let Some(end) = after.find("%}") else {
-            break;
-        };
-        let inner = &after[..end];
-        let left = if inner.starts_with(['-', '+']) {
-            &inner[..1]
-        } else {
-            ""
-        };
-        let right = if inner.ends_with(['-', '+']) {
-            &inner[inner.len() - 1..]
-        } else {
-            ""
-        };
-        let word = inner[left.len()..inner.len() - right.len()].trim();
-        let replacement = match word {
-            "generation" => Some("if true"),
-            "endgeneration" => Some("endif"),
-            _ => None,
-        };
-        out.push_str(&rest[..start]);
-        match replacement {
-            Some(statement) => out.push_str(&format!("{{%{left} {statement} {right}%}}")),
-            None => out.push_str(&rest[start..start + 2 + end + 2]),
-        }
-        rest = &after[end + 2..];
-    }
-    out.push_str(rest);
-    out
+    kwargs
+        .try_iter()
+        .map_err(|_| not_an_object())?
+        .map(|name| {
+            let value = kwargs.get_item(&name).map_err(|_| not_an_object())?;
+            let name = name.as_str().ok_or_else(not_an_object)?.to_owned();
+            Ok((name, value))
+        })
+        .collect()
 }
 
 /// A JSON file of the model directory, or `None` where there is none.

@@ -1,0 +1,245 @@
+//! Values written into a rendered prompt as Python's Jinja writes them: transformers
+//! renders chat templates with jinja2, which prints a list or a dict with Python's
+//! `str()` (`[{'type': 'text', 'text': 'hi'}]`), where minijinja would print JSON-like
+//! text. A template that prints a message's content parts, which vLLM hands over as a
+//! list where the template loops over them elsewhere, puts exactly that text into the
+//! prompt. Floats follow Python's `repr` too (`2.5e+20`, `1e-05`), and the filters that
+//! turn a value into text (`string`, `trim`) use Python's `str()`.
+
+use std::fmt::Write;
+
+use minijinja::value::{Value, ValueKind};
+use minijinja::{Error, ErrorKind, Output, State};
+
+/// The environment's formatter: lists, dicts and floats as Python writes them, the rest as
+/// minijinja does (which already writes `True`, `False` and `None` as Python does).
+pub(super) fn format(
+    out: &mut Output<'_>,
+    state: &State<'_, '_>,
+    value: &Value,
+) -> Result<(), Error> {
+    match value.kind() {
+        ValueKind::Seq | ValueKind::Map => {
+            let mut text = String::new();
+            repr(&mut text, value)?;
+            out.write_str(&text).map_err(write_error)
+        }
+        ValueKind::Number if !value.is_integer() => out
+            .write_str(&float_repr(f64::try_from(value.clone())?))
+            .map_err(write_error),
+        _ => minijinja::escape_formatter(out, state, value),
+    }
+}
+
+/// Jinja's `string` filter as jinja2 runs it: Python's `str()`.
+pub(super) fn string(value: &Value) -> Result<String, Error> {
+    str_of(value)
+}
+
+/// Jinja's `trim` filter as jinja2 runs it: Python's `str(value).strip(chars)` (a list
+/// of content parts trimmed is the text of the list).
+pub(super) fn trim(value: &Value, chars: Option<String>) -> Result<String, Error> {
+    let text = str_of(value)?;
+    Ok(match chars {
+        Some(chars) => text.trim_matches(|c| chars.contains(c)).to_owned(),
+        None => text.trim().to_owned(),
+    })
+}
+
+/// Python's `str()` of a value.
+fn str_of(value: &Value) -> Result<String, Error> {
+    Ok(match value.kind() {
+        ValueKind::String => value.as_str().unwrap_or_default().to_owned(),
+        // An undefined value prints as nothing in jinja2.
+        ValueKind::Undefined => String::new(),
+        _ => {
+            let mut text = String::new();
+            repr(&mut text, value)?;
+            text
+        }
+    })
+}
+
+fn write_error(e: std::fmt::Error) -> Error {
+    Error::new(ErrorKind::WriteFailure, e.to_string())
+}
+
+/// Python's `repr` of a value held in a list or dict.
+fn repr(out: &mut String, value: &Value) -> Result<(), Error> {
+    match value.kind() {
+        ValueKind::Seq | ValueKind::Iterable => {
+            out.push('[');
+            for (i, item) in value.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                repr(out, &item)?;
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            out.push('{');
+            for (i, key) in value.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                repr(out, &key)?;
+                out.push_str(": ");
+                repr(out, &value.get_item(&key)?)?;
+            }
+            out.push('}');
+        }
+        ValueKind::String => string_repr(out, value.as_str().unwrap_or_default()),
+        ValueKind::Number if !value.is_integer() => {
+            out.push_str(&float_repr(f64::try_from(value.clone())?));
+        }
+        ValueKind::Undefined | ValueKind::None => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "True" } else { "False" }),
+        _ => {
+            let _ = write!(out, "{value}");
+        }
+    }
+    Ok(())
+}
+
+/// Python's `repr` of a string: single quotes unless the text holds one and no double
+/// quote; backslashes, the quote, `\n`, `\r`, `\t` escaped; characters Python does not
+/// print as themselves written as `\xNN`, `\uNNNN` or `\UNNNNNNNN`.
+fn string_repr(out: &mut String, text: &str) {
+    let quote = if text.contains('\'') && !text.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if !printable(c) => {
+                let code = u32::from(c);
+                let _ = match code {
+                    0..=0xff => write!(out, "\\x{code:02x}"),
+                    0x100..=0xffff => write!(out, "\\u{code:04x}"),
+                    _ => write!(out, "\\U{code:08x}"),
+                };
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+}
+
+/// Whether Python's `str.isprintable` holds for `c`: not a control, format, separator
+/// (but the space), private-use or surrogate character. Unassigned code points, which
+/// Python escapes too, are not known here and are written as they are.
+fn printable(c: char) -> bool {
+    !matches!(u32::from(c),
+        0x00..=0x1f | 0x7f..=0xa0 | 0xad
+        | 0x600..=0x605 | 0x61c | 0x6dd | 0x70f | 0x1680 | 0x180e
+        | 0x2000..=0x200f | 0x2028..=0x202f | 0x205f..=0x2064 | 0x2066..=0x206f
+        | 0x3000 | 0xe000..=0xf8ff | 0xfeff | 0xfff9..=0xfffb
+        | 0x1_1000..=0x1_10ff
+        | 0xe_0001 | 0xe_0020..=0xe_007f | 0xf_0000..=0x10_ffff)
+}
+
+/// Python's `repr` of a float: the shortest digits that read back the same, positional
+/// for exponents from -4 to 15 (with `.0` when whole), else `d.ddde+XX`.
+fn float_repr(value: f64) -> String {
+    if value.is_nan() {
+        return "nan".into();
+    }
+    if value.is_infinite() {
+        return if value > 0.0 { "inf" } else { "-inf" }.into();
+    }
+    let scientific = format!("{value:e}");
+    let (mantissa, exponent) = scientific.split_once('e').unwrap_or((&scientific, "0"));
+    let exponent: i32 = exponent.parse().unwrap_or(0);
+    if (-4..16).contains(&exponent) {
+        let positional = format!("{value}");
+        if positional.contains('.') {
+            positional
+        } else {
+            format!("{positional}.0")
+        }
+    } else {
+        let sign = if exponent < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exponent.unsigned_abs())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn python(value: Value) -> String {
+        let mut out = String::new();
+        repr(&mut out, &value).expect("repr");
+        out
+    }
+
+    #[test]
+    fn lists_and_dicts_read_as_pythons_str_writes_them() {
+        // Each expected text is what CPython's repr() gives.
+        let parts: Value = serde_json::from_str::<Value>(
+            r#"[{"type": "text", "text": "it's"}, {"type": "text", "text": "a \"b\"\n\\"}]"#,
+        )
+        .expect("parts");
+        assert_eq!(
+            python(parts),
+            r#"[{'type': 'text', 'text': "it's"}, {'type': 'text', 'text': 'a "b"\n\\'}]"#
+        );
+        let mixed: Value =
+            serde_json::from_str(r#"{"n": null, "t": true, "i": 3, "f": 0.5, "l": []}"#)
+                .expect("mixed");
+        assert_eq!(
+            python(mixed),
+            "{'n': None, 't': True, 'i': 3, 'f': 0.5, 'l': []}"
+        );
+        assert_eq!(
+            python(Value::from("both ' and \" \u{7} \u{a0} \u{200b} é 日本")),
+            r#"'both \' and " \x07 \xa0 \u200b é 日本'"#
+        );
+    }
+
+    #[test]
+    fn the_text_filters_read_a_list_as_pythons_str_writes_it() {
+        let parts: Value =
+            serde_json::from_str(r#"[{"type": "text", "text": "hi"}]"#).expect("parts");
+        assert_eq!(
+            trim(&parts, None).expect("trim"),
+            "[{'type': 'text', 'text': 'hi'}]"
+        );
+        assert_eq!(trim(&Value::from("  a b \n"), None).expect("trim"), "a b");
+        assert_eq!(
+            trim(&Value::from("xxaxbxx"), Some("x".into())).expect("trim"),
+            "axb"
+        );
+        assert_eq!(string(&Value::from(true)).expect("string"), "True");
+        assert_eq!(string(&Value::from(2.5)).expect("string"), "2.5");
+        assert_eq!(string(&Value::UNDEFINED).expect("string"), "");
+    }
+
+    #[test]
+    fn floats_read_as_pythons_repr_writes_them() {
+        for (value, python) in [
+            (1.0, "1.0"),
+            (0.1, "0.1"),
+            (2.5e20, "2.5e+20"),
+            (1e16, "1e+16"),
+            (1e15, "1000000000000000.0"),
+            (0.0001, "0.0001"),
+            (0.00001, "1e-05"),
+            (-1.5e-7, "-1.5e-07"),
+            (123.456, "123.456"),
+        ] {
+            assert_eq!(float_repr(value), python, "{value}");
+        }
+    }
+}
