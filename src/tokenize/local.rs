@@ -30,17 +30,14 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
 
-use minijinja::{Environment, Error as TemplateError, ErrorKind, Value};
+use minijinja::{Environment, Error as TemplateError, Value};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use kvroute_core::request::ApiKind;
 
 use super::pieces::{Pieces, encode_whole};
-use source::{loops_over_content, with_python_string_escapes, without_generation_tags};
-
-mod python;
-mod source;
+use kvroute_chat_template::{loops_over_content, template_source};
 
 /// The template's name in its environment.
 const CHAT: &str = "chat";
@@ -410,18 +407,8 @@ impl ChatTemplate {
         special_tokens: Vec<(&'static str, String)>,
     ) -> Result<Self, TemplateError> {
         let content_parts = loops_over_content(&source);
-        let source = with_python_string_escapes(&without_generation_tags(&source));
-        let mut env = Environment::new();
-        // transformers' sandboxed environment: `trim_blocks` and `lstrip_blocks` on.
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.set_formatter(python::format);
-        env.add_filter("string", python::string);
-        env.add_filter("trim", python::trim);
-        env.add_function("raise_exception", raise_exception);
-        env.add_function("strftime_now", strftime_now);
-        env.add_template_owned(CHAT, source)?;
+        let mut env = kvroute_chat_template::environment();
+        env.add_template_owned(CHAT, template_source(&source))?;
         Ok(ChatTemplate {
             env,
             content_parts,
@@ -606,20 +593,6 @@ fn token_text(value: Option<&serde_json::Value>) -> Option<String> {
             .and_then(serde_json::Value::as_str)
             .map(str::to_owned),
     }
-}
-
-/// The template's own refusal (an unknown role, roles out of order).
-fn raise_exception(message: String) -> Result<Value, TemplateError> {
-    Err(TemplateError::new(ErrorKind::InvalidOperation, message))
-}
-
-/// The local time formatted as Python's `strftime` does (some templates write today's
-/// date into the system prompt, as vLLM renders it where the request is served).
-fn strftime_now(format: String) -> Result<Value, TemplateError> {
-    let now = jiff::Zoned::now();
-    jiff::fmt::strtime::format(format.as_str(), &now)
-        .map(Value::from)
-        .map_err(|e| TemplateError::new(ErrorKind::InvalidOperation, e.to_string()))
 }
 
 #[cfg(test)]

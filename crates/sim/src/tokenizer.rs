@@ -22,9 +22,11 @@
 //! The messages are rendered with the chat template, then the text is encoded with
 //! `add_special_tokens` = the request's field, default **false** (the template writes the BOS).
 //! Rendering is transformers' `apply_chat_template`:
-//! - a Jinja environment with `trim_blocks` and `lstrip_blocks`, loop controls, Python's
-//!   string methods, `raise_exception(msg)` (fails the request), `strftime_now(fmt)` and a
-//!   `tojson` that writes what Python's `json.dumps` writes (no HTML escaping);
+//! - Jinja as transformers runs it (`kvroute-chat-template`, the gateway's too): blocks
+//!   trimmed and left-stripped, loop controls, Python's string methods,
+//!   `raise_exception(msg)` (fails the request), `strftime_now(fmt)`, a `tojson` that
+//!   writes what Python's `json.dumps` writes (no HTML escaping), string literals read and
+//!   values written as Python reads and writes them;
 //! - the variables `messages`, `tools` (the request's, else none), `documents` (likewise),
 //!   `add_generation_prompt` (default true), `bos_token`, `eos_token`, and every key of the
 //!   request's `chat_template_kwargs` at the top level (overriding the others, as vLLM merges
@@ -46,8 +48,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use minijinja::value::Kwargs;
-use minijinja::{Environment, ErrorKind, Value as JinjaValue};
+use minijinja::{Environment, Value as JinjaValue};
 use serde_json::Value;
 
 /// Why a tokenizer directory could not be loaded.
@@ -230,14 +231,17 @@ impl HfTokenizer {
                 config_path,
             ),
         };
-        let mut env = jinja_environment();
+        let mut env = kvroute_chat_template::environment();
         let mut templates = Vec::with_capacity(sources.len());
         for (name, source) in sources {
-            env.add_template_owned(name.clone(), source)
-                .map_err(|error| LoadError::Template {
-                    path: template_path.clone(),
-                    error,
-                })?;
+            env.add_template_owned(
+                name.clone(),
+                kvroute_chat_template::template_source(&source),
+            )
+            .map_err(|error| LoadError::Template {
+                path: template_path.clone(),
+                error,
+            })?;
             templates.push(name);
         }
         Ok(HfTokenizer {
@@ -458,232 +462,6 @@ fn cut_after_final_message(rendered: String, messages: &[Value]) -> Result<Strin
         ));
     };
     Ok(rendered[..at + last.len()].trim_end().to_string())
-}
-
-/// The Jinja environment of transformers' chat templates.
-fn jinja_environment() -> Environment<'static> {
-    let mut env = Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function(
-        "raise_exception",
-        |message: String| -> Result<JinjaValue, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
-        },
-    );
-    env.add_function("strftime_now", |format: String| {
-        strftime(&format, jiff::Timestamp::now().as_second())
-    });
-    env.add_filter("tojson", tojson);
-    env
-}
-
-/// Python's `time.strftime` for the directives chat templates use, in UTC (a pod's clock
-/// has no time zone of its own); an unknown directive is written as it is.
-fn strftime(format: &str, unix_secs: i64) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
-    // The calendar is jiff's (a time outside its range reads as the epoch); the
-    // directives are written here, so that an unknown one stays as Python leaves it.
-    let time = jiff::Timestamp::from_second(unix_secs)
-        .unwrap_or(jiff::Timestamp::UNIX_EPOCH)
-        .to_zoned(jiff::tz::TimeZone::UTC);
-    let (year, month, day) = (time.year(), time.month(), time.day());
-    let (hour, minute, second) = (time.hour(), time.minute(), time.second());
-    let day_of_year = time.day_of_year();
-    let month_name = MONTHS[usize::try_from(month - 1).unwrap_or(0)];
-    let day_name = DAYS[usize::from(time.weekday().to_monday_zero_offset().unsigned_abs())];
-    let mut out = String::with_capacity(format.len() + 16);
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        let Some(d) = chars.next() else {
-            out.push('%');
-            break;
-        };
-        let piece = match d {
-            'Y' => year.to_string(),
-            'y' => format!("{:02}", year.rem_euclid(100)),
-            'm' => format!("{month:02}"),
-            'd' => format!("{day:02}"),
-            'e' => format!("{day:>2}"),
-            'j' => format!("{day_of_year:03}"),
-            'H' => format!("{hour:02}"),
-            'I' => format!("{:02}", (hour + 11) % 12 + 1),
-            'p' => (if hour < 12 { "AM" } else { "PM" }).to_string(),
-            'M' => format!("{minute:02}"),
-            'S' => format!("{second:02}"),
-            'B' => month_name.to_string(),
-            'b' | 'h' => month_name[..3].to_string(),
-            'A' => day_name.to_string(),
-            'a' => day_name[..3].to_string(),
-            '%' => "%".to_string(),
-            other => format!("%{other}"),
-        };
-        out.push_str(&piece);
-    }
-    out
-}
-
-/// transformers' `tojson` filter: Python's `json.dumps(x, ensure_ascii=False, indent=None,
-/// separators=None, sort_keys=False)`, each overridable by keyword. Jinja's own `tojson`
-/// escapes HTML characters and writes no spaces, which would change the prompt.
-fn tojson(value: &JinjaValue, kwargs: Kwargs) -> Result<JinjaValue, minijinja::Error> {
-    let indent: Option<JinjaValue> = kwargs.get("indent")?;
-    let separators: Option<JinjaValue> = kwargs.get("separators")?;
-    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
-    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
-    kwargs.assert_all_used()?;
-    let indent = match indent {
-        None => None,
-        Some(v) if v.is_none() || v.is_undefined() => None,
-        Some(v) => match (v.as_i64(), v.as_str()) {
-            (Some(n), _) => Some(" ".repeat(usize::try_from(n).unwrap_or(0))),
-            (None, Some(s)) => Some(s.to_string()),
-            _ => {
-                return Err(minijinja::Error::new(
-                    ErrorKind::InvalidOperation,
-                    "tojson: indent must be an integer or a string",
-                ));
-            }
-        },
-    };
-    let (item_sep, key_sep) = match separators.filter(|s| !s.is_none()) {
-        Some(s) => {
-            let parts: Vec<String> = s
-                .try_iter()?
-                .map(|p| p.as_str().map(str::to_owned).unwrap_or_default())
-                .collect();
-            match parts.as_slice() {
-                [a, b] => (a.clone(), b.clone()),
-                _ => {
-                    return Err(minijinja::Error::new(
-                        ErrorKind::InvalidOperation,
-                        "tojson: separators must be a pair of strings",
-                    ));
-                }
-            }
-        }
-        // Python's defaults: no space before a newline when indenting.
-        None if indent.is_some() => (",".to_string(), ": ".to_string()),
-        None => (", ".to_string(), ": ".to_string()),
-    };
-    let json = serde_json::to_value(value)
-        .map_err(|e| minijinja::Error::new(ErrorKind::BadSerialization, format!("tojson: {e}")))?;
-    let mut out = String::new();
-    let style = JsonStyle {
-        indent: indent.as_deref(),
-        item_sep: &item_sep,
-        key_sep: &key_sep,
-        ensure_ascii: ensure_ascii.unwrap_or(false),
-        sort_keys: sort_keys.unwrap_or(false),
-    };
-    write_json(&mut out, &json, &style, 0);
-    Ok(JinjaValue::from_safe_string(out))
-}
-
-struct JsonStyle<'a> {
-    indent: Option<&'a str>,
-    item_sep: &'a str,
-    key_sep: &'a str,
-    ensure_ascii: bool,
-    sort_keys: bool,
-}
-
-fn newline(out: &mut String, style: &JsonStyle<'_>, depth: usize) {
-    if let Some(indent) = style.indent {
-        out.push('\n');
-        for _ in 0..depth {
-            out.push_str(indent);
-        }
-    }
-}
-
-fn write_json(out: &mut String, v: &Value, style: &JsonStyle<'_>, depth: usize) {
-    match v {
-        Value::Array(items) if !items.is_empty() => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(style.item_sep);
-                }
-                newline(out, style, depth + 1);
-                write_json(out, item, style, depth + 1);
-            }
-            newline(out, style, depth);
-            out.push(']');
-        }
-        Value::Object(map) if !map.is_empty() => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            if style.sort_keys {
-                entries.sort_by(|a, b| a.0.cmp(b.0));
-            }
-            out.push('{');
-            for (i, (k, item)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push_str(style.item_sep);
-                }
-                newline(out, style, depth + 1);
-                write_string(out, k, style.ensure_ascii);
-                out.push_str(style.key_sep);
-                write_json(out, item, style, depth + 1);
-            }
-            newline(out, style, depth);
-            out.push('}');
-        }
-        Value::Array(_) => out.push_str("[]"),
-        Value::Object(_) => out.push_str("{}"),
-        Value::String(s) => write_string(out, s, style.ensure_ascii),
-        other => out.push_str(&other.to_string()),
-    }
-}
-
-fn write_string(out: &mut String, s: &str, ensure_ascii: bool) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            c if u32::from(c) < 0x20 || (ensure_ascii && !c.is_ascii()) => {
-                let mut units = [0u16; 2];
-                for unit in c.encode_utf16(&mut units) {
-                    out.push_str(&format!("\\u{unit:04x}"));
-                }
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 #[cfg(test)]
@@ -975,17 +753,5 @@ mod tests {
         let err = HfTokenizer::load(&dir.0).expect_err("syntax error");
         assert!(matches!(err, LoadError::Template { .. }), "{err:?}");
         assert!(err.to_string().contains("chat_template.jinja"), "{err}");
-    }
-
-    #[test]
-    fn strftime_writes_pythons_directives_in_utc() {
-        // 2024-07-23 14:05:09 UTC, a Tuesday.
-        let t = 1_721_743_509;
-        assert_eq!(strftime("%d %b %Y", t), "23 Jul 2024");
-        assert_eq!(
-            strftime("%A %B %e, %y %H:%M:%S %I%p %j %% %Q", t),
-            "Tuesday July 23, 24 14:05:09 02PM 205 % %Q"
-        );
-        assert_eq!(strftime("%Y-%m-%d %a", 0), "1970-01-01 Thu");
     }
 }

@@ -411,3 +411,28 @@ fn a_processors_template_comes_before_the_configurations_and_after_the_jinja_fil
     std::fs::remove_file(dir.path().join("chat_template.json")).expect("remove");
     assert_eq!(rendered(dir.path()), "config");
 }
+
+#[test]
+fn templates_render_as_jinja2_renders_them_where_minijinja_would_not() {
+    // Each expected text is what transformers' renderer gives for the same template and
+    // conversation (checked by scripts/compare-chat-templates.py's way of rendering).
+    let dir = with_template(
+        "{{- 'A long system prompt, \\\n cut where Python continues the line.' }}\n\
+         {%- for m in messages %}{% for part in m['content'] %}{% endfor %}{% endfor %}\
+         |{{ messages[0]['content'] | trim }}|{{ messages[0] }}|{{ {'b': 1, 'a': 2.5e20} }}",
+    );
+    let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
+    let (text, _) = tokenizer
+        .prompt_text(
+            ApiKind::ChatCompletions,
+            br#"{"messages":[{"role":"user","content":"it's"}]}"#,
+        )
+        .expect("rendered");
+    assert_eq!(
+        text,
+        "A long system prompt,  cut where Python continues the line.\
+         |[{'type': 'text', 'text': \"it's\"}]\
+         |{'role': 'user', 'content': [{'type': 'text', 'text': \"it's\"}]}\
+         |{'b': 1, 'a': 2.5e+20}"
+    );
+}

@@ -2,6 +2,12 @@
 //! messages' content is handed over (vLLM decides it from the template's loops), and the
 //! transformers-only tags it rewrites for minijinja.
 
+/// `source` as minijinja must read it to render what jinja2 renders in transformers:
+/// its string literals decoded as Python decodes them, `{% generation %}` blocks known.
+pub fn template_source(source: &str) -> String {
+    with_python_string_escapes(&without_generation_tags(source))
+}
+
 /// One `{% ... %}` statement's text, without its whitespace-control marks.
 fn statements(source: &str) -> impl Iterator<Item = &str> {
     let mut rest = source;
@@ -24,7 +30,7 @@ fn statements(source: &str) -> impl Iterator<Item = &str> {
 /// is the target of a `for` over `messages` or over a variable set from it (each possibly
 /// sliced or filtered). Loops over anything else that merely mentions the content (its
 /// lines, a variable holding it) are not that.
-pub(super) fn loops_over_content(source: &str) -> bool {
+pub fn loops_over_content(source: &str) -> bool {
     let mut loops: Vec<(&str, &str)> = Vec::new();
     let mut assignments: Vec<(&str, &str)> = Vec::new();
     for statement in statements(source) {
@@ -129,7 +135,7 @@ fn is_name(text: &str) -> bool {
 /// `source` with transformers' `{% generation %}` blocks (which mark the assistant's
 /// tokens for training masks, and render their body unchanged) as `{% if true %}`
 /// blocks, which minijinja knows and which trim whitespace as the tags did.
-pub(super) fn without_generation_tags(source: &str) -> String {
+fn without_generation_tags(source: &str) -> String {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
     while let Some(start) = rest.find("{%") {
@@ -170,7 +176,7 @@ pub(super) fn without_generation_tags(source: &str) -> String {
 /// backslash before a line break continues the line (Mistral's templates cut their
 /// long system prompts so), `\a` and `\v` are a bell and a vertical tab, `\/` is two
 /// characters, `\UXXXXXXXX` is one. Text outside `{{ }}` and `{% %}` is left alone.
-pub(super) fn with_python_string_escapes(source: &str) -> String {
+fn with_python_string_escapes(source: &str) -> String {
     #[derive(Clone, Copy, PartialEq)]
     enum At {
         Text,

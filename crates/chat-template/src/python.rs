@@ -13,7 +13,7 @@ use minijinja::{Error, ErrorKind, Output, State};
 
 /// The environment's formatter: lists, dicts and floats as Python writes them, the rest as
 /// minijinja does (which already writes `True`, `False` and `None` as Python does).
-pub(super) fn format(
+pub(crate) fn format(
     out: &mut Output<'_>,
     state: &State<'_, '_>,
     value: &Value,
@@ -32,13 +32,13 @@ pub(super) fn format(
 }
 
 /// Jinja's `string` filter as jinja2 runs it: Python's `str()`.
-pub(super) fn string(value: &Value) -> Result<String, Error> {
+pub(crate) fn string(value: &Value) -> Result<String, Error> {
     str_of(value)
 }
 
 /// Jinja's `trim` filter as jinja2 runs it: Python's `str(value).strip(chars)` (a list
 /// of content parts trimmed is the text of the list).
-pub(super) fn trim(value: &Value, chars: Option<String>) -> Result<String, Error> {
+pub(crate) fn trim(value: &Value, chars: Option<String>) -> Result<String, Error> {
     let text = str_of(value)?;
     Ok(match chars {
         Some(chars) => text.trim_matches(|c| chars.contains(c)).to_owned(),
@@ -151,7 +151,7 @@ fn printable(c: char) -> bool {
 
 /// Python's `repr` of a float: the shortest digits that read back the same, positional
 /// for exponents from -4 to 15 (with `.0` when whole), else `d.ddde+XX`.
-fn float_repr(value: f64) -> String {
+pub(crate) fn float_repr(value: f64) -> String {
     if value.is_nan() {
         return "nan".into();
     }

@@ -1,0 +1,87 @@
+//! Hugging Face chat templates rendered as transformers renders them for vLLM, with
+//! minijinja. The prompt's tokens, and so the engine's KV block hashes, follow from the
+//! rendered text to the character, and the engine renders with jinja2 in transformers'
+//! sandboxed environment: blocks trimmed and left-stripped, loop controls,
+//! `raise_exception`, `strftime_now`, a `tojson` that is Python's `json.dumps`, Python's
+//! string methods. Where minijinja reads or writes differently from jinja2 this crate
+//! makes it read and write as jinja2 does:
+//!
+//! - the source's string literals are decoded as Python decodes them, and transformers'
+//!   `{% generation %}` tag is known ([`template_source`], `source.rs`);
+//! - values are written as Python's `str()` writes them (lists, dicts, floats), in
+//!   `{{ }}` and through the `string` and `trim` filters (`python.rs`);
+//! - `tojson` is `json.dumps` (`json.rs`), `strftime_now` Python's `strftime` (`time.rs`).
+//!
+//! [`loops_over_content`] is vLLM's choice of how a message's content is handed over.
+//! `scripts/compare-chat-templates.py` compares the rendering with transformers' on real
+//! templates (docs/kv-events.md).
+
+mod json;
+mod python;
+mod source;
+mod time;
+
+use minijinja::{Environment, Error, ErrorKind, Value};
+
+pub use source::{loops_over_content, template_source};
+pub use time::strftime;
+
+/// An environment that renders chat templates as transformers' does. Add each template
+/// with [`template_source`] applied to it.
+pub fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_formatter(python::format);
+    env.add_filter("string", python::string);
+    env.add_filter("trim", python::trim);
+    env.add_filter("tojson", json::tojson);
+    env.add_function("raise_exception", raise_exception);
+    env.add_function("strftime_now", strftime_now);
+    env
+}
+
+/// The template's own refusal (an unknown role, roles out of order).
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// The local time as Python's `datetime.now().strftime` writes it: some templates put
+/// today's date in the system prompt, as the engine renders it where it runs.
+fn strftime_now(format: String) -> String {
+    strftime(&format, &jiff::Zoned::now())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_environment_renders_as_transformers_does() {
+        let mut env = environment();
+        env.add_template_owned(
+            "t",
+            template_source(
+                "{% for m in messages %}\n  {{ m.content | trim }}|{{ m | tojson }}\n{% endfor %}\
+                 {{ 'a\\\nb' }}{% if x is not defined %}{{ raise_exception('no ' ~ 'x') }}{% endif %}",
+            ),
+        )
+        .expect("parses");
+        let template = env.get_template("t").expect("added");
+        let messages: Value =
+            serde_json::from_str(r#"[{"role": "user", "content": " hi "}]"#).expect("JSON");
+        let refused = template
+            .render(minijinja::context! { messages => messages.clone() })
+            .expect_err("raises");
+        assert!(refused.to_string().contains("no x"), "{refused}");
+        // What jinja2 in transformers' environment writes: `lstrip_blocks` strips the
+        // whitespace before a block tag only, so the indent before `{{` stays.
+        assert_eq!(
+            template
+                .render(minijinja::context! { messages => messages, x => 1 })
+                .expect("renders"),
+            "  hi|{\"role\": \"user\", \"content\": \" hi \"}\nab"
+        );
+    }
+}

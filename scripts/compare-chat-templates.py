@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""Compares kvroute's chat rendering (`kvroute tokenize --text`) with transformers' renderer
+fed the conversation vLLM builds, over a set of sample conversations, for each model
+directory given (its `tokenizer_config.json`, and `chat_template.jinja` or
+`chat_template.json` where it has one). A difference means kvroute's local tokenizer would
+make other tokens than the engine for that kind of request, and precise prefix routing
+would miss without an error anywhere: docs/kv-events.md ("Templates checked against
+transformers") has the directories checked and what they found.
+
+The rendering is what is compared, so the directories need no `tokenizer.json` of their
+own: each is paired with TOKENIZER_JSON (by default the lab's test tokenizer). Against a
+serving pod, with the model's own tokenizer, `kvroute tokenize --pod` is the check.
+
+Needs `pip install transformers jinja2` (no PyTorch); CI does not run this.
+
+    cargo build --release --bin kvroute
+    python3 scripts/compare-chat-templates.py [--kvroute BIN] [--tokenizer-json FILE] DIR...
+
+Exit status 1 when some rendering differs.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import deque
+
+import jinja2.nodes as N
+from transformers.utils.chat_template_utils import (
+    _compile_jinja_template,
+    render_jinja_template,
+)
+
+SPECIAL = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"]
+
+CASES = [
+    ("one user", {"messages": [{"role": "user", "content": "Hello there, how are you?"}]}),
+    ("system+user", {"messages": [
+        {"role": "system", "content": "You are a careful assistant.\nAnswer briefly."},
+        {"role": "user", "content": "What is a KV cache?"}]}),
+    ("multi-turn", {"messages": [
+        {"role": "system", "content": "You are a careful assistant."},
+        {"role": "user", "content": "What is a KV cache?"},
+        {"role": "assistant", "content": "It stores attention keys and values."},
+        {"role": "user", "content": "  And why does it fill up?  \n"}]}),
+    ("parts", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "first part"}, {"type": "text", "text": "second part"}]}]}),
+    ("no generation prompt", {"add_generation_prompt": False, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}),
+    ("name", {"messages": [{"role": "user", "name": "ann", "content": "Hi, I am Ann."}]}),
+    ("unicode and braces", {"messages": [
+        {"role": "user", "content": "Ünïcödé — 日本語 {{ not a template }} {% neither %} \\n"}]}),
+    ("null assistant content", {"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+        {"role": "user", "content": "Again"}]}),
+    ("reasoning", {"messages": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Adding two and two."},
+        {"role": "user", "content": "3+3?"}]}),
+    ("thinking off", {"chat_template_kwargs": {"enable_thinking": False}, "messages": [
+        {"role": "user", "content": "Hi"}]}),
+    ("thinking on", {"chat_template_kwargs": {"enable_thinking": True}, "messages": [
+        {"role": "user", "content": "Hi"}]}),
+]
+
+
+# vLLM's content-format detection (entrypoints/chat_utils.py), restated.
+def _is_var(node, name):
+    return isinstance(node, N.Name) and node.ctx == "load" and node.name == name
+
+
+def _is_attr(node, name, key):
+    if isinstance(node, N.Getitem):
+        return _is_var(node.node, name) and isinstance(node.arg, N.Const) and node.arg.value == key
+    if isinstance(node, N.Getattr):
+        return _is_var(node.node, name) and node.attr == key
+    return False
+
+
+def _is_var_or_elems(node, name, key=None):
+    if isinstance(node, N.Filter):
+        return node.node is not None and _is_var_or_elems(node.node, name, key)
+    if isinstance(node, N.Test):
+        return _is_var_or_elems(node.node, name, key)
+    if isinstance(node, N.Getitem) and isinstance(node.arg, N.Slice):
+        return _is_var_or_elems(node.node, name, key)
+    return _is_attr(node, name, key) if key else _is_var(node, name)
+
+
+def content_format(template):
+    root = _compile_jinja_template(template).environment.parse(template)
+    names = ["messages"]
+    queue = deque(["messages"])
+    while queue:
+        current = queue.popleft()
+        for assign in root.find_all(N.Assign):
+            if _is_var_or_elems(assign.node, current) and isinstance(assign.target, N.Name):
+                names.append(assign.target.name)
+                if assign.target.name != current:
+                    queue.append(assign.target.name)
+    message_vars = [
+        loop.target.name for loop in root.find_all(N.For)
+        if any(_is_var_or_elems(loop.iter, n) for n in names) and isinstance(loop.target, N.Name)
+    ]
+    for loop in root.find_all(N.For):
+        if any(_is_var_or_elems(loop.iter, m, "content") for m in message_vars):
+            return "openai"
+    return "string"
+
+
+def token_text(value):
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    return value.get("content")
+
+
+def load(model_dir):
+    config = json.load(open(os.path.join(model_dir, "tokenizer_config.json")))
+    template = None
+    for name in ["chat_template.jinja"]:
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            template = open(path, encoding="utf-8").read()
+    if template is None and os.path.exists(os.path.join(model_dir, "chat_template.json")):
+        template = json.load(open(os.path.join(model_dir, "chat_template.json")))["chat_template"]
+    if template is None:
+        template = config.get("chat_template")
+        if isinstance(template, list):
+            template = next(t["template"] for t in template if t["name"] == "default")
+    specials = {}
+    mapping = {}
+    if os.path.exists(os.path.join(model_dir, "special_tokens_map.json")):
+        mapping = json.load(open(os.path.join(model_dir, "special_tokens_map.json")))
+    for name in SPECIAL:
+        text = token_text(config.get(name)) or token_text(mapping.get(name))
+        if text is not None:
+            specials[name] = text
+    return config, template, specials
+
+
+def vllm_conversation(messages, fmt):
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if content is None:
+            texts = []
+        elif isinstance(content, str):
+            texts = [content]
+        else:
+            texts = [p["text"] for p in content]
+        if fmt == "openai":
+            content = [{"type": "text", "text": t} for t in texts]
+        else:
+            content = "\n".join(texts)
+        message = {"role": m["role"], "content": content}
+        if m["role"] == "assistant":
+            reasoning = m.get("reasoning") or m.get("reasoning_content")
+            if reasoning is not None:
+                message["reasoning"] = reasoning
+                message["reasoning_content"] = reasoning
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+        out.append(message)
+    return out
+
+
+def reference(template, specials, body):
+    fmt = content_format(template)
+    conversation = vllm_conversation(body["messages"], fmt)
+    kwargs = dict(specials)
+    kwargs["add_generation_prompt"] = body.get("add_generation_prompt", True)
+    kwargs.update(body.get("chat_template_kwargs") or {})
+    agp = kwargs.pop("add_generation_prompt")
+    rendered, _ = render_jinja_template(
+        conversations=[conversation], tools=None, documents=None,
+        chat_template=template, add_generation_prompt=agp, **kwargs)
+    return rendered[0], fmt
+
+
+def kvroute(binary, tokenizer_dir, body):
+    proc = subprocess.run(
+        [binary, "tokenize", "--tokenizer", tokenizer_dir, "--text", "-"],
+        input=json.dumps(body).encode(), capture_output=True)
+    if proc.returncode != 0:
+        return None, proc.stderr.decode().strip()
+    report = json.loads(proc.stdout)
+    local = report["local"]
+    if "text" in local:
+        return local["text"], None
+    return None, local.get("asks_a_pod")
+
+
+def first_diff(a, b):
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def main():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kvroute", default=os.path.join(root, "target/release/kvroute"))
+    parser.add_argument("--tokenizer-json",
+                        default=os.path.join(root, "crates/lab/tokenizers/bpe-4k/tokenizer.json"))
+    parser.add_argument("dirs", nargs="+", metavar="DIR")
+    args = parser.parse_args()
+    binary, tokenizer_json, dirs = args.kvroute, args.tokenizer_json, args.dirs
+    failures = 0
+    counts = {}
+    for model_dir in dirs:
+        name = os.path.basename(os.path.normpath(model_dir))
+        config, template, specials = load(model_dir)
+        with tempfile.TemporaryDirectory() as work:
+            shutil.copy(tokenizer_json, os.path.join(work, "tokenizer.json"))
+            for f in ["tokenizer_config.json", "chat_template.jinja", "chat_template.json", "special_tokens_map.json"]:
+                if os.path.exists(os.path.join(model_dir, f)):
+                    shutil.copy(os.path.join(model_dir, f), os.path.join(work, f))
+            for case, body in CASES:
+                body = dict(body, model="m")
+                try:
+                    expected, fmt = reference(template, specials, body)
+                    ref_error = None
+                except Exception as e:  # the template refused (raise_exception) or failed
+                    expected, fmt, ref_error = None, "?", f"{type(e).__name__}: {e}"
+                got, why = kvroute(binary, work, body)
+                if expected is not None and got == expected:
+                    status = "same"
+                elif expected is None and got is None:
+                    status = "both refuse"
+                elif got is None:
+                    status = "kvroute asks a pod"
+                elif expected is None:
+                    # Harmless: the engine fails the request whatever kvroute matched.
+                    status = "the engine refuses, kvroute renders"
+                else:
+                    status = "DIFFERENT"
+                    failures += 1
+                counts[status] = counts.get(status, 0) + 1
+                print(f"{name:28} {case:24} {fmt:7} {status}" + (f"  [kvroute: {why}]" if why and status != "same" else "") + (f"  [reference: {ref_error}]" if ref_error else ""))
+                if status == "DIFFERENT":
+                    at = first_diff(got, expected or "")
+                    print("    kvroute  :", repr(got[max(0, at - 60):at + 60]))
+                    print("    reference:", repr((expected or "")[max(0, at - 60):at + 60]))
+    print("; ".join(f"{status}: {n}" for status, n in sorted(counts.items())))
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
