@@ -37,7 +37,7 @@ use serde_json::value::RawValue;
 use kvroute_core::request::ApiKind;
 
 use super::pieces::{Pieces, encode_whole};
-use kvroute_chat_template::{loops_over_content, template_source};
+use kvroute_chat_template::{SPECIAL_TOKENS, loops_over_content, template_source};
 
 /// The template's name in its environment.
 const CHAT: &str = "chat";
@@ -193,18 +193,6 @@ struct ChatTemplate {
     /// The named special tokens the tokenizer has, by name ([`SPECIAL_TOKENS`]).
     special_tokens: Vec<(&'static str, String)>,
 }
-
-/// The special tokens transformers hands a chat template by name (its tokenizer's
-/// `special_tokens_map`).
-const SPECIAL_TOKENS: [&str; 7] = [
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-];
 
 /// `chat_template_kwargs` that name what only the pod renders exactly (vLLM merges the
 /// request's keyword arguments over its own, so these replace the request's tools,

@@ -26,6 +26,18 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 pub use source::{loops_over_content, template_source};
 pub use time::strftime;
 
+/// The special tokens transformers hands a chat template by name (its tokenizer's
+/// `special_tokens_map`), where the tokenizer has them.
+pub const SPECIAL_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
 /// An environment that renders chat templates as transformers' does. Add each template
 /// with [`template_source`] applied to it.
 pub fn environment() -> Environment<'static> {

@@ -8,9 +8,10 @@
 //!
 //! # The model directory
 //! As vLLM's `--tokenizer` takes it: `tokenizer.json` (required); `tokenizer_config.json`
-//! (optional: `chat_template`, `bos_token`, `eos_token`, each token a string or an object with
-//! a `content` field); `chat_template.jinja` (optional; when present it is the chat template,
-//! taking precedence over `tokenizer_config.json`'s). A `chat_template` given as a list of
+//! (optional: `chat_template` and the named special tokens, each a string or an object with
+//! a `content` field; `special_tokens_map.json` fills in the tokens it does not name);
+//! `chat_template.jinja` (optional; when present it is the chat template), else a
+//! processor's `chat_template.json`, else `tokenizer_config.json`'s. A `chat_template` given as a list of
 //! named templates is used as transformers uses it: `tool_use` for a request with tools if
 //! there is one, else `default`.
 //!
@@ -28,11 +29,12 @@
 //!   writes what Python's `json.dumps` writes (no HTML escaping), string literals read and
 //!   values written as Python reads and writes them;
 //! - the variables `messages`, `tools` (the request's, else none), `documents` (likewise),
-//!   `add_generation_prompt` (default true), `bos_token`, `eos_token`, and every key of the
+//!   `add_generation_prompt` (default true), the named special tokens, and every key of the
 //!   request's `chat_template_kwargs` at the top level (overriding the others, as vLLM merges
 //!   them into the same keyword arguments);
-//! - each message as vLLM's "string" content format hands it over: `role`, `content` as one
-//!   string (an array of parts: the text parts joined with `"\n"`; null: `""`), `name` when a
+//! - each message as vLLM hands it over: `role`, `content` as one string (an array of
+//!   parts: the text parts joined with `"\n"`; null: `""`), or, where the template loops
+//!   over a message's content (vLLM's "openai" format), as the list of text parts, `name` when a
 //!   string, an assistant's `tool_calls` (each function's `arguments` parsed from its JSON
 //!   string into an object, as vLLM does) and its reasoning (as both `reasoning` and
 //!   `reasoning_content`), a tool message's `tool_call_id`; other fields are dropped;
@@ -123,10 +125,12 @@ pub struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// Holds the compiled chat templates, under `default` for a lone one.
     env: Environment<'static>,
-    /// Names of the templates in `env`: none, `default`, or those of a named list.
-    templates: Vec<String>,
-    bos_token: Option<String>,
-    eos_token: Option<String>,
+    /// Names of the templates in `env` (none, `default`, or those of a named list), and
+    /// whether each loops over a message's content (vLLM then hands the content over as a
+    /// list of parts, its "openai" format, else as one string).
+    templates: Vec<(String, bool)>,
+    /// The named special tokens the tokenizer has ([`kvroute_chat_template::SPECIAL_TOKENS`]).
+    special_tokens: Vec<(&'static str, String)>,
 }
 
 impl fmt::Debug for HfTokenizer {
@@ -134,21 +138,19 @@ impl fmt::Debug for HfTokenizer {
         f.debug_struct("HfTokenizer")
             .field("dir", &self.dir)
             .field("templates", &self.templates)
-            .field("bos_token", &self.bos_token)
-            .field("eos_token", &self.eos_token)
+            .field("special_tokens", &self.special_tokens)
             .finish_non_exhaustive()
     }
 }
 
-/// The parts of `tokenizer_config.json` that tokenization reads.
+/// The parts of `tokenizer_config.json` (or a processor's `chat_template.json`) that
+/// tokenization reads: the template, and the special tokens among the other keys.
 #[derive(Debug, Default, serde::Deserialize)]
 struct TokenizerConfig {
     #[serde(default)]
     chat_template: Option<Value>,
-    #[serde(default)]
-    bos_token: Option<Value>,
-    #[serde(default)]
-    eos_token: Option<Value>,
+    #[serde(flatten)]
+    others: serde_json::Map<String, Value>,
 }
 
 /// A special token as `tokenizer_config.json` writes it: a string, or an `AddedToken` object.
@@ -188,6 +190,18 @@ fn named_templates(
     }
 }
 
+/// A JSON file of the directory, or `None` where there is none.
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, LoadError> {
+    read(path)?
+        .map(|text| {
+            serde_json::from_str(&text).map_err(|e| LoadError::Config {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })
+        })
+        .transpose()
+}
+
 fn read(path: &Path) -> Result<Option<String>, LoadError> {
     match std::fs::read_to_string(path) {
         Ok(text) => Ok(Some(text)),
@@ -214,22 +228,36 @@ impl HfTokenizer {
             })?;
 
         let config_path = dir.join("tokenizer_config.json");
-        let config: TokenizerConfig = match read(&config_path)? {
-            Some(text) => serde_json::from_str(&text).map_err(|e| LoadError::Config {
-                path: config_path.clone(),
-                message: e.to_string(),
-            })?,
-            None => TokenizerConfig::default(),
-        };
+        let config: TokenizerConfig = read_json(&config_path)?.unwrap_or_default();
+        let map_path = dir.join("special_tokens_map.json");
+        let map: serde_json::Map<String, Value> = read_json(&map_path)?.unwrap_or_default();
+        // The configuration's, else the legacy map's.
+        let special_tokens = kvroute_chat_template::SPECIAL_TOKENS
+            .into_iter()
+            .filter_map(|name| {
+                let text =
+                    token_text(config.others.get(name)).or_else(|| token_text(map.get(name)))?;
+                Some((name, text))
+            })
+            .collect();
 
-        // chat_template.jinja, when present, is the template (transformers' precedence).
+        // chat_template.jinja, when present, is the template; then a processor's
+        // chat_template.json (vLLM prefers a multimodal model's processor template); then
+        // the configuration's.
         let jinja_path = dir.join("chat_template.jinja");
+        let processor_path = dir.join("chat_template.json");
         let (sources, template_path) = match read(&jinja_path)? {
             Some(text) => (vec![(DEFAULT_TEMPLATE.to_string(), text)], jinja_path),
-            None => (
-                named_templates(config.chat_template, &config_path)?,
-                config_path,
-            ),
+            None => match read_json::<TokenizerConfig>(&processor_path)? {
+                Some(processor) => (
+                    named_templates(processor.chat_template, &processor_path)?,
+                    processor_path,
+                ),
+                None => (
+                    named_templates(config.chat_template, &config_path)?,
+                    config_path,
+                ),
+            },
         };
         let mut env = kvroute_chat_template::environment();
         let mut templates = Vec::with_capacity(sources.len());
@@ -242,15 +270,14 @@ impl HfTokenizer {
                 path: template_path.clone(),
                 error,
             })?;
-            templates.push(name);
+            templates.push((name, kvroute_chat_template::loops_over_content(&source)));
         }
         Ok(HfTokenizer {
             dir: dir.to_path_buf(),
             tokenizer,
             env,
             templates,
-            bos_token: token_text(config.bos_token.as_ref()),
-            eos_token: token_text(config.eos_token.as_ref()),
+            special_tokens,
         })
     }
 
@@ -294,14 +321,14 @@ impl HfTokenizer {
 
     /// The chat request's prompt text: its messages rendered with the chat template.
     pub fn render_chat(&self, request: &Value) -> Result<String, PromptError> {
-        let has = |name: &str| self.templates.iter().any(|t| t == name);
+        let find = |name: &str| self.templates.iter().find(|(t, _)| t == name);
         let has_tools = request.get("tools").is_some_and(|t| !t.is_null());
-        let name = if self.templates.is_empty() {
+        let (name, content_parts) = if self.templates.is_empty() {
             return Err(PromptError::NoChatTemplate);
-        } else if has_tools && has(TOOL_USE_TEMPLATE) {
-            TOOL_USE_TEMPLATE
-        } else if has(DEFAULT_TEMPLATE) {
-            DEFAULT_TEMPLATE
+        } else if let Some(template) = find(TOOL_USE_TEMPLATE).filter(|_| has_tools) {
+            template
+        } else if let Some(template) = find(DEFAULT_TEMPLATE) {
+            template
         } else {
             return Err(PromptError::NoDefaultTemplate);
         };
@@ -327,11 +354,8 @@ impl HfTokenizer {
         // Later entries override earlier ones: special tokens, then the request's fields,
         // then chat_template_kwargs; `messages` is always the conversation.
         let mut ctx: BTreeMap<String, JinjaValue> = BTreeMap::new();
-        if let Some(t) = &self.bos_token {
-            ctx.insert("bos_token".into(), JinjaValue::from(t.as_str()));
-        }
-        if let Some(t) = &self.eos_token {
-            ctx.insert("eos_token".into(), JinjaValue::from(t.as_str()));
+        for (name, token) in &self.special_tokens {
+            ctx.insert((*name).into(), JinjaValue::from(token.as_str()));
         }
         for key in ["tools", "documents"] {
             let v = request.get(key).unwrap_or(&Value::Null);
@@ -346,7 +370,16 @@ impl HfTokenizer {
                 ctx.insert(k.clone(), JinjaValue::from_serialize(v));
             }
         }
-        ctx.insert("messages".into(), JinjaValue::from_serialize(&messages));
+        let originals = request
+            .get("messages")
+            .and_then(Value::as_array)
+            .map_or(&[][..], Vec::as_slice);
+        let for_template = messages
+            .iter()
+            .zip(originals)
+            .map(|(message, original)| template_message(message, original, *content_parts))
+            .collect::<Vec<_>>();
+        ctx.insert("messages".into(), JinjaValue::from(for_template));
 
         let template = self.env.get_template(name).map_err(PromptError::Render)?;
         let rendered = template
@@ -361,6 +394,52 @@ impl HfTokenizer {
 
 fn invalid(message: impl Into<String>) -> PromptError {
     PromptError::Invalid(message.into())
+}
+
+/// A message of the conversation as the template receives it: its fields in vLLM's order
+/// (a template that prints a message shows them so), and in the "openai" content format
+/// (`content_parts`) its text parts as a list of `{"type": "text", "text"}`, one for a
+/// string content.
+fn template_message(message: &Value, original: &Value, content_parts: bool) -> JinjaValue {
+    const ORDER: [&str; 7] = [
+        "role",
+        "content",
+        "tool_calls",
+        "reasoning",
+        "reasoning_content",
+        "tool_call_id",
+        "name",
+    ];
+    ORDER
+        .into_iter()
+        .filter_map(|field| {
+            let value = message.get(field)?;
+            let value = if field == "content" && content_parts {
+                let parts: Vec<JinjaValue> = match original.get("content") {
+                    Some(Value::String(text)) => vec![text_part(text)],
+                    Some(Value::Array(parts)) => parts
+                        .iter()
+                        .filter_map(|p| p.get("text").and_then(Value::as_str))
+                        .map(text_part)
+                        .collect(),
+                    _ => Vec::new(),
+                };
+                JinjaValue::from(parts)
+            } else {
+                JinjaValue::from_serialize(value)
+            };
+            Some((field, value))
+        })
+        .collect()
+}
+
+fn text_part(text: &str) -> JinjaValue {
+    [
+        ("type", JinjaValue::from("text")),
+        ("text", JinjaValue::from(text)),
+    ]
+    .into_iter()
+    .collect()
 }
 
 /// A boolean request field: absent or null gives `default`; anything but a boolean is refused.
@@ -692,6 +771,43 @@ mod tests {
             "user name=ann|assistant f{\"x\": [1, 2]}|tool id=c1|\
              [\n  {\n    \"function\": {\n      \"name\": \"f\"\n    }\n  }\n]\
              |a,b|{\"s\": \"é<&>\"}"
+        );
+    }
+
+    #[test]
+    fn content_parts_special_tokens_and_a_processors_template_as_vllm_hands_them_over() {
+        // The template loops over a message's content: vLLM's "openai" format hands the
+        // parts over as a list, in vLLM's field order; every named special token is there.
+        let template = "{% for m in messages %}{% for p in m['content'] %}{% endfor %}{% endfor %}\
+            {{ messages }}|{{ pad_token }}|{{ sep_token }}";
+        let dir = TempDir::new(
+            "parts",
+            &[
+                (
+                    "tokenizer_config.json",
+                    r#"{"chat_template": "config", "pad_token": {"content": "<pad>"}}"#,
+                ),
+                (
+                    "special_tokens_map.json",
+                    r#"{"sep_token": "<sep>", "pad_token": "x"}"#,
+                ),
+                (
+                    "chat_template.json",
+                    &format!("{{\"chat_template\": {}}}", json!(template)),
+                ),
+            ],
+        );
+        let t = HfTokenizer::load(&dir.0).expect("loads");
+        let request = json!({"messages": [
+            {"name": "ann", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "role": "user"},
+            {"role": "assistant", "content": "it's"},
+        ]});
+        // What transformers' renderer writes for the conversation vLLM builds.
+        assert_eq!(
+            t.render_chat(&request).expect("renders"),
+            "[{'role': 'user', 'content': [{'type': 'text', 'text': 'a'}, {'type': 'text', 'text': 'b'}], 'name': 'ann'}, \
+             {'role': 'assistant', 'content': [{'type': 'text', 'text': \"it's\"}]}]\
+             |<pad>|<sep>"
         );
     }
 
