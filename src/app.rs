@@ -86,7 +86,8 @@ impl App {
         // A model's tokenizer and the pods' CA bundle are read (and bad ones refused)
         // before anything binds. Pods are addressed by IP on the cluster network.
         let local_tokenizers =
-            LocalTokenizers::load(&config.tokenizers, config.tokenizer_cache_bytes)?;
+            LocalTokenizers::load(&config.tokenizers, config.tokenizer_cache_bytes)?
+                .checking_every(config.tokenizer_check_every);
         let pod_tls = config
             .scrape
             .pod_ca_bundle

@@ -268,6 +268,13 @@ pub struct ServeArgs {
     /// forgotten first); 0 encodes every prompt whole.
     #[arg(long, env = "KVROUTE_TOKENIZER_CACHE_MIB", default_value_t = 64)]
     pub tokenizer_cache_mib: u32,
+    /// Check --tokenizer against the engine on the first prompt of each model and then on
+    /// every Nth: the prompt is also sent to the pod's /tokenize in the background, and a
+    /// difference (a directory that is not the model's, a template the engine renders
+    /// otherwise) stops local tokenization for that model, logged and counted, so that
+    /// the pods tokenize its prompts instead. 0: never check.
+    #[arg(long, env = "KVROUTE_TOKENIZER_CHECK_EVERY", default_value_t = 1000)]
+    pub tokenizer_check_every: u64,
     /// Connections each listener (ext_proc, health, admin, metrics, debug) holds open at
     /// most; past it a new connection is closed on arrival and counted. A gateway opens a
     /// few per Envoy worker.
@@ -496,6 +503,8 @@ pub struct ServeConfig {
     pub tokenizers: Vec<crate::tokenize::TokenizerSpec>,
     /// See [`ServeArgs::tokenizer_cache_mib`]; in bytes.
     pub tokenizer_cache_bytes: usize,
+    /// See [`ServeArgs::tokenizer_check_every`].
+    pub tokenizer_check_every: u64,
     pub drain_timeout: Duration,
     /// See [`ServeArgs::max_connections`].
     pub max_connections: usize,
@@ -579,6 +588,7 @@ impl ServeConfig {
             tokenize_timeout: Duration::from_millis(100),
             tokenizers: Vec::new(),
             tokenizer_cache_bytes: 64 << 20,
+            tokenizer_check_every: 1000,
             drain_timeout: Duration::from_secs(10),
             drain_grace: Duration::from_secs(3),
             max_connections: 4096,
@@ -699,6 +709,7 @@ impl ServeConfig {
             tokenize_timeout: args.tokenize_timeout,
             tokenizers: args.tokenizers.clone(),
             tokenizer_cache_bytes: (args.tokenizer_cache_mib as usize) << 20,
+            tokenizer_check_every: args.tokenizer_check_every,
             drain_timeout: args.drain_timeout,
             drain_grace: args.drain_grace,
             max_connections: args.max_connections as usize,

@@ -28,7 +28,7 @@ use kvroute_core::request::{InferenceRequest, RouteRequest};
 use kvroute_core::scheduler::{Decision, Outlook, PickError, Picked, SchedulerConfig};
 use serde::Serialize;
 use tokio::sync::{broadcast, oneshot};
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use crate::extproc::messages::ErrorReply;
 use crate::extproc::observe::PrefixPrediction;
@@ -40,6 +40,7 @@ use crate::flow::{DropReason, FlowSettings, RequestClass};
 use crate::kvevents::{PreciseIndex, PrefixSource};
 use crate::store::PodStore;
 use crate::telemetry::{self, ModelLabels, Outcome, QueueExit};
+use crate::tokenize::check::{difference_report, first_difference};
 use crate::tokenize::{
     LocalTokenizer, LocalTokenizers, PodTokenizer, TokenizeError, Unsupported, tokenize_body,
 };
@@ -618,6 +619,14 @@ impl LivePicker {
             if let Some(tokens) = cheap.tokenize_if_cheap(raw.api, raw.body) {
                 match local_outcome(started, tokens) {
                     LocalOutcome::Tokens(tokens) => {
+                        check_against_pod(
+                            &precise.tokenizer,
+                            cheap,
+                            (pod.endpoint, base_model),
+                            raw.api,
+                            raw.body,
+                            &tokens,
+                        );
                         let mut inference = inference.clone();
                         let tokens =
                             take_tokens(&mut inference, adapter.as_deref(), &tokens, block_tokens);
@@ -638,7 +647,7 @@ impl LivePicker {
             }
         }
         let asked = match local {
-            Some(local) => Asked::Local(local, raw.api, raw.body.to_vec()),
+            Some(local) => Asked::Local(local, raw.api, raw.body.to_vec(), base_model.clone()),
             None => Asked::Pod(tokenize_body(raw.api, raw.body)?),
         };
         let me = self.me.get()?.upgrade()?;
@@ -651,8 +660,8 @@ impl LivePicker {
         tokio::spawn(async move {
             let mut answer = answer;
             let tokens = match asked {
-                Asked::Local(local, api, body) => {
-                    tokenize_here_or_on(&tokenizer, local, endpoint, api, body).await
+                Asked::Local(local, api, body, model) => {
+                    tokenize_here_or_on(&tokenizer, local, (endpoint, &model), api, body).await
                 }
                 Asked::Pod(body) => tokenize_on(&tokenizer, endpoint, body).await,
             };
@@ -843,9 +852,9 @@ fn tokenizing_pod<'s>(
 }
 
 /// What a tokenization will be asked of: kvroute's own tokenizer, with the request's
-/// API and body, or a pod, with the `/tokenize` body.
+/// API, body and base model, or a pod, with the `/tokenize` body.
 enum Asked {
-    Local(Arc<LocalTokenizer>, ApiKind, Vec<u8>),
+    Local(Arc<LocalTokenizer>, ApiKind, Vec<u8>, String),
     Pod(Vec<u8>),
 }
 
@@ -855,13 +864,14 @@ enum Asked {
 async fn tokenize_here_or_on(
     pod: &PodTokenizer,
     local: Arc<LocalTokenizer>,
-    endpoint: SocketAddr,
+    (endpoint, model): (SocketAddr, &str),
     api: ApiKind,
     body: Vec<u8>,
 ) -> Option<Vec<u32>> {
     let started = Instant::now();
+    let tokenizer = Arc::clone(&local);
     let worked = tokio::task::spawn_blocking(move || {
-        let tokens = local.tokenize(api, &body);
+        let tokens = tokenizer.tokenize(api, &body);
         (tokens, body)
     })
     .await;
@@ -873,10 +883,67 @@ async fn tokenize_here_or_on(
         }
     };
     match local_outcome(started, tokens) {
-        LocalOutcome::Tokens(tokens) => Some(tokens),
+        LocalOutcome::Tokens(tokens) => {
+            check_against_pod(pod, &local, (endpoint, model), api, &body, &tokens);
+            Some(tokens)
+        }
         LocalOutcome::NotOneText => None,
         LocalOutcome::AskPod => tokenize_on(pod, endpoint, tokenize_body(api, &body)?).await,
     }
+}
+
+/// Where `local` is due a check ([`LocalTokenizer::due_for_check`]), the same prompt
+/// (the request `body`, whose model's tokenizer `local` is) tokenized by the pod at
+/// `endpoint` in the background and compared with `tokens`, kvroute's own. The request
+/// does not wait for it. A difference stops local tokenization for the model: its
+/// prompts go to the pods' `/tokenize`, which is right by construction.
+fn check_against_pod(
+    pod: &PodTokenizer,
+    local: &Arc<LocalTokenizer>,
+    (endpoint, model): (SocketAddr, &str),
+    api: ApiKind,
+    body: &[u8],
+    tokens: &[u32],
+) {
+    if !local.due_for_check() {
+        return;
+    }
+    let Some(request) = tokenize_body(api, body) else {
+        return;
+    };
+    let (pod, local, model, tokens) = (
+        pod.clone(),
+        Arc::clone(local),
+        model.to_owned(),
+        tokens.to_vec(),
+    );
+    tokio::spawn(async move {
+        let engine = match pod.tokenize(endpoint, request).await {
+            Ok(engine) => engine,
+            Err(error) => {
+                telemetry::record_local_tokenizer_check("failed");
+                debug!(pod = %endpoint, %error, "the check of kvroute's tokens found no pod to compare with");
+                return;
+            }
+        };
+        let Some(at) = first_difference(&tokens, &engine) else {
+            telemetry::record_local_tokenizer_check("agree");
+            return;
+        };
+        telemetry::record_local_tokenizer_check("differ");
+        if local.found_different() {
+            let difference = difference_report(&local, &tokens, &engine, at);
+            error!(
+                model,
+                pod = %endpoint,
+                at,
+                %difference,
+                "--tokenizer makes other tokens than the engine for this model: its prompts \
+                 are tokenized by the pods from now on (compare the directory with the \
+                 model's using `kvroute tokenize --pod`)"
+            );
+        }
+    });
 }
 
 /// What kvroute's own tokenizer made of a prompt.

@@ -64,6 +64,7 @@ pub const KV_EVENT_STREAMS: &str = "kvroute_kv_event_streams";
 pub const KV_EVENT_INDEX_ENTRIES: &str = "kvroute_kv_event_index_entries";
 pub const TOKENIZE_DURATION: &str = "kvroute_tokenize_duration_seconds";
 pub const LOCAL_TOKENS: &str = "kvroute_local_tokenizer_tokens_total";
+pub const LOCAL_TOKENIZER_CHECKS: &str = "kvroute_local_tokenizer_checks_total";
 pub const PREFIX_PREDICTED: &str = "kvroute_prefix_predicted_cached_tokens_total";
 pub const POD_PREFIX_HITS: &str = "kvroute_pod_prefix_cache_hit_tokens_total";
 pub const PREFIX_CHECKS: &str = "kvroute_prefix_checks_total";
@@ -375,6 +376,10 @@ fn describe() {
         "Tokens kvroute's own tokenizer produced, by source: remembered (copied from a long piece of text it had encoded before, such as a shared system prompt) or encoded."
     );
     describe_counter!(
+        LOCAL_TOKENIZER_CHECKS,
+        "Prompts kvroute's own tokenizer made that were also sent to a pod's /tokenize to check them (--tokenizer-check-every), by result: agree, differ (local tokenization of that model stops), failed (the pod did not answer)."
+    );
+    describe_counter!(
         PREFIX_PREDICTED,
         "Prompt tokens kvroute expected the chosen pod to find in its prefix cache, by where the prediction came from (sent, kv_events, kv_events+sent): against the pods' own kvroute_pod_prefix_cache_hit_tokens_total, it shows when the prefix index drifts from the engines."
     );
@@ -458,6 +463,11 @@ fn register_counters() {
     standing.push(counter!(KV_EVENT_RESETS));
     standing
         .extend(["remembered", "encoded"].map(|source| counter!(LOCAL_TOKENS, "source" => source)));
+    // A `differ` that appears from nothing is what an alert on a wrong --tokenizer waits for.
+    standing.extend(
+        ["agree", "differ", "failed"]
+            .map(|result| counter!(LOCAL_TOKENIZER_CHECKS, "result" => result)),
+    );
     let _ = STANDING.set(standing);
     // The default band's queue length, at 0 until something waits.
     let _ = STANDING_GAUGES.set(vec![gauge!(FLOW_QUEUE, "priority" => "0")]);
@@ -736,6 +746,11 @@ pub fn record_local_tokenize(duration: Duration, unsupported: Option<&'static st
 pub fn record_local_tokens(remembered: usize, encoded: usize) {
     counter!(LOCAL_TOKENS, "source" => "remembered").increment(remembered as u64);
     counter!(LOCAL_TOKENS, "source" => "encoded").increment(encoded as u64);
+}
+
+/// One check of kvroute's own tokens against a pod's: `agree`, `differ` or `failed`.
+pub fn record_local_tokenizer_check(result: &'static str) {
+    counter!(LOCAL_TOKENIZER_CHECKS, "result" => result).increment(1);
 }
 
 /// A gap in a pod's sequence numbers.

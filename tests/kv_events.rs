@@ -218,6 +218,8 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
         model: None,
         dir: test_tokenizer(),
     }];
+    // Every prompt kvroute tokenizes is also checked against a pod's.
+    config.tokenizer_check_every = 1;
     let kvroute = following_events(config, &templates, &pods).await;
 
     // Each conversation's context is computed on one pod directly, rendered with the
@@ -296,7 +298,115 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
         "{text}"
     );
     assert_eq!(prefix_sources(&kvroute).await, ["kv_events"; 9]);
+    // The checks run beside the requests: each of the eight agreed with the pods.
+    let agreed = "kvroute_local_tokenizer_checks_total{result=\"agree\"}";
+    let text = scrape_after(&kvroute, agreed, 8.0).await;
+    assert_eq!(metric_value(&text, agreed), 8.0, "{text}");
+    assert_eq!(
+        metric_value(
+            &text,
+            "kvroute_local_tokenizer_checks_total{result=\"differ\"}"
+        ),
+        0.0,
+        "{text}"
+    );
     fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenizer_that_disagrees_with_the_pods_is_found_by_its_first_check_and_set_aside() {
+    let (fleet, templates) = fleet_tokenizing(Some(test_tokenizer())).await;
+    let pods = fleet.endpoints();
+    // The model's tokenizer with another chat template: the roles in capitals.
+    let other = tempfile::tempdir().expect("temp dir");
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(test_tokenizer().join(file), other.path().join(file)).expect("copy");
+    }
+    std::fs::write(
+        other.path().join("chat_template.jinja"),
+        "{{- bos_token }}{%- for m in messages %}<|start_header_id|>{{ m.role | upper }}\
+         <|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{%- endfor %}\
+         {%- if add_generation_prompt %}<|start_header_id|>ASSISTANT<|end_header_id|>\n\n{%- endif %}",
+    )
+    .expect("write the template");
+    let mut config = test_config(pods.clone());
+    config.tokenizers = vec![TokenizerSpec {
+        model: None,
+        dir: other.path().to_owned(),
+    }];
+    let kvroute = following_events(config, &templates, &pods).await;
+
+    let client = http_client();
+    let context = prompt(7);
+    let warm = pods[1];
+    let status = client
+        .post(format!("http://{warm}/v1/chat/completions"))
+        .json(&chat(&context, "What is the first word?"))
+        .send()
+        .await
+        .expect("the pod answers")
+        .status();
+    assert_eq!(status, 200);
+    wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 18.0).await;
+
+    let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &pods).await;
+    let url = envoy.url("/v1/chat/completions");
+    // The first prompt is tokenized with the wrong template, and checked (the default
+    // checks each model's first prompt).
+    let response = client
+        .post(&url)
+        .json(&chat(&context, "And the last one?"))
+        .send()
+        .await
+        .expect("Envoy answers");
+    assert_eq!(response.status(), 200, "{}", envoy.log());
+    let first = response_pod(&pods, &response);
+    let differed = "kvroute_local_tokenizer_checks_total{result=\"differ\"}";
+    let text = scrape_after(&kvroute, differed, 1.0).await;
+    assert_eq!(metric_value(&text, differed), 1.0, "{text}");
+    // Its tokens matched no block the pods stored.
+    let predicted = "kvroute_prefix_predicted_cached_tokens_total{source=\"kv_events\"}";
+    assert_eq!(metric_value(&text, predicted), 0.0, "{text}");
+    // From then on the pods tokenize this model's prompts: the next ones match the
+    // context's blocks (held by the pod that computed it, and by the one that served the
+    // first prompt, if another) and go to a pod holding them.
+    for question in ["And then?", "And after that?"] {
+        let response = client
+            .post(&url)
+            .json(&chat(&context, question))
+            .send()
+            .await
+            .expect("Envoy answers");
+        assert_eq!(response.status(), 200, "{}", envoy.log());
+        let served = response_pod(&pods, &response);
+        assert!(
+            served == warm || served == first,
+            "{served} holds none of the context:\n{}",
+            kvroute.metrics_text().await
+        );
+    }
+    let text = kvroute.metrics_text().await;
+    // Both matched the context's 18 whole blocks of 16 tokens.
+    assert!(
+        metric_value(&text, predicted) >= 2.0 * 18.0 * 16.0,
+        "{text}"
+    );
+    let tokenized = |outcome: &str, tokenizer: &str| {
+        metric_value(
+            &text,
+            &format!(
+                "kvroute_tokenize_duration_seconds_count{{outcome=\"{outcome}\",tokenizer=\"{tokenizer}\"}}"
+            ),
+        )
+    };
+    assert_eq!(tokenized("ok", "local"), 1.0, "{text}");
+    assert_eq!(tokenized("ok", "pod"), 2.0, "{text}");
+    fleet.shutdown().await;
+}
+
+/// The pod of `pods` that served `response`.
+fn response_pod(pods: &[SocketAddr], response: &reqwest::Response) -> SocketAddr {
+    pods[served_by(response).expect("the pod names itself")]
 }
 
 /// A `kvroute serve` process following the fleet's events: a replica.

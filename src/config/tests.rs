@@ -387,6 +387,8 @@ fn tokenizers_name_their_model_or_serve_all_and_need_the_events() {
         "mistral=/models/mistral",
         "--tokenizer-cache-mib",
         "8",
+        "--tokenizer-check-every",
+        "50",
     ])
     .expect("valid");
     assert_eq!(
@@ -404,6 +406,8 @@ fn tokenizers_name_their_model_or_serve_all_and_need_the_events() {
     );
     assert_eq!(config.tokenizer_cache_bytes, 8 << 20);
     assert_eq!(with(&[]).expect("valid").tokenizer_cache_bytes, 64 << 20);
+    assert_eq!(config.tokenizer_check_every, 50);
+    assert_eq!(with(&[]).expect("valid").tokenizer_check_every, 1000);
     let error = with(&["--tokenizer", "=/models/llama"]).expect_err("no model");
     assert!(error.contains("model before `=` is empty"), "{error}");
     // The approximate index matches text, not tokens: a tokenizer there is a mistake.

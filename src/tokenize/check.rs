@@ -191,13 +191,18 @@ fn resolve(pod: &str) -> anyhow::Result<SocketAddr> {
 }
 
 /// Where two token sequences first differ (one ending early counts), if they do.
-fn first_difference(local: &[u32], pod: &[u32]) -> Option<usize> {
+pub(crate) fn first_difference(local: &[u32], pod: &[u32]) -> Option<usize> {
     let common = local.iter().zip(pod).take_while(|(a, b)| a == b).count();
     (common < local.len().max(pod.len())).then_some(common)
 }
 
 /// Both sides' tokens around `at`, with their text.
-fn difference_report(tokenizer: &LocalTokenizer, local: &[u32], pod: &[u32], at: usize) -> Value {
+pub(crate) fn difference_report(
+    tokenizer: &LocalTokenizer,
+    local: &[u32],
+    pod: &[u32],
+    at: usize,
+) -> Value {
     let window = |ids: &[u32]| {
         let start = at.saturating_sub(CONTEXT_TOKENS).min(ids.len());
         let end = (at + CONTEXT_TOKENS).min(ids.len());

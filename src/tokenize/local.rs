@@ -29,6 +29,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use minijinja::{Environment, Error as TemplateError, Value};
 use serde::Deserialize;
@@ -158,9 +159,23 @@ impl LocalTokenizers {
         self.by_model.is_empty() && self.any.is_none()
     }
 
-    /// The tokenizer of `base_model` (an adapter's requests use its base model's).
+    /// The same tokenizers, each checking its first prompt and then every `every`th
+    /// against the engine's ([`LocalTokenizer::due_for_check`]; 0: never).
+    pub fn checking_every(self, every: u64) -> Self {
+        for tokenizer in self.by_model.values().chain(&self.any) {
+            tokenizer.checks.every.store(every, Ordering::Relaxed);
+        }
+        self
+    }
+
+    /// The tokenizer of `base_model` (an adapter's requests use its base model's), unless
+    /// a check found it making other tokens than the engine.
     pub fn for_model(&self, base_model: &str) -> Option<Arc<LocalTokenizer>> {
-        self.by_model.get(base_model).or(self.any.as_ref()).cloned()
+        self.by_model
+            .get(base_model)
+            .or(self.any.as_ref())
+            .filter(|tokenizer| !tokenizer.differs())
+            .cloned()
     }
 }
 
@@ -172,6 +187,18 @@ pub struct LocalTokenizer {
     /// (`None`: encoded whole, where the tokenizer's pieces depend on one another or
     /// nothing may be remembered).
     pieces: Option<Pieces>,
+    checks: Checks,
+}
+
+/// The checks of a tokenizer's prompts against the engine's own tokens.
+#[derive(Debug, Default)]
+struct Checks {
+    /// Check the first prompt and then every this many (0: never).
+    every: AtomicU64,
+    /// Prompts tokenized so far.
+    tokenized: AtomicU64,
+    /// A check found other tokens than the engine's.
+    differs: AtomicBool,
 }
 
 impl std::fmt::Debug for LocalTokenizer {
@@ -281,6 +308,7 @@ impl LocalTokenizer {
             tokenizer,
             chat,
             pieces,
+            checks: Checks::default(),
         })
     }
 
@@ -357,6 +385,32 @@ impl LocalTokenizer {
 }
 
 impl LocalTokenizer {
+    /// Whether the prompt just tokenized should also be tokenized by the engine and the
+    /// two compared: the first, then every [`LocalTokenizers::checking_every`]th. A
+    /// tokenizer that disagrees with the engine misses every precise match without an
+    /// error; the check finds it, and catches an engine whose template or tokenizer
+    /// changed under a running kvroute.
+    pub fn due_for_check(&self) -> bool {
+        let every = self.checks.every.load(Ordering::Relaxed);
+        every > 0
+            && self
+                .checks
+                .tokenized
+                .fetch_add(1, Ordering::Relaxed)
+                .is_multiple_of(every)
+    }
+
+    /// Notes that a check found other tokens than the engine's: from now on the pods
+    /// tokenize this model's prompts. Whether it is the first such finding.
+    pub fn found_different(&self) -> bool {
+        !self.checks.differs.swap(true, Ordering::Relaxed)
+    }
+
+    /// Whether a check found other tokens than the engine's.
+    pub fn differs(&self) -> bool {
+        self.checks.differs.load(Ordering::Relaxed)
+    }
+
     /// The text of `ids`, special tokens included (for showing where tokens differ).
     pub fn decode(&self, ids: &[u32]) -> String {
         self.tokenizer

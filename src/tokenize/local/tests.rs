@@ -436,3 +436,27 @@ fn templates_render_as_jinja2_renders_them_where_minijinja_would_not() {
          |{'b': 1, 'a': 2.5e+20}"
     );
 }
+
+#[test]
+fn a_tokenizer_checks_its_first_prompt_then_every_nth_and_is_set_aside_once_it_differs() {
+    let tokenizers = LocalTokenizers::load(
+        &[TokenizerSpec {
+            model: None,
+            dir: fixture(),
+        }],
+        0,
+    )
+    .expect("loads");
+    let tokenizer = tokenizers.for_model("m").expect("serves every model");
+    // Not checking until told to.
+    assert!(!tokenizer.due_for_check());
+    let tokenizers = tokenizers.checking_every(3);
+    let due: Vec<bool> = (0..7).map(|_| tokenizer.due_for_check()).collect();
+    assert_eq!(due, [true, false, false, true, false, false, true]);
+    assert!(tokenizer.found_different(), "the first finding");
+    assert!(!tokenizer.found_different(), "not the first any more");
+    assert!(
+        tokenizers.for_model("m").is_none(),
+        "the pods tokenize from now on"
+    );
+}
