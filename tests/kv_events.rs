@@ -273,17 +273,9 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
         );
     }
     let text = kvroute.metrics_text().await;
-    let tokenized = |outcome: &str, tokenizer: &str| {
-        metric_value(
-            &text,
-            &format!(
-                "kvroute_tokenize_duration_seconds_count{{outcome=\"{outcome}\",tokenizer=\"{tokenizer}\"}}"
-            ),
-        )
-    };
-    assert_eq!(tokenized("ok", "local"), 8.0, "{text}");
-    assert_eq!(tokenized("left_to_pod", "local"), 1.0, "{text}");
-    assert_eq!(tokenized("ok", "pod"), 1.0, "{text}");
+    assert_eq!(tokenized(&text, "ok", "local"), 8.0, "{text}");
+    assert_eq!(tokenized(&text, "left_to_pod", "local"), 1.0, "{text}");
+    assert_eq!(tokenized(&text, "ok", "pod"), 1.0, "{text}");
     // The contexts were encoded once each (with the first questions), then copied: the
     // second round encoded only its questions and headers.
     let tokens = |source: &str| {
@@ -391,17 +383,20 @@ async fn a_tokenizer_that_disagrees_with_the_pods_is_found_by_its_first_check_an
         metric_value(&text, predicted) >= 2.0 * 18.0 * 16.0,
         "{text}"
     );
-    let tokenized = |outcome: &str, tokenizer: &str| {
-        metric_value(
-            &text,
-            &format!(
-                "kvroute_tokenize_duration_seconds_count{{outcome=\"{outcome}\",tokenizer=\"{tokenizer}\"}}"
-            ),
-        )
-    };
-    assert_eq!(tokenized("ok", "local"), 1.0, "{text}");
-    assert_eq!(tokenized("ok", "pod"), 2.0, "{text}");
+    assert_eq!(tokenized(&text, "ok", "local"), 1.0, "{text}");
+    assert_eq!(tokenized(&text, "ok", "pod"), 2.0, "{text}");
     fleet.shutdown().await;
+}
+
+/// Prompts tokenized by `tokenizer` (`pod` or `local`) with `outcome`, in kvroute's
+/// exposition `text`.
+fn tokenized(text: &str, outcome: &str, tokenizer: &str) -> f64 {
+    metric_value(
+        text,
+        &format!(
+            "kvroute_tokenize_duration_seconds_count{{outcome=\"{outcome}\",tokenizer=\"{tokenizer}\"}}"
+        ),
+    )
 }
 
 /// The pod of `pods` that served `response`.

@@ -29,6 +29,15 @@ fn with_template(template: &str) -> tempfile::TempDir {
     dir
 }
 
+/// The prompt text the directory `dir` renders for the chat request `body`.
+fn rendered(dir: &std::path::Path, body: &[u8]) -> String {
+    LocalTokenizer::load(dir, CACHE)
+        .expect("loads")
+        .prompt_text(ApiKind::ChatCompletions, body)
+        .expect("rendered")
+        .0
+}
+
 #[test]
 fn a_completion_is_encoded_as_pythons_tokenizers_encodes_it() {
     // Computed with Python's `tokenizers` on the same file.
@@ -332,13 +341,10 @@ fn every_named_special_token_reaches_the_template() {
         r#"{"sep_token": "<sep>", "unk_token": "<other>"}"#,
     )
     .expect("write");
-    let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
-    let (text, _) = tokenizer
-        .prompt_text(
-            ApiKind::ChatCompletions,
-            br#"{"messages":[{"role":"user","content":"hi"}]}"#,
-        )
-        .expect("rendered");
+    let text = rendered(
+        dir.path(),
+        br#"{"messages":[{"role":"user","content":"hi"}]}"#,
+    );
     assert_eq!(text, "<s>|<pad>|<unk>|<sep>|False|hi");
 }
 
@@ -349,16 +355,13 @@ fn an_assistants_reasoning_reaches_the_template_under_both_names() {
          {% if m.reasoning_content is defined %}:{{ m.reasoning_content }}/{{ m.reasoning }}{% endif %}\
          {% if m.name is defined %}:{{ m.name }}{% endif %}]{% endfor %}",
     );
-    let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
-    let (text, _) = tokenizer
-        .prompt_text(
-            ApiKind::ChatCompletions,
-            br#"{"messages":[{"role":"user","content":"2+2?","name":"ann","reasoning":"not mine"},
-                {"role":"assistant","content":"4","reasoning_content":"two and two"},
-                {"role":"assistant","content":"5","reasoning":"r","reasoning_content":"rc"},
-                {"role":"user","content":"q","name":7}]}"#,
-        )
-        .expect("rendered");
+    let text = rendered(
+        dir.path(),
+        br#"{"messages":[{"role":"user","content":"2+2?","name":"ann","reasoning":"not mine"},
+            {"role":"assistant","content":"4","reasoning_content":"two and two"},
+            {"role":"assistant","content":"5","reasoning":"r","reasoning_content":"rc"},
+            {"role":"user","content":"q","name":7}]}"#,
+    );
     // Only an assistant's reasoning is handed over (`reasoning` first, as vLLM reads
     // it), and a name only when it is a string.
     assert_eq!(
@@ -375,13 +378,10 @@ fn generation_blocks_render_their_body_and_trim_as_their_tags_do() {
         "A\n  {%- generation %}B{{ messages[0].content }}{% endgeneration -%}\n  C\
          {%generation%}D{%endgeneration%}",
     );
-    let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
-    let (text, _) = tokenizer
-        .prompt_text(
-            ApiKind::ChatCompletions,
-            br#"{"messages":[{"role":"user","content":"hi"}]}"#,
-        )
-        .expect("rendered");
+    let text = rendered(
+        dir.path(),
+        br#"{"messages":[{"role":"user","content":"hi"}]}"#,
+    );
     assert_eq!(text, "ABhiCD");
 }
 
@@ -398,13 +398,7 @@ fn a_processors_template_comes_before_the_configurations_and_after_the_jinja_fil
         r#"{"chat_template": "processor"}"#,
     )
     .expect("write");
-    let rendered = |dir: &std::path::Path| {
-        LocalTokenizer::load(dir, CACHE)
-            .expect("loads")
-            .prompt_text(ApiKind::ChatCompletions, br#"{"messages":[]}"#)
-            .expect("rendered")
-            .0
-    };
+    let rendered = |dir: &std::path::Path| rendered(dir, br#"{"messages":[]}"#);
     assert_eq!(rendered(dir.path()), "jinja");
     std::fs::remove_file(dir.path().join("chat_template.jinja")).expect("remove");
     assert_eq!(rendered(dir.path()), "processor");
@@ -421,13 +415,10 @@ fn templates_render_as_jinja2_renders_them_where_minijinja_would_not() {
          {%- for m in messages %}{% for part in m['content'] %}{% endfor %}{% endfor %}\
          |{{ messages[0]['content'] | trim }}|{{ messages[0] }}|{{ {'b': 1, 'a': 2.5e20} }}",
     );
-    let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
-    let (text, _) = tokenizer
-        .prompt_text(
-            ApiKind::ChatCompletions,
-            br#"{"messages":[{"role":"user","content":"it's"}]}"#,
-        )
-        .expect("rendered");
+    let text = rendered(
+        dir.path(),
+        br#"{"messages":[{"role":"user","content":"it's"}]}"#,
+    );
     assert_eq!(
         text,
         "A long system prompt,  cut where Python continues the line.\
