@@ -274,6 +274,28 @@ async fn tokenize_against(
     (output.status.success(), report)
 }
 
+/// `kvroute tokenize --probes`' exit status and output for the directory `tokenizer`.
+async fn probes_against(
+    tokenizer: &std::path::Path,
+    pod: std::net::SocketAddr,
+) -> (Option<i32>, String) {
+    let mut command = kvroute();
+    command
+        .arg("tokenize")
+        .arg("--tokenizer")
+        .arg(tokenizer)
+        .args(["--pod", &pod.to_string()])
+        .args(["--probes", "meta-llama/Llama-3.1-8B-Instruct"]);
+    let output = tokio::task::spawn_blocking(move || command.output())
+        .await
+        .expect("the command's thread")
+        .expect("run kvroute tokenize --probes");
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kvroute_tokenize_agrees_with_a_pod_of_the_same_tokenizer_and_shows_where_another_differs()
 {
@@ -319,6 +341,36 @@ async fn kvroute_tokenize_agrees_with_a_pod_of_the_same_tokenizer_and_shows_wher
         other.path().join("tokenizer_config.json"),
     )
     .expect("copy tokenizer_config.json");
+    // The built-in probes find the same: every chat differs, the completions (no
+    // template) agree.
+    let (status, stdout) = probes_against(other.path(), pod).await;
+    assert_eq!(status, Some(1), "{stdout}");
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("a JSON line"))
+        .collect();
+    let summary = lines.last().expect("a summary line");
+    assert_eq!(summary["probes"], 9, "{summary}");
+    let differing: Vec<&str> = summary["differing"]
+        .as_array()
+        .expect("names")
+        .iter()
+        .filter_map(serde_json::Value::as_str)
+        .collect();
+    assert_eq!(differing.len(), 7, "{summary}");
+    assert!(
+        differing.iter().all(|name| !name.starts_with("completion")),
+        "{summary}"
+    );
+    let (status, stdout) = probes_against(&test_tokenizer(), pod).await;
+    assert_eq!(status, Some(0), "{stdout}");
+    assert!(
+        stdout
+            .trim_end()
+            .ends_with(r#"{"differing":[],"probes":9}"#),
+        "{stdout}"
+    );
+
     let (agrees, report) = tokenize_against(other.path(), pod, body).await;
     assert!(!agrees, "{report:#}");
     assert_eq!(report["agrees"], false, "{report:#}");

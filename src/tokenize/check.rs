@@ -28,8 +28,14 @@ pub struct TokenizeArgs {
     #[arg(long)]
     pub tokenizer: PathBuf,
     /// The request body (an OpenAI chat or completion request, JSON); `-` reads stdin.
-    #[arg(default_value = "-")]
+    #[arg(default_value = "-", conflicts_with = "probes")]
     pub body: PathBuf,
+    /// Instead of one body, a built-in set of requests of every shape kvroute renders
+    /// (a system message, several turns, text parts, no generation prompt, a name,
+    /// Unicode, completions with and without special tokens) for this model, each
+    /// compared with the pod's tokens: one JSON line each, then a summary line.
+    #[arg(long, value_name = "MODEL", requires = "pod")]
+    pub probes: Option<String>,
     /// The API the body is for; by default `chat` when it has `messages`, else
     /// `completions`.
     #[arg(long, value_enum)]
@@ -61,28 +67,116 @@ pub enum Api {
 
 /// What the command found: printed as JSON; `Ok(false)` when the pod disagreed.
 pub async fn tokenize(args: TokenizeArgs) -> anyhow::Result<bool> {
+    // Nothing is remembered between runs of one prompt: no cache.
+    let tokenizer = LocalTokenizer::load(&args.tokenizer, 0)?;
+    if let Some(model) = &args.probes {
+        let mut differing = Vec::new();
+        let all = probes(model);
+        for (name, body) in &all {
+            let body = serde_json::to_vec(body)?;
+            let (mut report, agrees) = compare(&args, &tokenizer, infer_api(&body)?, &body).await?;
+            report.insert("probe".into(), json!(name));
+            println!("{}", serde_json::to_string(&report)?);
+            if !agrees {
+                differing.push(*name);
+            }
+        }
+        println!("{}", json!({ "probes": all.len(), "differing": differing }));
+        return Ok(differing.is_empty());
+    }
     let body = read_body(&args.body)?;
     let api = match args.api {
         Some(Api::Chat) => ApiKind::ChatCompletions,
         Some(Api::Completions) => ApiKind::Completions,
         None => infer_api(&body)?,
     };
-    // Nothing is remembered between runs of one prompt: no cache.
-    let tokenizer = LocalTokenizer::load(&args.tokenizer, 0)?;
+    let (report, agrees) = compare(&args, &tokenizer, api, &body).await?;
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(agrees)
+}
+
+/// The requests `--probes` sends for `model`: each shape of request kvroute renders.
+fn probes(model: &str) -> Vec<(&'static str, Value)> {
+    let chat = |messages: Value| json!({ "model": model, "messages": messages });
+    let user = |text: &str| json!({ "role": "user", "content": text });
+    vec![
+        (
+            "one message",
+            chat(json!([user("What does a KV cache hold?")])),
+        ),
+        (
+            "system and user",
+            chat(json!([
+                {"role": "system", "content": "You are a careful assistant.\nAnswer in one line."},
+                user("What does a KV cache hold?"),
+            ])),
+        ),
+        (
+            "several turns",
+            chat(json!([
+                {"role": "system", "content": "You are a careful assistant."},
+                user("What does a KV cache hold?"),
+                {"role": "assistant", "content": "The attention keys and values of the tokens seen so far."},
+                user("  And why does it fill up?  \n"),
+            ])),
+        ),
+        (
+            "text parts",
+            chat(json!([{"role": "user", "content": [
+                {"type": "text", "text": "First part."},
+                {"type": "text", "text": "Second part."},
+            ]}])),
+        ),
+        ("no generation prompt", {
+            let mut body = chat(json!([
+                user("Hi"),
+                {"role": "assistant", "content": "Hello!"},
+            ]));
+            body["add_generation_prompt"] = json!(false);
+            body
+        }),
+        (
+            "a name",
+            chat(json!([{"role": "user", "name": "ann", "content": "Hi, I am Ann."}])),
+        ),
+        (
+            "unicode and braces",
+            chat(json!([user(
+                "Ünïcödé, 日本語, {{ not a template }} {% neither %}"
+            )])),
+        ),
+        (
+            "completion",
+            json!({ "model": model, "prompt": "The KV cache of every pod is scraped every 50 ms." }),
+        ),
+        (
+            "completion without special tokens",
+            json!({ "model": model, "prompt": "The KV cache of every pod.", "add_special_tokens": false }),
+        ),
+    ]
+}
+
+/// `body`'s prompt tokenized here and, with `--pod`, on the pod: the report, and
+/// whether the two agree (true without a pod, or where kvroute would ask one anyway).
+async fn compare(
+    args: &TokenizeArgs,
+    tokenizer: &LocalTokenizer,
+    api: ApiKind,
+    body: &[u8],
+) -> anyhow::Result<(serde_json::Map<String, Value>, bool)> {
     let local = tokenizer
-        .prompt_text(api, &body)
+        .prompt_text(api, body)
         .and_then(|(text, special)| {
-            let ids = tokenizer.tokenize(api, &body)?;
+            let ids = tokenizer.tokenize(api, body)?;
             Ok((text, special, ids))
         });
     let mut report = serde_json::Map::new();
     report.insert("api".into(), json!(api_name(api)));
     report.insert("local".into(), local_report(&local, args.text));
     let Some(pod) = &args.pod else {
-        println!("{}", serde_json::to_string(&report)?);
-        return Ok(true);
+        return Ok((report, true));
     };
-    let pod_ids = ask_pod(&args, pod, api, &body).await?;
+    let pod_ids = ask_pod(args, pod, api, body).await?;
     report.insert(
         "pod".into(),
         json!({ "tokens": pod_ids.len(), "ids": pod_ids }),
@@ -94,7 +188,7 @@ pub async fn tokenize(args: TokenizeArgs) -> anyhow::Result<bool> {
             if let Some(at) = difference {
                 report.insert(
                     "first_difference".into(),
-                    difference_report(&tokenizer, ids, &pod_ids, at),
+                    difference_report(tokenizer, ids, &pod_ids, at),
                 );
             }
             difference.is_none()
@@ -102,8 +196,7 @@ pub async fn tokenize(args: TokenizeArgs) -> anyhow::Result<bool> {
         // Nothing to compare: kvroute asks a pod for this request, so it cannot disagree.
         Err(_) => true,
     };
-    println!("{}", serde_json::to_string(&report)?);
-    Ok(agrees)
+    Ok((report, agrees))
 }
 
 fn read_body(path: &PathBuf) -> anyhow::Result<Vec<u8>> {
