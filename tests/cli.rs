@@ -367,9 +367,39 @@ async fn kvroute_tokenize_agrees_with_a_pod_of_the_same_tokenizer_and_shows_wher
     assert!(
         stdout
             .trim_end()
-            .ends_with(r#"{"differing":[],"probes":9}"#),
+            .ends_with(r#"{"differing":[],"pod_refused":[],"probes":9}"#),
         "{stdout}"
     );
+
+    // A template that refuses system messages (as Gemma 2's does), on kvroute's side and
+    // the pod's: the two probes with one are refused by the pod, not counted as differing.
+    let refusing = tempfile::tempdir().expect("temp dir");
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(test_tokenizer().join(file), refusing.path().join(file)).expect("copy");
+    }
+    std::fs::write(
+        refusing.path().join("chat_template.jinja"),
+        "{%- for m in messages %}{%- if m.role == 'system' %}\
+         {{- raise_exception('System role not supported') }}{%- endif %}\
+         {{ m.role }}: {{ m.content }}\n{%- endfor %}",
+    )
+    .expect("write the template");
+    let refusing_fleet = kvroute_sim::SimFleet::start(kvroute_sim::FleetConfig {
+        port: 0,
+        tokenizer: Some(refusing.path().to_owned()),
+        ..kvroute_sim::FleetConfig::uniform(1, kvroute_sim::PodConfig::default())
+    })
+    .await
+    .expect("the pod starts");
+    let (status, stdout) = probes_against(refusing.path(), refusing_fleet.endpoints()[0]).await;
+    assert_eq!(status, Some(0), "{stdout}");
+    assert!(
+        stdout.trim_end().ends_with(
+            r#"{"differing":[],"pod_refused":["system and user","several turns"],"probes":9}"#
+        ),
+        "{stdout}"
+    );
+    refusing_fleet.shutdown().await;
 
     let (agrees, report) = tokenize_against(other.path(), pod, body).await;
     assert!(!agrees, "{report:#}");

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 
 use kvroute_core::request::ApiKind;
 
-use super::{LocalTokenizer, PodTokenizer, Unsupported, tokenize_body};
+use super::{LocalTokenizer, PodTokenizer, TokenizeError, Unsupported, tokenize_body};
 use crate::scrape::ApiKey;
 
 /// How many tokens on each side of the first difference are shown.
@@ -70,18 +70,24 @@ pub async fn tokenize(args: TokenizeArgs) -> anyhow::Result<bool> {
     // Nothing is remembered between runs of one prompt: no cache.
     let tokenizer = LocalTokenizer::load(&args.tokenizer, 0)?;
     if let Some(model) = &args.probes {
-        let mut differing = Vec::new();
+        let (mut differing, mut refused) = (Vec::new(), Vec::new());
         let all = probes(model);
         for (name, body) in &all {
             let body = serde_json::to_vec(body)?;
             let (mut report, agrees) = compare(&args, &tokenizer, infer_api(&body)?, &body).await?;
+            if report["pod"].get("refused").is_some() {
+                refused.push(*name);
+            }
             report.insert("probe".into(), json!(name));
             println!("{}", serde_json::to_string(&report)?);
             if !agrees {
                 differing.push(*name);
             }
         }
-        println!("{}", json!({ "probes": all.len(), "differing": differing }));
+        println!(
+            "{}",
+            json!({ "probes": all.len(), "differing": differing, "pod_refused": refused })
+        );
         return Ok(differing.is_empty());
     }
     let body = read_body(&args.body)?;
@@ -176,7 +182,15 @@ async fn compare(
     let Some(pod) = &args.pod else {
         return Ok((report, true));
     };
-    let pod_ids = ask_pod(args, pod, api, body).await?;
+    let pod_ids = match ask_pod(args, pod, api, body).await? {
+        Ok(ids) => ids,
+        Err(status) => {
+            // The engine fails such a request whatever kvroute matched: nothing to
+            // compare (kvroute refusing too, or rendering what is never served).
+            report.insert("pod".into(), json!({ "refused": status }));
+            return Ok((report, true));
+        }
+    };
     report.insert(
         "pod".into(),
         json!({ "tokens": pod_ids.len(), "ids": pod_ids }),
@@ -254,12 +268,15 @@ fn local_report(local: &Result<(String, bool, Vec<u32>), Unsupported>, text: boo
 }
 
 /// The pod's tokens for the body, asked as the gateway asks (the same `/tokenize` body).
+/// The pod's tokens, or the status with which it refused the request (its template's
+/// own refusal: a role it does not support, roles out of order); an error where it
+/// could not be asked.
 async fn ask_pod(
     args: &TokenizeArgs,
     pod: &str,
     api: ApiKind,
     body: &[u8],
-) -> anyhow::Result<Vec<u32>> {
+) -> anyhow::Result<Result<Vec<u32>, u16>> {
     let address = resolve(pod)?;
     let tls = args
         .pod_ca_bundle
@@ -270,10 +287,13 @@ async fn ask_pod(
     let request = tokenize_body(api, body).context(
         "the body's prompt is not one text to tokenize (a batch, token ids, or no `model`)",
     )?;
-    client
-        .tokenize(address, request)
-        .await
-        .with_context(|| format!("the pod at {pod} did not tokenize the prompt"))
+    match client.tokenize(address, request).await {
+        Ok(ids) => Ok(Ok(ids)),
+        Err(TokenizeError::Status(status)) if (400..500).contains(&status) => Ok(Err(status)),
+        Err(error) => {
+            Err(error).with_context(|| format!("the pod at {pod} did not tokenize the prompt"))
+        }
+    }
 }
 
 fn resolve(pod: &str) -> anyhow::Result<SocketAddr> {
