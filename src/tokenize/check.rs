@@ -31,8 +31,9 @@ pub struct TokenizeArgs {
     #[arg(default_value = "-", conflicts_with = "probes")]
     pub body: PathBuf,
     /// Instead of one body, a built-in set of requests of every shape kvroute renders
-    /// (a system message, several turns, text parts, no generation prompt, a name,
-    /// Unicode, completions with and without special tokens) for this model, each
+    /// (a system message, several turns, text parts, no generation prompt, a name, an
+    /// assistant's reasoning, `enable_thinking` off, Unicode, completions with and
+    /// without special tokens) for this model, each
     /// compared with the pod's tokens: one JSON line each, then a summary line.
     #[arg(long, value_name = "MODEL", requires = "pod")]
     pub probes: Option<String>,
@@ -145,6 +146,19 @@ fn probes(model: &str) -> Vec<(&'static str, Value)> {
             "a name",
             chat(json!([{"role": "user", "name": "ann", "content": "Hi, I am Ann."}])),
         ),
+        (
+            "an assistant's reasoning",
+            chat(json!([
+                user("2 + 2?"),
+                {"role": "assistant", "content": "4", "reasoning_content": "Two and two make four."},
+                user("3 + 3?"),
+            ])),
+        ),
+        ("thinking off", {
+            let mut body = chat(json!([user("Hi")]));
+            body["chat_template_kwargs"] = json!({"enable_thinking": false});
+            body
+        }),
         (
             "unicode and braces",
             chat(json!([user(
