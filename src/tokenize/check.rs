@@ -70,12 +70,19 @@ pub enum Api {
 pub async fn tokenize(args: TokenizeArgs) -> anyhow::Result<bool> {
     // Nothing is remembered between runs of one prompt: no cache.
     let tokenizer = LocalTokenizer::load(&args.tokenizer, 0)?;
+    let pod = args
+        .pod
+        .as_deref()
+        .map(|pod| Pod::new(&args, pod))
+        .transpose()?;
     if let Some(model) = &args.probes {
         let (mut differing, mut refused) = (Vec::new(), Vec::new());
         let all = probes(model);
         for (name, body) in &all {
+            let api = api_of(body)?;
             let body = serde_json::to_vec(body)?;
-            let (mut report, agrees) = compare(&args, &tokenizer, infer_api(&body)?, &body).await?;
+            let (mut report, agrees) =
+                compare(&tokenizer, pod.as_ref(), args.text, api, &body).await?;
             if report["pod"].get("refused").is_some() {
                 refused.push(*name);
             }
@@ -97,7 +104,7 @@ pub async fn tokenize(args: TokenizeArgs) -> anyhow::Result<bool> {
         Some(Api::Completions) => ApiKind::Completions,
         None => infer_api(&body)?,
     };
-    let (report, agrees) = compare(&args, &tokenizer, api, &body).await?;
+    let (report, agrees) = compare(&tokenizer, pod.as_ref(), args.text, api, &body).await?;
     println!("{}", serde_json::to_string(&report)?);
     Ok(agrees)
 }
@@ -176,27 +183,29 @@ fn probes(model: &str) -> Vec<(&'static str, Value)> {
     ]
 }
 
-/// `body`'s prompt tokenized here and, with `--pod`, on the pod: the report, and
-/// whether the two agree (true without a pod, or where kvroute would ask one anyway).
+/// `body`'s prompt tokenized here and, with a `pod`, on it: the report (the rendered
+/// text in it where `text`), and whether the two agree (true without a pod, or where
+/// kvroute would ask one anyway).
 async fn compare(
-    args: &TokenizeArgs,
     tokenizer: &LocalTokenizer,
+    pod: Option<&Pod>,
+    text: bool,
     api: ApiKind,
     body: &[u8],
 ) -> anyhow::Result<(serde_json::Map<String, Value>, bool)> {
     let local = tokenizer
         .prompt_text(api, body)
         .and_then(|(text, special)| {
-            let ids = tokenizer.tokenize(api, body)?;
+            let ids = tokenizer.encode_prompt(&text, special)?;
             Ok((text, special, ids))
         });
     let mut report = serde_json::Map::new();
     report.insert("api".into(), json!(api_name(api)));
-    report.insert("local".into(), local_report(&local, args.text));
-    let Some(pod) = &args.pod else {
+    report.insert("local".into(), local_report(&local, text));
+    let Some(pod) = pod else {
         return Ok((report, true));
     };
-    let pod_ids = match ask_pod(args, pod, api, body).await? {
+    let pod_ids = match pod.tokenize(api, body).await? {
         Ok(ids) => ids,
         Err(status) => {
             // The engine fails such a request whatever kvroute matched: nothing to
@@ -239,9 +248,13 @@ fn read_body(path: &PathBuf) -> anyhow::Result<Vec<u8>> {
     Ok(body)
 }
 
-/// `chat` for a body with `messages`, `completions` for one with `prompt`.
+/// [`api_of`] the request body `body`.
 fn infer_api(body: &[u8]) -> anyhow::Result<ApiKind> {
-    let value: Value = serde_json::from_slice(body).context("the body is not JSON")?;
+    api_of(&serde_json::from_slice(body).context("the body is not JSON")?)
+}
+
+/// `chat` for a body with `messages`, `completions` for one with `prompt`.
+fn api_of(value: &Value) -> anyhow::Result<ApiKind> {
     if value.get("messages").is_some() {
         Ok(ApiKind::ChatCompletions)
     } else if value.get("prompt").is_some() {
@@ -281,31 +294,41 @@ fn local_report(local: &Result<(String, bool, Vec<u32>), Unsupported>, text: boo
     }
 }
 
-/// The pod's tokens for the body, asked as the gateway asks (the same `/tokenize` body).
-/// The pod's tokens, or the status with which it refused the request (its template's
-/// own refusal: a role it does not support, roles out of order); an error where it
-/// could not be asked.
-async fn ask_pod(
-    args: &TokenizeArgs,
-    pod: &str,
-    api: ApiKind,
-    body: &[u8],
-) -> anyhow::Result<Result<Vec<u32>, u16>> {
-    let address = resolve(pod)?;
-    let tls = args
-        .pod_ca_bundle
-        .as_deref()
-        .map(crate::scrape::tls_connector)
-        .transpose()?;
-    let client = PodTokenizer::new(args.timeout, args.pod_api_key.clone().map(ApiKey), tls);
-    let request = tokenize_body(api, body).context(
-        "the body's prompt is not one text to tokenize (a batch, token ids, or no `model`)",
-    )?;
-    match client.tokenize(address, request).await {
-        Ok(ids) => Ok(Ok(ids)),
-        Err(TokenizeError::Status(status)) if (400..500).contains(&status) => Ok(Err(status)),
-        Err(error) => {
-            Err(error).with_context(|| format!("the pod at {pod} did not tokenize the prompt"))
+/// The pod `--pod` names, resolved and with its client (its CA bundle read) once for
+/// every request the command compares.
+struct Pod {
+    name: String,
+    address: SocketAddr,
+    client: PodTokenizer,
+}
+
+impl Pod {
+    fn new(args: &TokenizeArgs, pod: &str) -> anyhow::Result<Pod> {
+        let tls = args
+            .pod_ca_bundle
+            .as_deref()
+            .map(crate::scrape::tls_connector)
+            .transpose()?;
+        Ok(Pod {
+            name: pod.to_owned(),
+            address: resolve(pod)?,
+            client: PodTokenizer::new(args.timeout, args.pod_api_key.clone().map(ApiKey), tls),
+        })
+    }
+
+    /// The pod's tokens for the body, asked as the gateway asks (the same `/tokenize`
+    /// body), or the status with which it refused the request (its template's own
+    /// refusal: a role it does not support, roles out of order); an error where it
+    /// could not be asked.
+    async fn tokenize(&self, api: ApiKind, body: &[u8]) -> anyhow::Result<Result<Vec<u32>, u16>> {
+        let request = tokenize_body(api, body).context(
+            "the body's prompt is not one text to tokenize (a batch, token ids, or no `model`)",
+        )?;
+        match self.client.tokenize(self.address, request).await {
+            Ok(ids) => Ok(Ok(ids)),
+            Err(TokenizeError::Status(status)) if (400..500).contains(&status) => Ok(Err(status)),
+            Err(error) => Err(error)
+                .with_context(|| format!("the pod at {} did not tokenize the prompt", self.name)),
         }
     }
 }

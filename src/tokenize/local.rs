@@ -38,7 +38,7 @@ use serde_json::value::RawValue;
 use kvroute_core::request::ApiKind;
 
 use super::pieces::{Pieces, encode_whole};
-use kvroute_chat_template::{SPECIAL_TOKENS, loops_over_content, template_source};
+use kvroute_chat_template::{loops_over_content, special_tokens, template_source};
 
 /// The template's name in its environment.
 const CHAT: &str = "chat";
@@ -217,7 +217,8 @@ struct ChatTemplate {
     /// Messages' content as a list of text parts (the template loops over it), else one
     /// string.
     content_parts: bool,
-    /// The named special tokens the tokenizer has, by name ([`SPECIAL_TOKENS`]).
+    /// The named special tokens the tokenizer has, by name
+    /// ([`kvroute_chat_template::SPECIAL_TOKENS`]).
     special_tokens: Vec<(&'static str, String)>,
 }
 
@@ -258,14 +259,7 @@ impl LocalTokenizer {
         let map_file = dir.join("special_tokens_map.json");
         let special_tokens_map: serde_json::Map<String, serde_json::Value> =
             read_json(&map_file)?.unwrap_or_default();
-        let special_tokens = SPECIAL_TOKENS
-            .into_iter()
-            .filter_map(|name| {
-                let text = token_text(config.others.get(name))
-                    .or_else(|| token_text(special_tokens_map.get(name)))?;
-                Some((name, text))
-            })
-            .collect();
+        let special_tokens = special_tokens(&config.others, &special_tokens_map);
         // transformers' order: `chat_template.jinja`, then a processor's
         // `chat_template.json` (vLLM prefers a multimodal model's processor template to
         // its tokenizer's), then the configuration's.
@@ -314,8 +308,8 @@ impl LocalTokenizer {
 
     /// The token ids vLLM makes of the prompt of `body`, a request of `api`.
     pub fn tokenize(&self, api: ApiKind, body: &[u8]) -> Result<Vec<u32>, Unsupported> {
-        self.tokenize_within(api, body, usize::MAX)
-            .unwrap_or_else(|| Err(Unsupported::Encode("no limit, yet over it".into())))
+        let (text, add_special_tokens) = self.prompt_text(api, body)?;
+        self.encode_prompt(&text, add_special_tokens)
     }
 
     /// [`LocalTokenizer::tokenize`] if it encodes at most [`CHEAP_BYTES`] of text it has
@@ -338,13 +332,36 @@ impl LocalTokenizer {
         body: &[u8],
         fresh_bytes: usize,
     ) -> Option<Result<Vec<u32>, Unsupported>> {
-        let (text, add_special_tokens) = match self.prompt_text(api, body) {
-            Ok(prompt) => prompt,
-            Err(unsupported) => return Some(Err(unsupported)),
-        };
+        match self.prompt_text(api, body) {
+            Ok((text, add_special_tokens)) => {
+                self.encode_within(&text, add_special_tokens, fresh_bytes)
+            }
+            Err(unsupported) => Some(Err(unsupported)),
+        }
+    }
+
+    /// The tokens of a [`LocalTokenizer::prompt_text`], as [`LocalTokenizer::tokenize`]
+    /// makes them (for a caller that has the text already).
+    pub fn encode_prompt(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, Unsupported> {
+        self.encode_within(text, add_special_tokens, usize::MAX)
+            .unwrap_or_else(|| Err(Unsupported::Encode("no limit, yet over it".into())))
+    }
+
+    /// The tokens of `text`, or `None` once more than `fresh_bytes` of text not
+    /// remembered would have to be encoded.
+    fn encode_within(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        fresh_bytes: usize,
+    ) -> Option<Result<Vec<u32>, Unsupported>> {
         let encoded = match &self.pieces {
-            Some(pieces) => pieces.encode(&self.tokenizer, &text, add_special_tokens, fresh_bytes),
-            None => encode_whole(&self.tokenizer, &text, add_special_tokens, fresh_bytes),
+            Some(pieces) => pieces.encode(&self.tokenizer, text, add_special_tokens, fresh_bytes),
+            None => encode_whole(&self.tokenizer, text, add_special_tokens, fresh_bytes),
         };
         match encoded {
             Ok(Some((ids, reuse))) => {
@@ -623,17 +640,6 @@ fn default_template(value: &serde_json::Value) -> Option<&str> {
             .and_then(|t| t.get("template"))
             .and_then(serde_json::Value::as_str),
         _ => None,
-    }
-}
-
-/// A special token's text: a string, or an added token's `content`.
-fn token_text(value: Option<&serde_json::Value>) -> Option<String> {
-    match value? {
-        serde_json::Value::String(text) => Some(text.clone()),
-        token => token
-            .get("content")
-            .and_then(serde_json::Value::as_str)
-            .map(str::to_owned),
     }
 }
 
