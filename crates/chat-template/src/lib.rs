@@ -38,6 +38,33 @@ pub const SPECIAL_TOKENS: [&str; 7] = [
     "mask_token",
 ];
 
+/// The named special tokens a tokenizer hands its template, by name: those of its
+/// `tokenizer_config.json` (`config`), else of its legacy `special_tokens_map.json`
+/// (`map`); each a string or an added token's `content`.
+pub fn special_tokens(
+    config: &serde_json::Map<String, serde_json::Value>,
+    map: &serde_json::Map<String, serde_json::Value>,
+) -> Vec<(&'static str, String)> {
+    SPECIAL_TOKENS
+        .into_iter()
+        .filter_map(|name| {
+            let text = token_text(config.get(name)).or_else(|| token_text(map.get(name)))?;
+            Some((name, text))
+        })
+        .collect()
+}
+
+/// A special token's text: a string, or an added token's `content`.
+fn token_text(value: Option<&serde_json::Value>) -> Option<String> {
+    match value? {
+        serde_json::Value::String(text) => Some(text.clone()),
+        token => token
+            .get("content")
+            .and_then(serde_json::Value::as_str)
+            .map(str::to_owned),
+    }
+}
+
 /// An environment that renders chat templates as transformers' does. Add each template
 /// with [`template_source`] applied to it.
 pub fn environment() -> Environment<'static> {

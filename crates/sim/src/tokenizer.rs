@@ -153,15 +153,6 @@ struct TokenizerConfig {
     others: serde_json::Map<String, Value>,
 }
 
-/// A special token as `tokenizer_config.json` writes it: a string, or an `AddedToken` object.
-fn token_text(v: Option<&Value>) -> Option<String> {
-    match v? {
-        Value::String(s) => Some(s.clone()),
-        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_owned),
-        _ => None,
-    }
-}
-
 /// `tokenizer_config.json`'s `chat_template`: one template (named `default`), or a list of
 /// `{"name", "template"}` objects, as transformers saves several.
 fn named_templates(
@@ -231,15 +222,7 @@ impl HfTokenizer {
         let config: TokenizerConfig = read_json(&config_path)?.unwrap_or_default();
         let map_path = dir.join("special_tokens_map.json");
         let map: serde_json::Map<String, Value> = read_json(&map_path)?.unwrap_or_default();
-        // The configuration's, else the legacy map's.
-        let special_tokens = kvroute_chat_template::SPECIAL_TOKENS
-            .into_iter()
-            .filter_map(|name| {
-                let text =
-                    token_text(config.others.get(name)).or_else(|| token_text(map.get(name)))?;
-                Some((name, text))
-            })
-            .collect();
+        let special_tokens = kvroute_chat_template::special_tokens(&config.others, &map);
 
         // chat_template.jinja, when present, is the template; then a processor's
         // chat_template.json (vLLM prefers a multimodal model's processor template); then
