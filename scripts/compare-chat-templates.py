@@ -11,7 +11,8 @@ The rendering is what is compared, so the directories need no `tokenizer.json` o
 own: each is paired with TOKENIZER_JSON (by default the lab's test tokenizer). Against a
 serving pod, with the model's own tokenizer, `kvroute tokenize --pod` is the check.
 
-Needs `pip install transformers jinja2` (no PyTorch); CI does not run this.
+Needs `pip install transformers jinja2 pydantic openai` (no PyTorch); CI does not run
+this.
 
     cargo build --release --bin kvroute
     python3 scripts/compare-chat-templates.py [--kvroute BIN] [--tokenizer-json FILE] DIR...
@@ -33,7 +34,45 @@ from transformers.utils.chat_template_utils import (
     render_jinja_template,
 )
 
+# vLLM's request models for what it hands a template as tools and tool calls (entrypoints'
+# protocol: extra fields allowed; OpenAI's typed dict for a tool call), so that pydantic
+# itself decides the fields' order and defaults. Needs `pip install pydantic openai`.
+from typing import Any, Literal
+
+from openai.types.chat import ChatCompletionMessageToolCallParam
+from pydantic import BaseModel, ConfigDict, TypeAdapter
+
+
+class _VllmModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionDefinition(_VllmModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionToolsParam(_VllmModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+TOOL_CALLS = TypeAdapter(list[ChatCompletionMessageToolCallParam])
+
 SPECIAL = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"]
+
+# Tools as agents send them: a described function with a JSON schema (its properties in
+# an order that is not sorted), and a bare one.
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "city": {"type": "string", "description": "City name, e.g. Paris"}},
+            "required": ["city"]}}},
+    {"function": {"name": "get_time"}, "type": "function"},
+]
 
 CASES = [
     ("one user", {"messages": [{"role": "user", "content": "Hello there, how are you?"}]}),
@@ -63,6 +102,31 @@ CASES = [
         {"role": "user", "content": "Hi"}]}),
     ("thinking on", {"chat_template_kwargs": {"enable_thinking": True}, "messages": [
         {"role": "user", "content": "Hi"}]}),
+    ("tools", {"tools": TOOLS, "messages": [
+        {"role": "system", "content": "You are a careful assistant."},
+        {"role": "user", "content": "What is the weather in Paris?"}]}),
+    ("tool call and result", {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call9abcd", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+        {"role": "tool", "tool_call_id": "call9abcd", "content": "18 degrees, cloudy"}]}),
+    ("parallel calls, content", {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Paris and the time in Tokyo?"},
+        {"role": "assistant", "content": "Let me check both.", "tool_calls": [
+            {"type": "function", "function": {"arguments": "{\"city\": \"Paris\"}", "name": "get_weather"}, "id": "call1abcd"},
+            {"id": "call2abcd", "type": "function", "function": {"name": "get_time", "arguments": ""}}]},
+        {"role": "tool", "tool_call_id": "call1abcd", "content": "18 degrees"},
+        {"role": "tool", "tool_call_id": "call2abcd", "content": [{"type": "text", "text": "09:00"}]},
+        {"role": "user", "content": "Thanks!"}]}),
+    ("tool history, no tools", {"messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call9abcd", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call9abcd", "content": "18 degrees"},
+        {"role": "assistant", "content": "It is 18 degrees."},
+        {"role": "user", "content": "Thanks"}]}),
 ]
 
 
@@ -127,10 +191,12 @@ def load(model_dir):
             template = open(path, encoding="utf-8").read()
     if template is None and os.path.exists(os.path.join(model_dir, "chat_template.json")):
         template = json.load(open(os.path.join(model_dir, "chat_template.json")))["chat_template"]
+    tool_use = None
     if template is None:
         template = config.get("chat_template")
         if isinstance(template, list):
-            template = next(t["template"] for t in template if t["name"] == "default")
+            named = {t["name"]: t["template"] for t in template}
+            template, tool_use = named.get("default"), named.get("tool_use")
     specials = {}
     mapping = {}
     if os.path.exists(os.path.join(model_dir, "special_tokens_map.json")):
@@ -139,7 +205,7 @@ def load(model_dir):
         text = token_text(config.get(name)) or token_text(mapping.get(name))
         if text is not None:
             specials[name] = text
-    return config, template, specials
+    return config, (template, tool_use), specials
 
 
 def vllm_conversation(messages, fmt):
@@ -158,17 +224,35 @@ def vllm_conversation(messages, fmt):
             content = "\n".join(texts)
         message = {"role": m["role"], "content": content}
         if m["role"] == "assistant":
+            if m.get("tool_calls") is not None:
+                calls = TOOL_CALLS.validate_python(m["tool_calls"])
+                # _postprocess_messages: arguments parsed, an empty list dropped.
+                for call in calls:
+                    arguments = call["function"].get("arguments")
+                    call["function"]["arguments"] = json.loads(arguments) if arguments else {}
+                if calls:
+                    message["tool_calls"] = calls
             reasoning = m.get("reasoning") or m.get("reasoning_content")
             if reasoning is not None:
                 message["reasoning"] = reasoning
                 message["reasoning_content"] = reasoning
+        elif m["role"] == "tool" and "tool_call_id" in m:
+            message["tool_call_id"] = m["tool_call_id"]
         if isinstance(m.get("name"), str):
             message["name"] = m["name"]
+        if m["role"] == "developer":
+            message["tools"] = m.get("tools")
         out.append(message)
     return out
 
 
-def reference(template, specials, body):
+def reference(templates, specials, body):
+    tools = body.get("tools")
+    if tools is not None:
+        tools = [ChatCompletionToolsParam.model_validate(t).model_dump() for t in tools]
+    default, tool_use = templates
+    # transformers' choice among named templates.
+    template = tool_use if tools is not None and tool_use is not None else default
     fmt = content_format(template)
     conversation = vllm_conversation(body["messages"], fmt)
     kwargs = dict(specials)
@@ -176,7 +260,7 @@ def reference(template, specials, body):
     kwargs.update(body.get("chat_template_kwargs") or {})
     agp = kwargs.pop("add_generation_prompt")
     rendered, _ = render_jinja_template(
-        conversations=[conversation], tools=None, documents=None,
+        conversations=[conversation], tools=tools, documents=None,
         chat_template=template, add_generation_prompt=agp, **kwargs)
     return rendered[0], fmt
 
@@ -214,7 +298,7 @@ def main():
     counts = {}
     for model_dir in dirs:
         name = os.path.basename(os.path.normpath(model_dir))
-        config, template, specials = load(model_dir)
+        config, templates, specials = load(model_dir)
         with tempfile.TemporaryDirectory() as work:
             shutil.copy(tokenizer_json, os.path.join(work, "tokenizer.json"))
             for f in ["tokenizer_config.json", "chat_template.jinja", "chat_template.json", "special_tokens_map.json"]:
@@ -223,7 +307,7 @@ def main():
             for case, body in CASES:
                 body = dict(body, model="m")
                 try:
-                    expected, fmt = reference(template, specials, body)
+                    expected, fmt = reference(templates, specials, body)
                     ref_error = None
                 except Exception as e:  # the template refused (raise_exception) or failed
                     expected, fmt, ref_error = None, "?", f"{type(e).__name__}: {e}"

@@ -239,8 +239,9 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
     }
     wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 4.0 * 18.0).await;
 
-    // The same conversations with another question, through Envoy; the last one also
-    // offers a tool, which kvroute leaves to a pod's /tokenize to render.
+    // The same conversations with another question, through Envoy; one also offers a tool
+    // and answers a call of it (rendered here, as vLLM hands tools and calls over), the
+    // last one brings documents, which kvroute leaves to a pod's /tokenize to render.
     let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &pods).await;
     let url = envoy.url("/v1/chat/completions");
     // Each context twice: the second time kvroute has it remembered and tokenizes the
@@ -253,9 +254,19 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
                 .map(move |(context, warm)| (chat(context, question), *warm))
         })
         .collect();
-    let mut with_tool = chat(&contexts[0].0, "Which tool fits?");
-    with_tool["tools"] = json!([{"type": "function", "function": {"name": "lookup"}}]);
-    asked.push((with_tool, contexts[0].1));
+    let mut with_tool = chat(&contexts[1].0, "Which tool fits?");
+    with_tool["tools"] = json!([{"type": "function", "function": {"name": "lookup",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}]);
+    let messages = with_tool["messages"].as_array_mut().expect("messages");
+    messages.push(
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call1",
+        "type": "function", "function": {"name": "lookup", "arguments": "{\"word\": \"kv\"}"}}]}),
+    );
+    messages.push(json!({"role": "tool", "tool_call_id": "call1", "content": "found"}));
+    asked.push((with_tool, contexts[1].1));
+    let mut with_documents = chat(&contexts[0].0, "Which document fits?");
+    with_documents["documents"] = json!([{"title": "t", "text": "d"}]);
+    asked.push((with_documents, contexts[0].1));
     for (k, (body, warm)) in asked.iter().enumerate() {
         let response = client
             .post(&url)
@@ -273,7 +284,7 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
         );
     }
     let text = kvroute.metrics_text().await;
-    assert_eq!(tokenized(&text, "ok", "local"), 8.0, "{text}");
+    assert_eq!(tokenized(&text, "ok", "local"), 9.0, "{text}");
     assert_eq!(tokenized(&text, "left_to_pod", "local"), 1.0, "{text}");
     assert_eq!(tokenized(&text, "ok", "pod"), 1.0, "{text}");
     // The contexts were encoded once each (with the first questions), then copied: the
@@ -289,11 +300,11 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
         remembered > 4.0 * 300.0 && encoded - remembered < 4.0 * 2.0 * 20.0,
         "{text}"
     );
-    assert_eq!(prefix_sources(&kvroute).await, ["kv_events"; 9]);
-    // The checks run beside the requests: each of the eight agreed with the pods.
+    assert_eq!(prefix_sources(&kvroute).await, ["kv_events"; 10]);
+    // The checks run beside the requests: each of the nine agreed with the pods.
     let agreed = "kvroute_local_tokenizer_checks_total{result=\"agree\"}";
-    let text = scrape_after(&kvroute, agreed, 8.0).await;
-    assert_eq!(metric_value(&text, agreed), 8.0, "{text}");
+    let text = scrape_after(&kvroute, agreed, 9.0).await;
+    assert_eq!(metric_value(&text, agreed), 9.0, "{text}");
     assert_eq!(
         metric_value(
             &text,

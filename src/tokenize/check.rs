@@ -113,6 +113,10 @@ pub async fn tokenize(args: TokenizeArgs) -> anyhow::Result<bool> {
 fn probes(model: &str) -> Vec<(&'static str, Value)> {
     let chat = |messages: Value| json!({ "model": model, "messages": messages });
     let user = |text: &str| json!({ "role": "user", "content": text });
+    let tools = json!([{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }}]);
     vec![
         (
             "one message",
@@ -171,6 +175,32 @@ fn probes(model: &str) -> Vec<(&'static str, Value)> {
             chat(json!([user(
                 "Ünïcödé, 日本語, {{ not a template }} {% neither %}"
             )])),
+        ),
+        ("tools", {
+            let mut body = chat(json!([user("What is the weather in Paris?")]));
+            body["tools"] = tools.clone();
+            body
+        }),
+        ("a tool call and its result", {
+            let mut body = chat(json!([
+                user("What is the weather in Paris?"),
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call9abcd", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call9abcd", "content": "18 degrees, cloudy"},
+            ]));
+            body["tools"] = tools.clone();
+            body
+        }),
+        (
+            "tool calls without tools",
+            chat(json!([
+                user("What is the weather in Paris?"),
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "call9abcd", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call9abcd", "content": "18 degrees"},
+                {"role": "assistant", "content": "It is 18 degrees."},
+                user("Thanks."),
+            ])),
         ),
         (
             "completion",

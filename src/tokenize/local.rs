@@ -5,25 +5,29 @@
 //!   request's field, default true: the tokenizer's post-processor adds the BOS);
 //! - a chat's `messages` are rendered with the chat template (Jinja, as transformers'
 //!   `apply_chat_template` runs it: blocks trimmed and left-stripped, loop controls,
-//!   `raise_exception`, `strftime_now`, Python's string methods), with
-//!   `add_generation_prompt` (default true), `tools` and `documents` none, the
-//!   tokenizer's named special tokens (`bos_token`, `eos_token`, `unk_token`, `sep_token`,
-//!   `pad_token`, `cls_token`, `mask_token`: `tokenizer_config.json`'s, else
-//!   `special_tokens_map.json`'s) and the request's `chat_template_kwargs`; the text is
-//!   encoded with `add_special_tokens` default false (the template writes the BOS
-//!   itself). A message is its role, its name, its content (one string, its text parts
-//!   joined by a newline: vLLM's "string" content format; or a list of text parts where
-//!   the template loops over the content: "openai") and an assistant's reasoning (as both
-//!   `reasoning` and `reasoning_content`, as vLLM hands it over).
+//!   `raise_exception`, `strftime_now`, Python's string methods; a list of named
+//!   templates' `tool_use` for a request with tools, else its `default`), with
+//!   `add_generation_prompt` (default true), the request's `tools` as vLLM dumps its
+//!   models of them (else none), `documents` none, the tokenizer's named special tokens
+//!   (`bos_token`, `eos_token`, `unk_token`, `sep_token`, `pad_token`, `cls_token`,
+//!   `mask_token`: `tokenizer_config.json`'s, else `special_tokens_map.json`'s) and the
+//!   request's `chat_template_kwargs`; the text is encoded with `add_special_tokens`
+//!   default false (the template writes the BOS itself). A message is its role, its
+//!   content (one string, its text parts joined by a newline: vLLM's "string" content
+//!   format; or a list of text parts where the template loops over the content:
+//!   "openai"), an assistant's tool calls (their arguments parsed) and reasoning (as both
+//!   `reasoning` and `reasoning_content`, as vLLM hands it over), a tool result's
+//!   `tool_call_id`, its name, and a developer message's `tools` (none). The tools and
+//!   tool calls are shaped by `kvroute_chat_template::tools`, which says how.
 //!
 //! What a local rendering could get wrong is left to the pod's `/tokenize`
-//! ([`super::pod`]), which renders it exactly: a request carrying its own chat template,
-//! tools or documents (vLLM passes them through pydantic models, which add fields; in the
-//! request's fields or its `chat_template_kwargs`), tool calls or tool results, non-text
-//! content, `continue_final_message` (transformers trims the rendered text after the
-//! fact). Removing the round trip matters most below a
-//! fleet's knee, where it is a visible part of the time to first token, and it takes the
-//! tokenization off the pods' API servers.
+//! ([`super::pod`]), which renders it exactly: a request carrying its own chat template
+//! or documents (in the request's fields or its `chat_template_kwargs`), tools or tool
+//! calls vLLM refuses or whose handling changed between its releases (a custom tool,
+//! arguments that are not one JSON object), non-text content, `continue_final_message`
+//! (transformers trims the rendered text after the fact). Removing the round trip
+//! matters most below a fleet's knee, where it is a visible part of the time to first
+//! token, and it takes the tokenization off the pods' API servers.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -42,6 +46,8 @@ use kvroute_chat_template::{loops_over_content, special_tokens, template_source}
 
 /// The template's name in its environment.
 const CHAT: &str = "chat";
+/// The name of the template for requests with tools, where the tokenizer names one.
+const TOOL_USE: &str = "tool_use";
 /// Most text [`LocalTokenizer::tokenize_if_cheap`] encodes afresh: about 500 tokens,
 /// a few hundred microseconds at most.
 pub const CHEAP_BYTES: usize = 2048;
@@ -217,6 +223,10 @@ struct ChatTemplate {
     /// Messages' content as a list of text parts (the template loops over it), else one
     /// string.
     content_parts: bool,
+    /// A list of named templates' `tool_use`, which transformers renders where the request
+    /// has tools (as [`CHAT`] is rendered otherwise), added as [`TOOL_USE`]: whether it
+    /// gets content as parts.
+    tool_use: Option<bool>,
     /// The named special tokens the tokenizer has, by name
     /// ([`kvroute_chat_template::SPECIAL_TOKENS`]).
     special_tokens: Vec<(&'static str, String)>,
@@ -265,33 +275,26 @@ impl LocalTokenizer {
         // its tokenizer's), then the configuration's.
         let jinja_file = dir.join("chat_template.jinja");
         let json_file = dir.join("chat_template.json");
-        let (source, source_file) = match std::fs::read_to_string(&jinja_file) {
-            Ok(source) => (Some(source), jinja_file),
+        let (source, tool_use, source_file) = match std::fs::read_to_string(&jinja_file) {
+            Ok(source) => (Some(source), None, jinja_file),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                match read_json::<TokenizerConfig>(&json_file)? {
-                    Some(processor) => (
-                        processor
-                            .chat_template
-                            .as_ref()
-                            .and_then(default_template)
-                            .map(str::to_owned),
-                        json_file,
-                    ),
-                    None => (
-                        config
-                            .chat_template
-                            .as_ref()
-                            .and_then(default_template)
-                            .map(str::to_owned),
-                        config_file,
-                    ),
-                }
+                let (template, file) = match read_json::<TokenizerConfig>(&json_file)? {
+                    Some(processor) => (processor.chat_template, json_file),
+                    None => (config.chat_template, config_file),
+                };
+                let named = |name| {
+                    template
+                        .as_ref()
+                        .and_then(|t| named_template(t, name))
+                        .map(str::to_owned)
+                };
+                (named(DEFAULT), named(TOOL_USE), file)
             }
             Err(e) => return Err(LoadError::new(&jinja_file, e)),
         };
         let chat = source
             .map(|source| {
-                ChatTemplate::new(source, special_tokens)
+                ChatTemplate::new(source, tool_use, special_tokens)
                     .map_err(|e| LoadError::new(&source_file, e))
             })
             .transpose()?;
@@ -442,7 +445,7 @@ struct PromptRequest<'a> {
     #[serde(borrow, default)]
     prompt: Option<&'a RawValue>,
     #[serde(default)]
-    messages: Option<Vec<serde_json::Map<String, serde_json::Value>>>,
+    messages: Option<Vec<Message>>,
     #[serde(borrow, default)]
     chat_template: Option<&'a RawValue>,
     /// Read in its order (a dict a template prints keeps it, as in Python).
@@ -460,17 +463,53 @@ struct PromptRequest<'a> {
     add_special_tokens: Option<bool>,
 }
 
+/// The fields of a message that vLLM hands a template. Tool calls, and the other fields
+/// whose null differs from their absence, are read as written, in their order.
+#[derive(Deserialize)]
+struct Message {
+    #[serde(default)]
+    role: Option<serde_json::Value>,
+    #[serde(default)]
+    content: Option<serde_json::Value>,
+    #[serde(default)]
+    name: Option<serde_json::Value>,
+    #[serde(default)]
+    reasoning: Option<serde_json::Value>,
+    #[serde(default)]
+    reasoning_content: Option<serde_json::Value>,
+    #[serde(default, deserialize_with = "present")]
+    tool_calls: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    tool_call_id: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    tools: Option<Value>,
+}
+
+/// A field that is present, null or not (`None` only where the key is absent).
+fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(deserializer).map(Some)
+}
+
 impl ChatTemplate {
     fn new(
         source: String,
+        tool_use: Option<String>,
         special_tokens: Vec<(&'static str, String)>,
     ) -> Result<Self, TemplateError> {
         let content_parts = loops_over_content(&source);
         let mut env = kvroute_chat_template::environment();
         env.add_template_owned(CHAT, template_source(&source))?;
+        let tool_use = match tool_use {
+            Some(source) => {
+                env.add_template_owned(TOOL_USE, template_source(&source))?;
+                Some(loops_over_content(&source))
+            }
+            None => None,
+        };
         Ok(ChatTemplate {
             env,
             content_parts,
+            tool_use,
             special_tokens,
         })
     }
@@ -481,7 +520,6 @@ impl ChatTemplate {
         let set = |field: Option<&RawValue>| field.is_some_and(|v| v.get() != "null");
         for (field, what) in [
             (request.chat_template, "brings its own chat template"),
-            (request.tools, "has tools"),
             (request.documents, "has documents"),
         ] {
             if set(field) {
@@ -500,16 +538,30 @@ impl ChatTemplate {
                 "names tools, documents or a template in its chat_template_kwargs",
             ));
         }
+        // `None` where the request has none; a list (maybe empty) where it has some, which
+        // picks a tokenizer's `tool_use` template as transformers does.
+        let tools = match request.tools.filter(|tools| tools.get() != "null") {
+            None => None,
+            Some(tools) => {
+                let tools: Value = serde_json::from_str(tools.get())
+                    .map_err(|_| Unsupported::LeftToPod("has tools that do not parse"))?;
+                Some(kvroute_chat_template::tools(&tools).map_err(left_to_pod)?)
+            }
+        };
+        let (template, content_parts) = match self.tool_use.filter(|_| tools.is_some()) {
+            Some(content_parts) => (TOOL_USE, content_parts),
+            None => (CHAT, self.content_parts),
+        };
         let messages = messages
             .iter()
-            .map(|message| self.message(message))
+            .map(|message| message_for_template(message, content_parts))
             .collect::<Result<Vec<_>, _>>()?;
         // Later entries override earlier ones. `tools` and `documents` are none, not
         // undefined, as transformers passes them (`tools is not none` is true of an
         // undefined value); the request's keyword arguments override the special tokens
         // and the generation prompt, not the conversation.
         let mut context: Vec<(String, Value)> = vec![
-            ("tools".into(), Value::from(())),
+            ("tools".into(), tools.unwrap_or_else(|| Value::from(()))),
             ("documents".into(), Value::from(())),
             (
                 "add_generation_prompt".into(),
@@ -523,78 +575,84 @@ impl ChatTemplate {
         context.push(("messages".into(), Value::from(messages)));
         let context: Value = context.into_iter().collect();
         self.env
-            .get_template(CHAT)
+            .get_template(template)
             .and_then(|template| template.render(context))
             .map_err(|e| Unsupported::Render(e.to_string()))
     }
+}
 
-    /// One message as the template receives it: its role, its name if it has one, and its
-    /// content as one string (text parts joined by a newline) or as a list of text parts,
-    /// as [`ChatTemplate::content_parts`] says.
-    fn message(
-        &self,
-        message: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<Value, Unsupported> {
-        if message.contains_key("tool_calls")
-            || message.get("role").and_then(serde_json::Value::as_str) == Some("tool")
-        {
-            return Err(Unsupported::LeftToPod("has tool calls or results"));
-        }
-        // No content is an empty string (an empty list of parts), as vLLM hands it over.
-        let texts = match message.get("content") {
-            None | Some(serde_json::Value::Null) => Vec::new(),
-            Some(serde_json::Value::String(text)) => vec![text.as_str()],
-            Some(serde_json::Value::Array(parts)) => parts
-                .iter()
-                .map(|part| {
-                    let text = part.get("text").and_then(serde_json::Value::as_str);
-                    match part.get("type").and_then(serde_json::Value::as_str) {
-                        Some("text") => text,
-                        _ => None,
-                    }
-                    .ok_or(Unsupported::LeftToPod("has content other than text"))
-                })
-                .collect::<Result<Vec<_>, _>>()?,
-            Some(_) => return Err(Unsupported::LeftToPod("has content other than text")),
-        };
-        let content = if self.content_parts {
-            Value::from(
-                texts
-                    .into_iter()
-                    .map(|text| {
-                        [("type", Value::from("text")), ("text", Value::from(text))]
-                            .into_iter()
-                            .collect::<Value>()
-                    })
-                    .collect::<Vec<_>>(),
-            )
-        } else {
-            Value::from(texts.join("\n"))
-        };
-        // vLLM hands the template a text message's role, content and name (a string), an
-        // assistant's reasoning under both its names, nothing else.
-        let text = |field| message.get(field).filter(|value| value.is_string());
-        let role = message.get("role").map(Value::from_serialize);
-        let reasoning = (message.get("role").and_then(serde_json::Value::as_str)
-            == Some("assistant"))
-        .then(|| {
-            ["reasoning", "reasoning_content"]
+/// What vLLM would refuse, or what vLLM releases shape differently.
+fn left_to_pod(unshaped: kvroute_chat_template::Unshaped) -> Unsupported {
+    Unsupported::LeftToPod(unshaped.0)
+}
+
+/// One message as vLLM hands it to the template, its fields in vLLM's order (a template
+/// that prints a message shows them so): its role; its content as one string (text parts
+/// joined by a newline) or, with `content_parts`, as a list of text parts; an assistant's
+/// tool calls ([`kvroute_chat_template::tool_calls`]) and reasoning (under both its names);
+/// a tool result's `tool_call_id`; its name if it is a string; a developer's tools (none).
+fn message_for_template(message: &Message, content_parts: bool) -> Result<Value, Unsupported> {
+    // No content is an empty string (an empty list of parts), as vLLM hands it over.
+    let texts = match &message.content {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(serde_json::Value::String(text)) => vec![text.as_str()],
+        Some(serde_json::Value::Array(parts)) => parts
+            .iter()
+            .map(|part| {
+                let text = part.get("text").and_then(serde_json::Value::as_str);
+                match part.get("type").and_then(serde_json::Value::as_str) {
+                    Some("text") => text,
+                    _ => None,
+                }
+                .ok_or(Unsupported::LeftToPod("has content other than text"))
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(_) => return Err(Unsupported::LeftToPod("has content other than text")),
+    };
+    let content = if content_parts {
+        Value::from(
+            texts
                 .into_iter()
-                .find_map(|field| message.get(field).filter(|value| !value.is_null()))
-        })
-        .flatten()
-        .map(Value::from_serialize);
-        // In vLLM's order, which a template that prints a message shows.
-        let mut fields: Vec<(&str, Value)> = Vec::with_capacity(5);
-        fields.extend(role.map(|role| ("role", role)));
-        fields.push(("content", content));
+                .map(|text| {
+                    [("type", Value::from("text")), ("text", Value::from(text))]
+                        .into_iter()
+                        .collect::<Value>()
+                })
+                .collect::<Vec<_>>(),
+        )
+    } else {
+        Value::from(texts.join("\n"))
+    };
+    let role = message.role.as_ref();
+    let is = |name: &str| role.and_then(serde_json::Value::as_str) == Some(name);
+    let mut fields: Vec<(&str, Value)> = Vec::with_capacity(6);
+    fields.extend(role.map(|role| ("role", Value::from_serialize(role))));
+    fields.push(("content", content));
+    if is("assistant") {
+        if let Some(calls) = message.tool_calls.as_ref().filter(|calls| !calls.is_none()) {
+            let calls = kvroute_chat_template::tool_calls(calls).map_err(left_to_pod)?;
+            fields.extend(calls.map(|calls| ("tool_calls", calls)));
+        }
+        let reasoning = [&message.reasoning, &message.reasoning_content]
+            .into_iter()
+            .find_map(|field| field.as_ref().filter(|value| !value.is_null()))
+            .map(Value::from_serialize);
         if let Some(reasoning) = reasoning {
             fields.push(("reasoning", reasoning.clone()));
             fields.push(("reasoning_content", reasoning));
         }
-        fields.extend(text("name").map(|name| ("name", Value::from_serialize(name))));
-        Ok(fields.into_iter().collect())
+    } else if is("tool") {
+        fields.extend(message.tool_call_id.clone().map(|id| ("tool_call_id", id)));
     }
+    let name = message.name.as_ref().filter(|name| name.is_string());
+    fields.extend(name.map(|name| ("name", Value::from_serialize(name))));
+    if is("developer") {
+        if message.tools.as_ref().is_some_and(|tools| !tools.is_none()) {
+            return Err(Unsupported::LeftToPod("has a developer message with tools"));
+        }
+        fields.push(("tools", Value::from(())));
+    }
+    Ok(fields.into_iter().collect())
 }
 
 /// The request's `chat_template_kwargs` by name, in their order (none: no arguments).
@@ -629,14 +687,17 @@ fn read_json<T: serde::de::DeserializeOwned>(file: &Path) -> Result<Option<T>, L
     }
 }
 
-/// The default chat template of `tokenizer_config.json`'s `chat_template`: a string, or
-/// a list of named templates of which `default` is the one transformers uses.
-fn default_template(value: &serde_json::Value) -> Option<&str> {
+/// The name transformers renders a list of named templates' by default.
+const DEFAULT: &str = "default";
+
+/// The chat template `name` of a `chat_template` field: the string itself for the
+/// default, else the list's entry of that name.
+fn named_template<'a>(value: &'a serde_json::Value, name: &str) -> Option<&'a str> {
     match value {
-        serde_json::Value::String(source) => Some(source),
+        serde_json::Value::String(source) if name == DEFAULT => Some(source),
         serde_json::Value::Array(named) => named
             .iter()
-            .find(|t| t.get("name").and_then(serde_json::Value::as_str) == Some("default"))
+            .find(|t| t.get("name").and_then(serde_json::Value::as_str) == Some(name))
             .and_then(|t| t.get("template"))
             .and_then(serde_json::Value::as_str),
         _ => None,

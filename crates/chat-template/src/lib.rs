@@ -12,7 +12,9 @@
 //!   `{{ }}` and through the `string` and `trim` filters (`python.rs`);
 //! - `tojson` is `json.dumps` (`json.rs`), `strftime_now` Python's `strftime` (`time.rs`).
 //!
-//! [`loops_over_content`] is vLLM's choice of how a message's content is handed over.
+//! [`loops_over_content`] is vLLM's choice of how a message's content is handed over;
+//! [`tools`] and [`tool_calls`] are a request's tools and tool calls as vLLM hands them over
+//! (`tools.rs`).
 //! `scripts/compare-chat-templates.py` compares the rendering with transformers' on real
 //! templates (docs/kv-events.md).
 
@@ -20,11 +22,13 @@ mod json;
 mod python;
 mod source;
 mod time;
+mod tools;
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 
 pub use source::{loops_over_content, template_source};
 pub use time::strftime;
+pub use tools::{Unshaped, tool_calls, tools};
 
 /// The special tokens transformers hands a chat template by name (its tokenizer's
 /// `special_tokens_map`), where the tokenizer has them.

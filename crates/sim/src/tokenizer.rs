@@ -28,16 +28,20 @@
 //!   `raise_exception(msg)` (fails the request), `strftime_now(fmt)`, a `tojson` that
 //!   writes what Python's `json.dumps` writes (no HTML escaping), string literals read and
 //!   values written as Python reads and writes them;
-//! - the variables `messages`, `tools` (the request's, else none), `documents` (likewise),
+//! - the variables `messages`, `tools` (the request's as vLLM dumps its pydantic models of
+//!   them, `kvroute_chat_template::tools`; else none), `documents` (the request's, else none),
 //!   `add_generation_prompt` (default true), the named special tokens, and every key of the
 //!   request's `chat_template_kwargs` at the top level (overriding the others, as vLLM merges
 //!   them into the same keyword arguments);
 //! - each message as vLLM hands it over: `role`, `content` as one string (an array of
 //!   parts: the text parts joined with `"\n"`; null: `""`), or, where the template loops
 //!   over a message's content (vLLM's "openai" format), as the list of text parts, `name` when a
-//!   string, an assistant's `tool_calls` (each function's `arguments` parsed from its JSON
-//!   string into an object, as vLLM does) and its reasoning (as both `reasoning` and
-//!   `reasoning_content`), a tool message's `tool_call_id`; other fields are dropped;
+//!   string, an assistant's `tool_calls` (in OpenAI's typed dict's key order, each
+//!   function's `arguments` parsed from its JSON string into an object, an empty list
+//!   dropped, as vLLM does) and its reasoning (as both `reasoning` and
+//!   `reasoning_content`), a tool message's `tool_call_id`, a developer message's `tools`;
+//!   other fields are dropped. Tools and tool calls vLLM refuses (a custom tool, arguments
+//!   that are not one JSON object) are a 400;
 //! - with `continue_final_message` (default false; not a template variable), the text is
 //!   cut right after the last occurrence of the final message's stripped content, and
 //!   right-stripped; asking for it together with `add_generation_prompt` is refused.
@@ -294,16 +298,24 @@ impl HfTokenizer {
         self.encode(prompt, add_special_tokens)
     }
 
-    /// Token ids of a chat request: the rendered template, with no special tokens added unless
-    /// the request says `"add_special_tokens": true`.
-    pub fn encode_chat(&self, request: &Value) -> Result<Vec<u32>, PromptError> {
-        let add_special_tokens = flag(request, "add_special_tokens", false)?;
-        let text = self.render_chat(request)?;
+    /// Token ids of a chat request (its body's JSON): the rendered template, with no special
+    /// tokens added unless the request says `"add_special_tokens": true`.
+    pub fn encode_chat(&self, body: &[u8]) -> Result<Vec<u32>, PromptError> {
+        let request: Value = serde_json::from_slice(body)
+            .map_err(|e| invalid(format!("the body is not valid JSON: {e}")))?;
+        let add_special_tokens = flag(&request, "add_special_tokens", false)?;
+        let text = self.render_chat(body)?;
         self.encode(&text, add_special_tokens)
     }
 
-    /// The chat request's prompt text: its messages rendered with the chat template.
-    pub fn render_chat(&self, request: &Value) -> Result<String, PromptError> {
+    /// The chat request's prompt text (of its body's JSON): its messages rendered with the
+    /// chat template. The body is read twice: once for the fields, once keeping every
+    /// object's order for what templates print whole (tools, tool calls).
+    pub fn render_chat(&self, body: &[u8]) -> Result<String, PromptError> {
+        let request: Value = serde_json::from_slice(body)
+            .map_err(|e| invalid(format!("the body is not valid JSON: {e}")))?;
+        let ordered: JinjaValue = serde_json::from_slice(body)
+            .map_err(|e| invalid(format!("the body is not valid JSON: {e}")))?;
         let find = |name: &str| self.templates.iter().find(|(t, _)| t == name);
         let has_tools = request.get("tools").is_some_and(|t| !t.is_null());
         let (name, content_parts) = if self.templates.is_empty() {
@@ -315,7 +327,7 @@ impl HfTokenizer {
         } else {
             return Err(PromptError::NoDefaultTemplate);
         };
-        let messages = conversation(request)?;
+        let messages = conversation(&request, &ordered, *content_parts)?;
         let kwargs = match request.get("chat_template_kwargs") {
             None | Some(Value::Null) => serde_json::Map::new(),
             Some(Value::Object(m)) => m.clone(),
@@ -324,7 +336,7 @@ impl HfTokenizer {
         // vLLM merges chat_template_kwargs over the request's own fields.
         let merged_flag = |key: &str, default: bool| match kwargs.get(key) {
             Some(v) => Ok(v.as_bool().unwrap_or(default)),
-            None => flag(request, key, default),
+            None => flag(&request, key, default),
         };
         let add_generation_prompt = merged_flag("add_generation_prompt", true)?;
         let continue_final_message = merged_flag("continue_final_message", false)?;
@@ -340,10 +352,15 @@ impl HfTokenizer {
         for (name, token) in &self.special_tokens {
             ctx.insert((*name).into(), JinjaValue::from(token.as_str()));
         }
-        for key in ["tools", "documents"] {
-            let v = request.get(key).unwrap_or(&Value::Null);
-            ctx.insert(key.into(), JinjaValue::from_serialize(v));
-        }
+        // The tools as vLLM dumps its models of them; documents as given.
+        let tools = match request.get("tools") {
+            None | Some(Value::Null) => JinjaValue::from(()),
+            Some(_) => kvroute_chat_template::tools(&ordered.get_attr("tools").unwrap_or_default())
+                .map_err(|e| invalid(format!("the request {e}")))?,
+        };
+        ctx.insert("tools".into(), tools);
+        let documents = request.get("documents").unwrap_or(&Value::Null);
+        ctx.insert("documents".into(), JinjaValue::from_serialize(documents));
         ctx.insert(
             "add_generation_prompt".into(),
             JinjaValue::from(add_generation_prompt),
@@ -353,14 +370,10 @@ impl HfTokenizer {
                 ctx.insert(k.clone(), JinjaValue::from_serialize(v));
             }
         }
-        let originals = request
-            .get("messages")
-            .and_then(Value::as_array)
-            .map_or(&[][..], Vec::as_slice);
+        let final_content = messages.last().map(|m| m.text.clone()).unwrap_or_default();
         let for_template = messages
-            .iter()
-            .zip(originals)
-            .map(|(message, original)| template_message(message, original, *content_parts))
+            .into_iter()
+            .map(|m| m.fields.into_iter().collect::<JinjaValue>())
             .collect::<Vec<_>>();
         ctx.insert("messages".into(), JinjaValue::from(for_template));
 
@@ -369,7 +382,7 @@ impl HfTokenizer {
             .render(JinjaValue::from_iter(ctx))
             .map_err(PromptError::Render)?;
         if continue_final_message {
-            return cut_after_final_message(rendered, &messages);
+            return cut_after_final_message(rendered, &final_content);
         }
         Ok(rendered)
     }
@@ -377,52 +390,6 @@ impl HfTokenizer {
 
 fn invalid(message: impl Into<String>) -> PromptError {
     PromptError::Invalid(message.into())
-}
-
-/// A message of the conversation as the template receives it: its fields in vLLM's order
-/// (a template that prints a message shows them so), and in the "openai" content format
-/// (`content_parts`) its text parts as a list of `{"type": "text", "text"}`, one for a
-/// string content.
-fn template_message(message: &Value, original: &Value, content_parts: bool) -> JinjaValue {
-    const ORDER: [&str; 7] = [
-        "role",
-        "content",
-        "tool_calls",
-        "reasoning",
-        "reasoning_content",
-        "tool_call_id",
-        "name",
-    ];
-    ORDER
-        .into_iter()
-        .filter_map(|field| {
-            let value = message.get(field)?;
-            let value = if field == "content" && content_parts {
-                let parts: Vec<JinjaValue> = match original.get("content") {
-                    Some(Value::String(text)) => vec![text_part(text)],
-                    Some(Value::Array(parts)) => parts
-                        .iter()
-                        .filter_map(|p| p.get("text").and_then(Value::as_str))
-                        .map(text_part)
-                        .collect(),
-                    _ => Vec::new(),
-                };
-                JinjaValue::from(parts)
-            } else {
-                JinjaValue::from_serialize(value)
-            };
-            Some((field, value))
-        })
-        .collect()
-}
-
-fn text_part(text: &str) -> JinjaValue {
-    [
-        ("type", JinjaValue::from("text")),
-        ("text", JinjaValue::from(text)),
-    ]
-    .into_iter()
-    .collect()
 }
 
 /// A boolean request field: absent or null gives `default`; anything but a boolean is refused.
@@ -434,89 +401,113 @@ fn flag(request: &Value, key: &str, default: bool) -> Result<bool, PromptError> 
     }
 }
 
-/// The messages as vLLM hands them to the template ("string" content format).
-fn conversation(request: &Value) -> Result<Vec<Value>, PromptError> {
+/// A message of the conversation as vLLM hands it to the template.
+struct Message {
+    /// Its fields in vLLM's order (a template that prints a message shows them so).
+    fields: Vec<(&'static str, JinjaValue)>,
+    /// Its content as one string ("string" content format).
+    text: String,
+}
+
+/// The messages as vLLM hands them to the template: `request`'s, with `ordered` the same
+/// body read in its objects' order; in the "openai" content format (`content_parts`) each
+/// content as a list of `{"type": "text", "text"}` parts, one for a string content.
+fn conversation(
+    request: &Value,
+    ordered: &JinjaValue,
+    content_parts: bool,
+) -> Result<Vec<Message>, PromptError> {
     let messages = request
         .get("messages")
         .and_then(Value::as_array)
         .ok_or_else(|| invalid("'messages' must be a list"))?;
-    messages.iter().map(message).collect()
+    let ordered = ordered.get_attr("messages").unwrap_or_default();
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            message(
+                m,
+                &ordered.get_item_by_index(i).unwrap_or_default(),
+                content_parts,
+            )
+        })
+        .collect()
 }
 
-fn message(m: &Value) -> Result<Value, PromptError> {
+fn message(m: &Value, ordered: &JinjaValue, content_parts: bool) -> Result<Message, PromptError> {
     let role = m
         .get("role")
         .and_then(Value::as_str)
         .ok_or_else(|| invalid("each message needs a string 'role'"))?;
-    let content = match m.get("content") {
-        None | Some(Value::Null) => String::new(),
-        Some(Value::String(s)) => s.clone(),
+    let texts: Vec<&str> = match m.get("content") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s],
         Some(Value::Array(parts)) => parts
             .iter()
             .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join("\n"),
+            .collect(),
         Some(_) => return Err(invalid("a message's 'content' must be a string or a list")),
     };
-    let mut out = serde_json::Map::new();
-    out.insert("role".into(), Value::from(role));
-    out.insert("content".into(), Value::from(content));
+    let text = texts.join("\n");
+    let content = if content_parts {
+        JinjaValue::from(texts.into_iter().map(text_part).collect::<Vec<_>>())
+    } else {
+        JinjaValue::from(text.as_str())
+    };
+    let mut fields = vec![("role", JinjaValue::from(role)), ("content", content)];
     match role {
         "assistant" => {
-            if let Some(calls) = m.get("tool_calls").and_then(Value::as_array) {
-                let calls = calls
-                    .iter()
-                    .map(parse_arguments)
-                    .collect::<Result<Vec<_>, _>>()?;
-                out.insert("tool_calls".into(), Value::Array(calls));
+            let calls = ordered.get_attr("tool_calls").unwrap_or_default();
+            if !calls.is_none() && !calls.is_undefined() {
+                let calls = kvroute_chat_template::tool_calls(&calls)
+                    .map_err(|e| invalid(format!("the request {e}")))?;
+                fields.extend(calls.map(|calls| ("tool_calls", calls)));
             }
             let reasoning = m
                 .get("reasoning")
                 .filter(|v| !v.is_null())
                 .or_else(|| m.get("reasoning_content").filter(|v| !v.is_null()));
             if let Some(r) = reasoning {
-                out.insert("reasoning".into(), r.clone());
-                out.insert("reasoning_content".into(), r.clone());
+                fields.push(("reasoning", JinjaValue::from_serialize(r)));
+                fields.push(("reasoning_content", JinjaValue::from_serialize(r)));
             }
         }
         "tool" => {
             if let Some(id) = m.get("tool_call_id") {
-                out.insert("tool_call_id".into(), id.clone());
+                fields.push(("tool_call_id", JinjaValue::from_serialize(id)));
             }
         }
         _ => {}
     }
-    if let Some(name) = m.get("name").filter(|n| n.is_string()) {
-        out.insert("name".into(), name.clone());
+    if let Some(name) = m.get("name").and_then(Value::as_str) {
+        fields.push(("name", JinjaValue::from(name)));
     }
-    Ok(Value::Object(out))
+    if role == "developer" {
+        let tools = ordered.get_attr("tools").unwrap_or_default();
+        let tools = if tools.is_undefined() {
+            JinjaValue::from(())
+        } else {
+            tools
+        };
+        fields.push(("tools", tools));
+    }
+    Ok(Message { fields, text })
 }
 
-/// A tool call with its `function.arguments` as an object: templates expect a dict, and vLLM
-/// parses the OpenAI JSON string (empty or absent: `{}`).
-fn parse_arguments(call: &Value) -> Result<Value, PromptError> {
-    let mut call = call.clone();
-    if let Some(function) = call.get_mut("function").and_then(Value::as_object_mut) {
-        let arguments = match function.get("arguments") {
-            Some(Value::String(s)) if !s.is_empty() => serde_json::from_str(s)
-                .map_err(|e| invalid(format!("tool call arguments are not valid JSON: {e}")))?,
-            Some(v @ (Value::Object(_) | Value::Array(_))) => v.clone(),
-            _ => Value::Object(serde_json::Map::new()),
-        };
-        function.insert("arguments".into(), arguments);
-    }
-    Ok(call)
+fn text_part(text: &str) -> JinjaValue {
+    [
+        ("type", JinjaValue::from("text")),
+        ("text", JinjaValue::from(text)),
+    ]
+    .into_iter()
+    .collect()
 }
 
 /// transformers' `continue_final_message`: the text up to the end of the final message's
 /// (stripped) content, right-stripped, so the model continues that message.
-fn cut_after_final_message(rendered: String, messages: &[Value]) -> Result<String, PromptError> {
-    let last = messages
-        .last()
-        .and_then(|m| m.get("content"))
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .trim();
+fn cut_after_final_message(rendered: String, final_content: &str) -> Result<String, PromptError> {
+    let last = final_content.trim();
     let Some(at) = rendered.rfind(last) else {
         return Err(invalid(
             "continue_final_message is set but the final message does not appear in the \
@@ -530,6 +521,11 @@ fn cut_after_final_message(rendered: String, messages: &[Value]) -> Result<Strin
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// A request's body.
+    fn bytes(request: &Value) -> Vec<u8> {
+        serde_json::to_vec(request).expect("serializes")
+    }
 
     fn fixture() -> HfTokenizer {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../lab/tokenizers/bpe-4k");
@@ -605,20 +601,20 @@ mod tests {
             {"role": "system", "content": "  Be brief.  "},
             {"role": "user", "content": "hello there"},
         ]});
-        let text = t.render_chat(&request).expect("renders");
+        let text = t.render_chat(&bytes(&request)).expect("renders");
         assert_eq!(
             text,
             "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
              <|start_header_id|>user<|end_header_id|>\n\nhello there<|eot_id|>\
              <|start_header_id|>assistant<|end_header_id|>\n\n"
         );
-        let ids = t.encode_chat(&request).expect("encodes");
+        let ids = t.encode_chat(&bytes(&request)).expect("encodes");
         assert_eq!(ids.first(), Some(&BOS));
         assert_eq!(ids.iter().filter(|&&id| id == BOS).count(), 1, "{ids:?}");
         assert_eq!(ids, t.encode(&text, false).expect("encodes"));
 
         let user_only = json!({"messages": [{"role": "user", "content": "hello there"}]});
-        let ids = t.encode_chat(&user_only).expect("encodes");
+        let ids = t.encode_chat(&bytes(&user_only)).expect("encodes");
         assert_eq!(ids[1..12], TURN_IDS);
     }
 
@@ -627,7 +623,7 @@ mod tests {
         let t = fixture();
         let request = json!({"messages": [{"role": "user", "content": "hi"}],
                              "add_special_tokens": true});
-        let ids = t.encode_chat(&request).expect("encodes");
+        let ids = t.encode_chat(&bytes(&request)).expect("encodes");
         assert_eq!(ids[..2], [BOS, BOS]);
     }
 
@@ -636,11 +632,11 @@ mod tests {
         let t = fixture();
         let request = json!({"messages": [{"role": "user", "content": "hello there"}],
                              "add_generation_prompt": false});
-        let text = t.render_chat(&request).expect("renders");
+        let text = t.render_chat(&bytes(&request)).expect("renders");
         assert_eq!(text, format!("<|begin_of_text|>{TURN}"));
         let mut expected = vec![BOS];
         expected.extend(TURN_IDS);
-        assert_eq!(t.encode_chat(&request).expect("encodes"), expected);
+        assert_eq!(t.encode_chat(&bytes(&request)).expect("encodes"), expected);
     }
 
     #[test]
@@ -653,8 +649,8 @@ mod tests {
         ]}]});
         let joined = json!({"messages": [{"role": "user", "content": "first\nsecond"}]});
         assert_eq!(
-            t.render_chat(&parts).expect("renders"),
-            t.render_chat(&joined).expect("renders")
+            t.render_chat(&bytes(&parts)).expect("renders"),
+            t.render_chat(&bytes(&joined)).expect("renders")
         );
     }
 
@@ -662,7 +658,9 @@ mod tests {
     fn an_unknown_role_fails_with_the_templates_message() {
         let t = fixture();
         let request = json!({"messages": [{"role": "wizard", "content": "hi"}]});
-        let err = t.render_chat(&request).expect_err("raise_exception");
+        let err = t
+            .render_chat(&bytes(&request))
+            .expect_err("raise_exception");
         assert!(matches!(err, PromptError::Render(_)), "{err:?}");
         assert!(err.to_string().contains("Unknown role: wizard"), "{err}");
     }
@@ -684,7 +682,7 @@ mod tests {
         // No tokenizer_config.json: no bos_token; the trailing newline is dropped (Jinja's
         // keep_trailing_newline=False).
         assert_eq!(
-            t.render_chat(&request).expect("renders"),
+            t.render_chat(&bytes(&request)).expect("renders"),
             "[hola|False|True|None]\nuser:hi"
         );
     }
@@ -703,7 +701,8 @@ mod tests {
         );
         let t = HfTokenizer::load(&dir.0).expect("loads");
         assert_eq!(
-            t.render_chat(&json!({"messages": []})).expect("renders"),
+            t.render_chat(&bytes(&json!({"messages": []})))
+                .expect("renders"),
             "file <s>"
         );
     }
@@ -716,14 +715,14 @@ mod tests {
         let t = HfTokenizer::load(&dir.0).expect("loads");
         let plain = json!({"messages": []});
         let tools = json!({"messages": [], "tools": []});
-        assert_eq!(t.render_chat(&plain).expect("renders"), "plain");
-        assert_eq!(t.render_chat(&tools).expect("renders"), "tools");
+        assert_eq!(t.render_chat(&bytes(&plain)).expect("renders"), "plain");
+        assert_eq!(t.render_chat(&bytes(&tools)).expect("renders"), "tools");
 
         let config = r#"{"chat_template": [{"name": "rag", "template": "x"}]}"#;
         let dir = TempDir::new("no-default", &[("tokenizer_config.json", config)]);
         let t = HfTokenizer::load(&dir.0).expect("loads");
         assert!(matches!(
-            t.render_chat(&plain),
+            t.render_chat(&bytes(&plain)),
             Err(PromptError::NoDefaultTemplate)
         ));
     }
@@ -750,11 +749,36 @@ mod tests {
             "tools": [{"function": {"name": "f"}}],
         });
         assert_eq!(
-            t.render_chat(&request).expect("renders"),
+            t.render_chat(&bytes(&request)).expect("renders"),
             "user name=ann|assistant f{\"x\": [1, 2]}|tool id=c1|\
-             [\n  {\n    \"function\": {\n      \"name\": \"f\"\n    }\n  }\n]\
+             [\n  {\n    \"type\": \"function\",\n    \"function\": {\n      \"name\": \"f\",\
+             \n      \"description\": null,\n      \"parameters\": null\n    }\n  }\n]\
              |a,b|{\"s\": \"é<&>\"}"
         );
+    }
+
+    #[test]
+    fn tools_and_tool_calls_are_handed_over_in_the_order_and_shape_vllm_gives_them() {
+        // Printed whole, as some templates print them: pydantic's dump of vLLM's tool
+        // models, OpenAI's typed dict order for a call, the arguments parsed in their order
+        // (the body as a client wrote it, its keys not sorted).
+        let template = "{{ tools | tojson }}|{% for m in messages %}{{ m | tojson }}|{% endfor %}";
+        let dir = TempDir::new("tool-order", &[("chat_template.jinja", template)]);
+        let t = HfTokenizer::load(&dir.0).expect("loads");
+        let body = br#"{"tools": [{"function": {"parameters": {"z": 1, "a": 2}, "name": "f"}, "type": "function"}],
+            "messages": [{"role": "assistant", "content": null, "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "{\"z\": 1, \"a\": 2}"}, "id": "c1"}]},
+                {"role": "tool", "content": "4", "tool_call_id": "c1"}, {"role": "developer", "content": "d"}]}"#;
+        assert_eq!(
+            t.render_chat(body).expect("renders"),
+            r#"[{"type": "function", "function": {"name": "f", "description": null, "parameters": {"z": 1, "a": 2}}}]|{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {"arguments": {"z": 1, "a": 2}, "name": "f"}, "type": "function"}]}|{"role": "tool", "content": "4", "tool_call_id": "c1"}|{"role": "developer", "content": "d", "tools": null}|"#
+        );
+        // What vLLM refuses is a 400.
+        let custom = br#"{"tools": [{"type": "custom", "custom": {"name": "f"}}], "messages": []}"#;
+        assert!(matches!(
+            t.render_chat(custom),
+            Err(PromptError::Invalid(_))
+        ));
     }
 
     #[test]
@@ -787,7 +811,7 @@ mod tests {
         ]});
         // What transformers' renderer writes for the conversation vLLM builds.
         assert_eq!(
-            t.render_chat(&request).expect("renders"),
+            t.render_chat(&bytes(&request)).expect("renders"),
             "[{'role': 'user', 'content': [{'type': 'text', 'text': 'a'}, {'type': 'text', 'text': 'b'}], 'name': 'ann'}, \
              {'role': 'assistant', 'content': [{'type': 'text', 'text': \"it's\"}]}]\
              |<pad>|<sep>"
@@ -802,14 +826,17 @@ mod tests {
             {"role": "assistant", "content": "The answer is "},
         ], "add_generation_prompt": false, "continue_final_message": true});
         assert_eq!(
-            t.render_chat(&request).expect("renders"),
+            t.render_chat(&bytes(&request)).expect("renders"),
             format!(
                 "<|begin_of_text|>{TURN}<|start_header_id|>assistant<|end_header_id|>\n\nThe answer is"
             )
         );
         let both = json!({"messages": [{"role": "user", "content": "x"}],
                           "continue_final_message": true});
-        assert!(matches!(t.render_chat(&both), Err(PromptError::Invalid(_))));
+        assert!(matches!(
+            t.render_chat(&bytes(&both)),
+            Err(PromptError::Invalid(_))
+        ));
     }
 
     #[test]
@@ -818,7 +845,9 @@ mod tests {
         let t = HfTokenizer::load(&dir.0).expect("loads");
         assert!(!t.has_chat_template());
         let err = t
-            .encode_chat(&json!({"messages": [{"role": "user", "content": "hi"}]}))
+            .encode_chat(&bytes(
+                &json!({"messages": [{"role": "user", "content": "hi"}]}),
+            ))
             .expect_err("no template");
         assert!(matches!(err, PromptError::NoChatTemplate));
         assert!(

@@ -85,7 +85,11 @@ async fn tokenize_answers_what_the_model_tokenizer_computes() {
     let (status, tok) = post(addr, "/tokenize", chat.clone()).await;
     assert_eq!(status, 200, "{tok}");
     let chat_ids = ids(&tok["tokens"]);
-    assert_eq!(chat_ids, lib.encode_chat(&chat).expect("encodes"));
+    assert_eq!(
+        chat_ids,
+        lib.encode_chat(&serde_json::to_vec(&chat).expect("serializes"))
+            .expect("encodes")
+    );
     let text = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
                 <|start_header_id|>user<|end_header_id|>\n\nhello\nthere<|eot_id|>\
                 <|start_header_id|>assistant<|end_header_id|>\n\n";

@@ -187,12 +187,15 @@ fn what_only_the_pod_renders_exactly_is_left_to_it() {
     let tokenizer = loaded();
     let chat = |body: &str| tokenizer.tokenize(ApiKind::ChatCompletions, body.as_bytes());
     for body in [
-        r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#,
         r#"{"messages":[{"role":"user","content":"x"}],"documents":[{"text":"d"}]}"#,
         r#"{"messages":[{"role":"user","content":"x"}],"chat_template":"{{ 1 }}"}"#,
         r#"{"messages":[{"role":"assistant","content":"x"}],"continue_final_message":true}"#,
-        r#"{"messages":[{"role":"assistant","content":null,"tool_calls":[]}]}"#,
-        r#"{"messages":[{"role":"tool","content":"42","tool_call_id":"a"}]}"#,
+        // Tools and tool calls vLLM refuses, or whose handling changed between releases.
+        r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"custom","custom":{"name":"f"}}]}"#,
+        r#"{"messages":[{"role":"user","content":"x"}],"tools":{"type":"function"}}"#,
+        r#"{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"[1]"}}]}]}"#,
+        r#"{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"{"}}]}]}"#,
+        r#"{"messages":[{"role":"developer","content":"x","tools":[]}]}"#,
         r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}]}"#,
         // vLLM merges the keyword arguments over its own: these replace what the
         // request's fields say, or fail the request.
@@ -367,6 +370,57 @@ fn an_assistants_reasoning_reaches_the_template_under_both_names() {
     assert_eq!(
         text,
         "[user:2+2?:ann][assistant:4:two and two/two and two][assistant:5:r/r][user:q]"
+    );
+}
+
+#[test]
+fn tools_tool_calls_and_tool_results_reach_the_template_as_vllm_hands_them_over() {
+    // Each message and tool printed whole: the fields' order and defaults are part of the
+    // prompt (pydantic's model_dump for the tools, the typed dict's order for the calls,
+    // the arguments parsed from their JSON string; written by vLLM's own models, pydantic
+    // 2.14, for this request).
+    let dir = with_template(
+        "{{ tools | tojson }}\n{% for m in messages %}{{ m | tojson }}\n{% endfor %}",
+    );
+    let text = rendered(
+        dir.path(),
+        br#"{"tools":[{"function":{"parameters":{"type":"object","properties":{"city":{"type":"string"}}},"name":"weather"},"type":"function"}],
+            "messages":[{"content":"Weather in Paris?","role":"user"},
+            {"role":"assistant","content":null,"tool_calls":[{"type":"function","function":{"name":"weather","arguments":"{\"city\": \"Paris\", \"unit\": 1.0}"},"id":"call_1"}]},
+            {"role":"tool","content":"18 C","tool_call_id":"call_1"},
+            {"role":"assistant","content":"18 C.","tool_calls":[]},
+            {"role":"developer","content":"Be brief."}]}"#,
+    );
+    assert_eq!(
+        text,
+        r#"[{"type": "function", "function": {"name": "weather", "description": null, "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+{"role": "user", "content": "Weather in Paris?"}
+{"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "function": {"arguments": {"city": "Paris", "unit": 1.0}, "name": "weather"}, "type": "function"}]}
+{"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+{"role": "assistant", "content": "18 C."}
+{"role": "developer", "content": "Be brief.", "tools": null}
+"#
+    );
+}
+
+#[test]
+fn a_request_with_tools_renders_the_tool_use_template_where_the_tokenizer_names_one() {
+    let dir = with_template("unused");
+    std::fs::remove_file(dir.path().join("chat_template.jinja")).expect("remove");
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"chat_template": [{"name": "default", "template": "default {{ tools }}"},
+                              {"name": "tool_use", "template": "tool_use {{ tools | length }}"}]}"#,
+    )
+    .expect("write");
+    let render = |body: &[u8]| rendered(dir.path(), body);
+    assert_eq!(render(br#"{"messages":[]}"#), "default None");
+    assert_eq!(render(br#"{"messages":[],"tools":null}"#), "default None");
+    // transformers asks whether tools were given, not whether there are any.
+    assert_eq!(render(br#"{"messages":[],"tools":[]}"#), "tool_use 0");
+    assert_eq!(
+        render(br#"{"messages":[],"tools":[{"type":"function","function":{"name":"f"}}]}"#),
+        "tool_use 1"
     );
 }
 

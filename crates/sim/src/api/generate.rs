@@ -45,8 +45,9 @@ fn unix_now() -> u64 {
 }
 
 async fn generate(pod: Arc<Pod>, body: Bytes, kind: Kind) -> Result<Response, ApiError> {
-    let body = parse_json(&body)?;
-    let parsed = parse(&pod, &body, kind)?;
+    let raw = body;
+    let body = parse_json(&raw)?;
+    let parsed = parse(&pod, &body, &raw, kind)?;
     let max_model_len = pod.lock().engine.max_model_len();
     let spec = spec_of(&pod, &parsed, max_model_len)?;
     let output_seed = spec.output_seed;

@@ -12,10 +12,10 @@ use crate::server::Pod;
 use super::request::{prompt_tokens, resolve_model};
 use super::{ApiError, Kind, PodState, parse_json};
 
-fn render(pod: &Pod, body: &Bytes, kind: Kind) -> Result<Value, ApiError> {
-    let body = parse_json(body)?;
+fn render(pod: &Pod, raw: &Bytes, kind: Kind) -> Result<Value, ApiError> {
+    let body = parse_json(raw)?;
     let (model, _) = resolve_model(pod, &body)?;
-    let tokens = prompt_tokens(&body, kind, pod.tokenizer.as_deref())?;
+    let tokens = prompt_tokens(&body, raw, kind, pod.tokenizer.as_deref())?;
     let max_tokens = body.get("max_tokens").cloned().unwrap_or(Value::Null);
     let prefix = match kind {
         Kind::Completion => "cmpl",
@@ -48,15 +48,15 @@ pub(crate) async fn chat_render(State(pod): PodState, body: Bytes) -> Response {
 }
 
 /// `POST /tokenize`: `prompt` or `messages`.
-fn tokenize_body(pod: &Pod, body: &Bytes) -> Result<Value, ApiError> {
-    let body = parse_json(body)?;
+fn tokenize_body(pod: &Pod, raw: &Bytes) -> Result<Value, ApiError> {
+    let body = parse_json(raw)?;
     resolve_model(pod, &body)?;
     let kind = if body.get("messages").is_some() {
         Kind::Chat
     } else {
         Kind::Completion
     };
-    let tokens = prompt_tokens(&body, kind, pod.tokenizer.as_deref())?;
+    let tokens = prompt_tokens(&body, raw, kind, pod.tokenizer.as_deref())?;
     let max_model_len = pod.lock().engine.max_model_len();
     Ok(json!({
         "count": tokens.len(),

@@ -78,15 +78,17 @@ fn text_tokens(
 }
 
 /// The prompt's token ids: `messages` rendered and tokenized (chat), or `prompt` as text or
-/// token ids (completion).
+/// token ids (completion). `raw` is the body `body` was read from: a model's chat template
+/// gets some of it in its objects' order.
 pub(super) fn prompt_tokens(
     body: &Value,
+    raw: &[u8],
     kind: Kind,
     tokenizer: Option<&HfTokenizer>,
 ) -> Result<Vec<u32>, ApiError> {
     let tokens = match kind {
         Kind::Chat => match tokenizer {
-            Some(t) => t.encode_chat(body)?,
+            Some(t) => t.encode_chat(raw)?,
             None => tokenize(&render_chat(&messages_of(body)?)),
         },
         Kind::Completion => match body.get("prompt") {
@@ -126,9 +128,9 @@ pub(super) fn resolve_model(pod: &Pod, body: &Value) -> Result<(String, Option<S
     ))
 }
 
-pub(super) fn parse(pod: &Pod, body: &Value, kind: Kind) -> Result<Parsed, ApiError> {
+pub(super) fn parse(pod: &Pod, body: &Value, raw: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
     let (model, adapter) = resolve_model(pod, body)?;
-    let prompt = prompt_tokens(body, kind, pod.tokenizer.as_deref())?;
+    let prompt = prompt_tokens(body, raw, kind, pod.tokenizer.as_deref())?;
     let max_tokens = match body
         .get("max_completion_tokens")
         .filter(|v| !v.is_null())

@@ -1,0 +1,286 @@
+//! A request's tools, and its messages' tool calls and tool results, as vLLM's OpenAI
+//! server hands them to the chat template. Templates print them (`tools | tojson`, each
+//! call's `arguments | tojson`), so their fields' order and defaults are part of the
+//! prompt:
+//!
+//! - **tools** are pydantic models (`ChatCompletionToolsParam`, `FunctionDefinition`, extra
+//!   fields allowed) handed over as `tool.model_dump()`: `type` then `function`, and in the
+//!   function `name`, `description` and `parameters` (each `None` when absent), then any
+//!   extra field in the request's order;
+//! - **tool calls** are validated as OpenAI's `ChatCompletionMessageToolCallParam` typed
+//!   dict, which writes its declared keys first in their declared order (`id`, `function`,
+//!   `type`; in the function `arguments`, `name`), then any extra key in the request's
+//!   order; `arguments`, a JSON string, is parsed into the object it holds (an empty
+//!   string: `{}`), and an empty list of calls is dropped (vLLM's
+//!   `_postprocess_messages`);
+//! - a tool message's `tool_call_id` is kept when the request has the key.
+//!
+//! What vLLM refuses or a vLLM release handles differently (a custom tool or tool call,
+//! arguments that are not one JSON object, a field of the wrong type) is [`Unshaped`]:
+//! the caller leaves such a request to an engine to render.
+
+use minijinja::Value;
+use minijinja::value::ValueKind;
+
+/// Why tools or tool calls are not shaped here: what the request has ("has tools that
+/// are not a list").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unshaped(pub &'static str);
+
+impl std::fmt::Display for Unshaped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+/// vLLM's `[tool.model_dump() for tool in request.tools]` of a request's `tools`, read in
+/// the request's order (a `minijinja::Value` deserialized from its JSON).
+pub fn tools(tools: &Value) -> Result<Value, Unshaped> {
+    items(tools, "has tools that are not a list")?
+        .iter()
+        .map(tool)
+        .collect::<Result<Vec<_>, _>>()
+        .map(Value::from)
+}
+
+/// An assistant message's `tool_calls` as the template receives them; `None` where vLLM
+/// drops them (an empty list).
+pub fn tool_calls(calls: &Value) -> Result<Option<Value>, Unshaped> {
+    let calls = items(calls, "has tool_calls that are not a list")?;
+    if calls.is_empty() {
+        return Ok(None);
+    }
+    calls
+        .iter()
+        .map(tool_call)
+        .collect::<Result<Vec<_>, _>>()
+        .map(|calls| Some(Value::from(calls)))
+}
+
+fn items(list: &Value, not_a_list: &'static str) -> Result<Vec<Value>, Unshaped> {
+    if list.kind() != ValueKind::Seq {
+        return Err(Unshaped(not_a_list));
+    }
+    list.try_iter()
+        .map(Iterator::collect)
+        .map_err(|_| Unshaped(not_a_list))
+}
+
+/// A map's entries in its order; `None` if it is not a map with string keys.
+fn map_entries(map: &Value) -> Option<Vec<(String, Value)>> {
+    if map.kind() != ValueKind::Map {
+        return None;
+    }
+    map.try_iter()
+        .ok()?
+        .map(|key| {
+            let value = map.get_item(&key).ok()?;
+            Some((key.as_str()?.to_owned(), value))
+        })
+        .collect()
+}
+
+/// The entries of `map` named `declared`, in that order (each present, or `None` where the
+/// map lacks it), and the others in the map's order.
+fn split<const N: usize>(
+    map: Vec<(String, Value)>,
+    declared: [&str; N],
+) -> ([Option<Value>; N], Vec<(String, Value)>) {
+    let mut fields = std::array::from_fn(|_| None);
+    let mut extra = Vec::new();
+    for (key, value) in map {
+        match declared.iter().position(|name| *name == key) {
+            Some(i) => fields[i] = Some(value),
+            None => extra.push((key, value)),
+        }
+    }
+    (fields, extra)
+}
+
+fn is_str(value: &Value) -> bool {
+    value.kind() == ValueKind::String
+}
+
+fn is_none(value: &Value) -> bool {
+    value.is_none()
+}
+
+/// One tool, as `ChatCompletionToolsParam.model_dump()` writes it.
+fn tool(tool: &Value) -> Result<Value, Unshaped> {
+    let entries = map_entries(tool).ok_or(Unshaped("has a tool that is not an object"))?;
+    let ([kind, function], extra) = split(entries, ["type", "function"]);
+    if kind.is_some_and(|kind| kind.as_str() != Some("function")) {
+        return Err(Unshaped("has a tool that is not a function"));
+    }
+    let function = function.ok_or(Unshaped("has a tool with no function"))?;
+    let entries =
+        map_entries(&function).ok_or(Unshaped("has a tool whose function is not an object"))?;
+    let ([name, description, parameters], function_extra) =
+        split(entries, ["name", "description", "parameters"]);
+    let name = name
+        .filter(is_str)
+        .ok_or(Unshaped("has a tool function with no string name"))?;
+    let description = description.unwrap_or_else(|| Value::from(()));
+    if !is_str(&description) && !is_none(&description) {
+        return Err(Unshaped("has a tool description that is not a string"));
+    }
+    let parameters = parameters.unwrap_or_else(|| Value::from(()));
+    if parameters.kind() != ValueKind::Map && !is_none(&parameters) {
+        return Err(Unshaped("has tool parameters that are not an object"));
+    }
+    let mut function: Vec<(String, Value)> = vec![
+        ("name".into(), name),
+        ("description".into(), description),
+        ("parameters".into(), parameters),
+    ];
+    function.extend(function_extra);
+    let mut dumped: Vec<(String, Value)> = vec![
+        ("type".into(), Value::from("function")),
+        ("function".into(), function.into_iter().collect()),
+    ];
+    dumped.extend(extra);
+    Ok(dumped.into_iter().collect())
+}
+
+/// One tool call, as the typed dict validates it and vLLM parses its arguments.
+fn tool_call(call: &Value) -> Result<Value, Unshaped> {
+    let entries = map_entries(call).ok_or(Unshaped("has a tool call that is not an object"))?;
+    let ([id, function, kind], extra) = split(entries, ["id", "function", "type"]);
+    let id = id
+        .filter(is_str)
+        .ok_or(Unshaped("has a tool call with no string id"))?;
+    let kind = kind
+        .filter(|kind| kind.as_str() == Some("function"))
+        .ok_or(Unshaped("has a tool call that is not a function call"))?;
+    let entries = function
+        .as_ref()
+        .and_then(map_entries)
+        .ok_or(Unshaped("has a tool call with no function"))?;
+    let ([arguments, name], function_extra) = split(entries, ["arguments", "name"]);
+    let name = name
+        .filter(is_str)
+        .ok_or(Unshaped("has a tool call function with no string name"))?;
+    let arguments = match arguments.as_ref().and_then(Value::as_str) {
+        None => return Err(Unshaped("has tool call arguments that are not a string")),
+        Some("") => Value::from_iter(std::iter::empty::<(String, Value)>()),
+        Some(json) => match serde_json::from_str::<Value>(json) {
+            Ok(parsed) if parsed.kind() == ValueKind::Map => parsed,
+            // vLLM releases differ here: an error, the value as it is, or `{}`.
+            _ => {
+                return Err(Unshaped(
+                    "has tool call arguments that are not one JSON object",
+                ));
+            }
+        },
+    };
+    let mut function: Vec<(String, Value)> =
+        vec![("arguments".into(), arguments), ("name".into(), name)];
+    function.extend(function_extra);
+    let mut validated: Vec<(String, Value)> = vec![
+        ("id".into(), id),
+        ("function".into(), function.into_iter().collect()),
+        ("type".into(), kind),
+    ];
+    validated.extend(extra);
+    Ok(validated.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value(json: &str) -> Value {
+        serde_json::from_str(json).expect("JSON")
+    }
+
+    fn json(value: &Value) -> String {
+        serde_json::to_string(value).expect("serializes")
+    }
+
+    #[test]
+    fn tools_are_dumped_with_their_defaults_in_the_models_order() {
+        // What pydantic's model_dump wrote for this request (pydantic 2.14, vLLM's models).
+        let request = value(
+            r#"[{"function": {"parameters": {"type": "object", "properties": {"b": {}, "a": {}}},
+                               "name": "f", "strict": true}, "type": "function"},
+                {"type": "function", "function": {"name": "g"}, "x": 1}]"#,
+        );
+        assert_eq!(
+            json(&tools(&request).expect("shaped")),
+            r#"[{"type":"function","function":{"name":"f","description":null,"parameters":{"type":"object","properties":{"b":{},"a":{}}},"strict":true}},{"type":"function","function":{"name":"g","description":null,"parameters":null},"x":1}]"#
+        );
+        assert_eq!(json(&tools(&value("[]")).expect("shaped")), "[]");
+    }
+
+    #[test]
+    fn tool_calls_take_the_typed_dicts_order_and_parsed_arguments() {
+        let calls = value(
+            r#"[{"type": "function", "function": {"name": "f", "arguments": "{\"b\": 1, \"a\": [2.0, \"é\"]}", "zz": 3},
+                 "id": "c1", "x": 9},
+                {"id": "c2", "type": "function", "function": {"arguments": "", "name": "g"}}]"#,
+        );
+        assert_eq!(
+            json(&tool_calls(&calls).expect("shaped").expect("kept")),
+            r#"[{"id":"c1","function":{"arguments":{"b":1,"a":[2.0,"é"]},"name":"f","zz":3},"type":"function","x":9},{"id":"c2","function":{"arguments":{},"name":"g"},"type":"function"}]"#
+        );
+        assert_eq!(
+            tool_calls(&value("[]")),
+            Ok(None),
+            "an empty list is dropped"
+        );
+    }
+
+    #[test]
+    fn what_vllm_refuses_or_reads_differently_is_left_unshaped() {
+        for (calls, why) in [
+            (r#"{"id": "c"}"#, "tool_calls that are not a list"),
+            (
+                r#"[{"function": {"name": "f", "arguments": "{}"}, "type": "function"}]"#,
+                "with no string id",
+            ),
+            (
+                r#"[{"id": "c", "custom": {"name": "f", "input": ""}, "type": "custom"}]"#,
+                "not a function call",
+            ),
+            (
+                r#"[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]"#,
+                "not one JSON object",
+            ),
+            (
+                r#"[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]"#,
+                "not one JSON object",
+            ),
+            (
+                r#"[{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]"#,
+                "not a string",
+            ),
+            (
+                r#"[{"id": "c", "type": "function", "function": {"arguments": "{}"}}]"#,
+                "no string name",
+            ),
+        ] {
+            let refused = tool_calls(&value(calls)).expect_err(calls);
+            assert!(refused.0.contains(why), "{calls}: {refused}");
+        }
+        for (list, why) in [
+            (r#"{"type": "function"}"#, "not a list"),
+            (
+                r#"[{"type": "custom", "custom": {"name": "f"}}]"#,
+                "not a function",
+            ),
+            (r#"[{"type": "function"}]"#, "no function"),
+            (r#"[{"function": {"name": 3}}]"#, "no string name"),
+            (
+                r#"[{"function": {"name": "f", "description": 3}}]"#,
+                "description",
+            ),
+            (
+                r#"[{"function": {"name": "f", "parameters": [1]}}]"#,
+                "parameters",
+            ),
+        ] {
+            let refused = tools(&value(list)).expect_err(list);
+            assert!(refused.0.contains(why), "{list}: {refused}");
+        }
+    }
+}
