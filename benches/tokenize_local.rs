@@ -117,25 +117,33 @@ fn agent_turns(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement:
     )
     .unwrap();
     let tokenizer = LocalTokenizer::load(dir.path(), 64 << 20).unwrap();
-    let tools: Vec<_> = ["read_file", "write_file", "run_tests", "search_code", "list_dir"]
-        .iter()
-        .map(|name| {
-            json!({"type": "function", "function": {"name": name,
+    let tools: Vec<_> = [
+        "read_file",
+        "write_file",
+        "run_tests",
+        "search_code",
+        "list_dir",
+    ]
+    .iter()
+    .map(|name| {
+        json!({"type": "function", "function": {"name": name,
                 "description": format!("{name}: see the repository's conventions before calling."),
                 "parameters": {"type": "object", "properties": {
                     "path": {"type": "string", "description": "A path inside the repository."},
                     "limit": {"type": "integer", "minimum": 1}}, "required": ["path"]}}})
-        })
-        .collect();
+    })
+    .collect();
     let mut messages = vec![
         json!({"role": "system", "content": text(8_000)}),
         json!({"role": "user", "content": "Fix the failing test in the scheduler."}),
     ];
     for k in 0..4 {
         let id = format!("call_{k}");
-        messages.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": id,
+        messages.push(
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": id,
             "type": "function", "function": {"name": "read_file",
-            "arguments": format!("{{\"path\": \"src/scheduler/part{k}.rs\", \"limit\": 200}}")}}]}));
+            "arguments": format!("{{\"path\": \"src/scheduler/part{k}.rs\", \"limit\": 200}}")}}]}),
+        );
         messages.push(json!({"role": "tool", "tool_call_id": id, "content": text(600 + 100 * k)}));
     }
     let body =
@@ -145,9 +153,11 @@ fn agent_turns(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement:
         .unwrap()
         .len();
     group.throughput(Throughput::Elements(tokens as u64));
-    group.bench_with_input(BenchmarkId::new("chat_agent_turn", tokens), &body, |b, body| {
-        b.iter(|| tokenizer.tokenize(ApiKind::ChatCompletions, black_box(body)))
-    });
+    group.bench_with_input(
+        BenchmarkId::new("chat_agent_turn", tokens),
+        &body,
+        |b, body| b.iter(|| tokenizer.tokenize(ApiKind::ChatCompletions, black_box(body))),
+    );
 }
 
 criterion_group!(benches, tokenize);

@@ -269,10 +269,11 @@ pub struct ServeArgs {
     #[arg(long, env = "KVROUTE_TOKENIZER_CACHE_MIB", default_value_t = 64)]
     pub tokenizer_cache_mib: u32,
     /// Check --tokenizer against the engine on the first prompt of each model and then on
-    /// every Nth: the prompt is also sent to the pod's /tokenize in the background, and a
-    /// difference (a directory that is not the model's, a template the engine renders
-    /// otherwise) stops local tokenization for that model, logged and counted, so that
-    /// the pods tokenize its prompts instead. 0: never check.
+    /// every Nth (prompts with tools counted apart): the prompt is also sent to the pod's
+    /// /tokenize in the background, and a difference (a directory that is not the model's,
+    /// a template the engine renders otherwise) stops local tokenization for that model
+    /// (for its prompts with tools only, where the prompt had tools), logged and counted,
+    /// so that the pods tokenize those prompts instead. 0: never check.
     #[arg(long, env = "KVROUTE_TOKENIZER_CHECK_EVERY", default_value_t = 1000)]
     pub tokenizer_check_every: u64,
     /// Connections each listener (ext_proc, health, admin, metrics, debug) holds open at

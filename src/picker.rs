@@ -42,7 +42,8 @@ use crate::store::PodStore;
 use crate::telemetry::{self, ModelLabels, Outcome, QueueExit};
 use crate::tokenize::check::{difference_report, first_difference};
 use crate::tokenize::{
-    LocalTokenizer, LocalTokenizers, PodTokenizer, TokenizeError, Unsupported, tokenize_body,
+    LocalTokenizer, LocalTokenizers, PodTokenizer, PromptKind, TokenizeError, Unsupported,
+    tokenize_body,
 };
 use kvroute_core::request::ApiKind;
 
@@ -895,8 +896,9 @@ async fn tokenize_here_or_on(
 /// Where `local` is due a check ([`LocalTokenizer::due_for_check`]), the same prompt
 /// (the request `body`, whose model's tokenizer `local` is) tokenized by the pod at
 /// `endpoint` in the background and compared with `tokens`, kvroute's own. The request
-/// does not wait for it. A difference stops local tokenization for the model: its
-/// prompts go to the pods' `/tokenize`, which is right by construction.
+/// does not wait for it. A difference stops local tokenization for the model (for its
+/// prompts with tools only, where the prompt had tools: [`PromptKind`]): they go to the
+/// pods' `/tokenize`, which is right by construction.
 fn check_against_pod(
     pod: &PodTokenizer,
     local: &Arc<LocalTokenizer>,
@@ -905,7 +907,8 @@ fn check_against_pod(
     body: &[u8],
     tokens: &[u32],
 ) {
-    if !local.due_for_check() {
+    let kind = PromptKind::of(body);
+    if !local.due_for_check(kind) {
         return;
     }
     let Some(request) = tokenize_body(api, body) else {
@@ -931,16 +934,20 @@ fn check_against_pod(
             return;
         };
         telemetry::record_local_tokenizer_check("differ");
-        if local.found_different() {
+        if local.found_different(kind) {
             let difference = difference_report(&local, &tokens, &engine, at);
+            let from_now_on = match kind {
+                PromptKind::Plain => "its prompts are",
+                PromptKind::Tools => "its prompts with tools (others still agree) are",
+            };
             error!(
                 model,
                 pod = %endpoint,
                 at,
                 %difference,
-                "--tokenizer makes other tokens than the engine for this model: its prompts \
-                 are tokenized by the pods from now on (compare the directory with the \
-                 model's using `kvroute tokenize --pod`)"
+                "--tokenizer makes other tokens than the engine for this model: {from_now_on} \
+                 tokenized by the pods from now on (compare the directory with the model's \
+                 using `kvroute tokenize --pod`)"
             );
         }
     });

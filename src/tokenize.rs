@@ -13,5 +13,7 @@ mod local;
 mod pieces;
 mod pod;
 
-pub use local::{LoadError, LocalTokenizer, LocalTokenizers, TokenizerSpec, Unsupported};
+pub use local::{
+    LoadError, LocalTokenizer, LocalTokenizers, PromptKind, TokenizerSpec, Unsupported,
+};
 pub use pod::{PodTokenizer, TokenizeError, tokenize_body};

@@ -399,6 +399,92 @@ async fn a_tokenizer_that_disagrees_with_the_pods_is_found_by_its_first_check_an
     fleet.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_difference_found_on_a_prompt_with_tools_leaves_only_prompts_with_tools_to_the_pods() {
+    let (fleet, templates) = fleet_tokenizing(Some(test_tokenizer())).await;
+    let pods = fleet.endpoints();
+    // The pods' template with the tools written before it: the same tokens for a chat
+    // without tools, others for one with tools (as an engine release that dumps its tool
+    // models otherwise would make).
+    let config_json =
+        std::fs::read_to_string(test_tokenizer().join("tokenizer_config.json")).expect("read");
+    let config: serde_json::Value = serde_json::from_str(&config_json).expect("JSON");
+    let template = config["chat_template"]
+        .as_str()
+        .expect("the fixture's template");
+    let other = tempfile::tempdir().expect("temp dir");
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(test_tokenizer().join(file), other.path().join(file)).expect("copy");
+    }
+    std::fs::write(
+        other.path().join("chat_template.jinja"),
+        format!("{{%- if tools %}}Tools: {{{{ tools | tojson }}}}{{% endif %}}{template}"),
+    )
+    .expect("write the template");
+    let mut config = test_config(pods.clone());
+    config.tokenizers = vec![TokenizerSpec {
+        model: None,
+        dir: other.path().to_owned(),
+    }];
+    let kvroute = following_events(config, &templates, &pods).await;
+
+    let client = http_client();
+    let context = prompt(5);
+    let warm = pods[0];
+    let status = client
+        .post(format!("http://{warm}/v1/chat/completions"))
+        .json(&chat(&context, "What is the first word?"))
+        .send()
+        .await
+        .expect("the pod answers")
+        .status();
+    assert_eq!(status, 200);
+    wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 18.0).await;
+
+    let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &pods).await;
+    let url = envoy.url("/v1/chat/completions");
+    let with_tools = |question: &str| {
+        let mut body = chat(&context, question);
+        body["tools"] = json!([{"type": "function", "function": {"name": "lookup"}}]);
+        body
+    };
+    let send = |body: serde_json::Value| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let response = client
+                .post(&url)
+                .json(&body)
+                .send()
+                .await
+                .expect("Envoy answers");
+            assert_eq!(response.status(), 200);
+        }
+    };
+    let agreed = "kvroute_local_tokenizer_checks_total{result=\"agree\"}";
+    let differed = "kvroute_local_tokenizer_checks_total{result=\"differ\"}";
+    // The first prompt of each kind is checked: without tools it agrees, with tools it
+    // differs.
+    send(chat(&context, "And the last one?")).await;
+    scrape_after(&kvroute, agreed, 1.0).await;
+    send(with_tools("Which tool?")).await;
+    let text = scrape_after(&kvroute, differed, 1.0).await;
+    assert_eq!(metric_value(&text, agreed), 1.0, "{text}");
+    // From then on prompts with tools are the pods' to tokenize, the others still
+    // kvroute's; both match the context where the pod holds it.
+    send(with_tools("Which tool now?")).await;
+    send(chat(&context, "And then?")).await;
+    let text = kvroute.metrics_text().await;
+    assert_eq!(tokenized(&text, "ok", "local"), 3.0, "{text}");
+    assert_eq!(tokenized(&text, "left_to_pod", "local"), 1.0, "{text}");
+    assert_eq!(tokenized(&text, "ok", "pod"), 1.0, "{text}");
+    let predicted = "kvroute_prefix_predicted_cached_tokens_total{source=\"kv_events\"}";
+    assert!(
+        metric_value(&text, predicted) >= 3.0 * 18.0 * 16.0,
+        "the plain prompts and the one tokenized by a pod match the context: {text}"
+    );
+    fleet.shutdown().await;
+}
+
 /// Prompts tokenized by `tokenizer` (`pod` or `local`) with `outcome`, in kvroute's
 /// exposition `text`.
 fn tokenized(text: &str, outcome: &str, tokenizer: &str) -> f64 {

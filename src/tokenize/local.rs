@@ -196,15 +196,38 @@ pub struct LocalTokenizer {
     checks: Checks,
 }
 
-/// The checks of a tokenizer's prompts against the engine's own tokens.
+/// The checks of a tokenizer's prompts against the engine's own tokens, kept apart for
+/// prompts with and without tools ([`PromptKind`]).
 #[derive(Debug, Default)]
 struct Checks {
-    /// Check the first prompt and then every this many (0: never).
+    /// Check the first prompt of each kind and then every this many (0: never).
     every: AtomicU64,
-    /// Prompts tokenized so far.
-    tokenized: AtomicU64,
-    /// A check found other tokens than the engine's.
-    differs: AtomicBool,
+    /// Prompts tokenized so far, by kind.
+    tokenized: [AtomicU64; 2],
+    /// A check found other tokens than the engine's, by kind.
+    differs: [AtomicBool; 2],
+}
+
+/// Prompts checked apart: tools and tool calls are shaped by rules of their own
+/// (`kvroute_chat_template::tools`), which an engine release may change while the rest of
+/// its rendering stays the same, so a difference found there sets aside the local
+/// rendering of tools alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptKind {
+    Plain = 0,
+    /// The body mentions tools: a field or a role starting `"tool` (tools, tool calls, a
+    /// tool's result). Text that quotes such a name only puts a prompt in this class.
+    Tools = 1,
+}
+
+impl PromptKind {
+    pub fn of(body: &[u8]) -> PromptKind {
+        if memchr::memmem::find(body, b"\"tool").is_some() {
+            PromptKind::Tools
+        } else {
+            PromptKind::Plain
+        }
+    }
 }
 
 impl std::fmt::Debug for LocalTokenizer {
@@ -394,6 +417,13 @@ impl LocalTokenizer {
             }
             ApiKind::ChatCompletions => {
                 let chat = self.chat.as_ref().ok_or(Unsupported::NoChatTemplate)?;
+                if self.checks.differs[PromptKind::Tools as usize].load(Ordering::Relaxed)
+                    && PromptKind::of(body) == PromptKind::Tools
+                {
+                    return Err(Unsupported::LeftToPod(
+                        "has tools, which a check found rendered otherwise by the engine",
+                    ));
+                }
                 Ok((
                     chat.render(&request)?,
                     request.add_special_tokens.unwrap_or(false),
@@ -405,30 +435,30 @@ impl LocalTokenizer {
 }
 
 impl LocalTokenizer {
-    /// Whether the prompt just tokenized should also be tokenized by the engine and the
-    /// two compared: the first, then every [`LocalTokenizers::checking_every`]th. A
-    /// tokenizer that disagrees with the engine misses every precise match without an
-    /// error; the check finds it, and catches an engine whose template or tokenizer
-    /// changed under a running kvroute.
-    pub fn due_for_check(&self) -> bool {
+    /// Whether the prompt just tokenized, of `kind`, should also be tokenized by the
+    /// engine and the two compared: the first of its kind, then every
+    /// [`LocalTokenizers::checking_every`]th. A tokenizer that disagrees with the engine
+    /// misses every precise match without an error; the check finds it, and catches an
+    /// engine whose template or tokenizer changed under a running kvroute.
+    pub fn due_for_check(&self, kind: PromptKind) -> bool {
         let every = self.checks.every.load(Ordering::Relaxed);
         every > 0
-            && self
-                .checks
-                .tokenized
+            && self.checks.tokenized[kind as usize]
                 .fetch_add(1, Ordering::Relaxed)
                 .is_multiple_of(every)
     }
 
-    /// Notes that a check found other tokens than the engine's: from now on the pods
-    /// tokenize this model's prompts. Whether it is the first such finding.
-    pub fn found_different(&self) -> bool {
-        !self.checks.differs.swap(true, Ordering::Relaxed)
+    /// Notes that a check of a prompt of `kind` found other tokens than the engine's:
+    /// from now on the pods tokenize this model's prompts (those with tools only, for a
+    /// prompt with tools). Whether it is the first such finding for the kind.
+    pub fn found_different(&self, kind: PromptKind) -> bool {
+        !self.checks.differs[kind as usize].swap(true, Ordering::Relaxed)
     }
 
-    /// Whether a check found other tokens than the engine's.
+    /// Whether a check of a prompt without tools found other tokens than the engine's
+    /// (the tokenizer is then set aside for the model).
     pub fn differs(&self) -> bool {
-        self.checks.differs.load(Ordering::Relaxed)
+        self.checks.differs[PromptKind::Plain as usize].load(Ordering::Relaxed)
     }
 
     /// The text of `ids`, special tokens included (for showing where tokens differ).

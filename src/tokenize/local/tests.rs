@@ -493,15 +493,44 @@ fn a_tokenizer_checks_its_first_prompt_then_every_nth_and_is_set_aside_once_it_d
     )
     .expect("loads");
     let tokenizer = tokenizers.for_model("m").expect("serves every model");
+    let (plain, tools) = (PromptKind::Plain, PromptKind::Tools);
     // Not checking until told to.
-    assert!(!tokenizer.due_for_check());
+    assert!(!tokenizer.due_for_check(plain));
     let tokenizers = tokenizers.checking_every(3);
-    let due: Vec<bool> = (0..7).map(|_| tokenizer.due_for_check()).collect();
+    let due: Vec<bool> = (0..7).map(|_| tokenizer.due_for_check(plain)).collect();
     assert_eq!(due, [true, false, false, true, false, false, true]);
-    assert!(tokenizer.found_different(), "the first finding");
-    assert!(!tokenizer.found_different(), "not the first any more");
+    // Prompts with tools are counted apart: their first is checked too.
+    assert!(tokenizer.due_for_check(tools));
+    assert!(!tokenizer.due_for_check(tools));
+    assert!(tokenizer.found_different(plain), "the first finding");
+    assert!(!tokenizer.found_different(plain), "not the first any more");
     assert!(
         tokenizers.for_model("m").is_none(),
         "the pods tokenize from now on"
     );
+}
+
+#[test]
+fn a_difference_found_on_a_prompt_with_tools_sets_aside_only_prompts_with_tools() {
+    let tokenizer = loaded();
+    let chat = |body: &str| tokenizer.tokenize(ApiKind::ChatCompletions, body.as_bytes());
+    let plain = r#"{"messages":[{"role":"user","content":"x"}]}"#;
+    let with_tools = r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#;
+    let tool_result = r#"{"messages":[{"role":"tool","tool_call_id":"a","content":"x"}]}"#;
+    assert_eq!(PromptKind::of(plain.as_bytes()), PromptKind::Plain);
+    assert_eq!(PromptKind::of(with_tools.as_bytes()), PromptKind::Tools);
+    assert_eq!(PromptKind::of(tool_result.as_bytes()), PromptKind::Tools);
+    assert!(chat(with_tools).is_ok() && chat(tool_result).is_ok());
+    assert!(tokenizer.found_different(PromptKind::Tools));
+    for body in [with_tools, tool_result] {
+        assert!(
+            matches!(chat(body), Err(Unsupported::LeftToPod(why)) if why.contains("a check")),
+            "{body}"
+        );
+    }
+    assert!(
+        chat(plain).is_ok(),
+        "prompts without tools are still tokenized here"
+    );
+    assert!(!tokenizer.differs());
 }
