@@ -119,6 +119,13 @@ CASES = [
         {"role": "tool", "tool_call_id": "call1abcd", "content": "18 degrees"},
         {"role": "tool", "tool_call_id": "call2abcd", "content": [{"type": "text", "text": "09:00"}]},
         {"role": "user", "content": "Thanks!"}]}),
+    ("documents", {"documents": [
+        {"title": "Scrapes", "text": "Every pod is scraped every 50 ms."},
+        {"text": "Envoy asks kvroute for each request.", "title": "Routing"}], "messages": [
+        {"role": "user", "content": "How often are pods scraped?"}]}),
+    ("continue final message", {"continue_final_message": True, "add_generation_prompt": False,
+        "messages": [{"role": "user", "content": "Name a color."},
+                     {"role": "assistant", "content": "The color is "}]}),
     ("tool history, no tools", {"messages": [
         {"role": "user", "content": "What is the weather in Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [
@@ -257,10 +264,13 @@ def reference(templates, specials, body):
     conversation = vllm_conversation(body["messages"], fmt)
     kwargs = dict(specials)
     kwargs["add_generation_prompt"] = body.get("add_generation_prompt", True)
+    kwargs["continue_final_message"] = body.get("continue_final_message", False)
     kwargs.update(body.get("chat_template_kwargs") or {})
     agp = kwargs.pop("add_generation_prompt")
+    if agp and kwargs["continue_final_message"]:
+        raise ValueError("continue_final_message and add_generation_prompt are not compatible")
     rendered, _ = render_jinja_template(
-        conversations=[conversation], tools=tools, documents=None,
+        conversations=[conversation], tools=tools, documents=body.get("documents"),
         chat_template=template, add_generation_prompt=agp, **kwargs)
     return rendered[0], fmt
 

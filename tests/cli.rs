@@ -350,14 +350,14 @@ async fn kvroute_tokenize_agrees_with_a_pod_of_the_same_tokenizer_and_shows_wher
         .map(|line| serde_json::from_str(line).expect("a JSON line"))
         .collect();
     let summary = lines.last().expect("a summary line");
-    assert_eq!(summary["probes"], 14, "{summary}");
+    assert_eq!(summary["probes"], 16, "{summary}");
     let differing: Vec<&str> = summary["differing"]
         .as_array()
         .expect("names")
         .iter()
         .filter_map(serde_json::Value::as_str)
         .collect();
-    assert_eq!(differing.len(), 12, "{summary}");
+    assert_eq!(differing.len(), 14, "{summary}");
     assert!(
         differing.iter().all(|name| !name.starts_with("completion")),
         "{summary}"
@@ -367,7 +367,7 @@ async fn kvroute_tokenize_agrees_with_a_pod_of_the_same_tokenizer_and_shows_wher
     assert!(
         stdout
             .trim_end()
-            .ends_with(r#"{"differing":[],"pod_refused":[],"probes":14}"#),
+            .ends_with(r#"{"differing":[],"pod_refused":[],"probes":16}"#),
         "{stdout}"
     );
 
@@ -395,7 +395,7 @@ async fn kvroute_tokenize_agrees_with_a_pod_of_the_same_tokenizer_and_shows_wher
     assert_eq!(status, Some(0), "{stdout}");
     assert!(
         stdout.trim_end().ends_with(
-            r#"{"differing":[],"pod_refused":["system and user","several turns"],"probes":14}"#
+            r#"{"differing":[],"pod_refused":["system and user","several turns"],"probes":16}"#
         ),
         "{stdout}"
     );

@@ -241,7 +241,7 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
 
     // The same conversations with another question, through Envoy; one also offers a tool
     // and answers a call of it (rendered here, as vLLM hands tools and calls over), the
-    // last one brings documents, which kvroute leaves to a pod's /tokenize to render.
+    // last one brings an image, which kvroute leaves to a pod's /tokenize to render.
     let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &pods).await;
     let url = envoy.url("/v1/chat/completions");
     // Each context twice: the second time kvroute has it remembered and tokenizes the
@@ -264,9 +264,10 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
     );
     messages.push(json!({"role": "tool", "tool_call_id": "call1", "content": "found"}));
     asked.push((with_tool, contexts[1].1));
-    let mut with_documents = chat(&contexts[0].0, "Which document fits?");
-    with_documents["documents"] = json!([{"title": "t", "text": "d"}]);
-    asked.push((with_documents, contexts[0].1));
+    let mut with_image = chat(&contexts[0].0, "");
+    with_image["messages"][1]["content"] = json!([{"type": "text", "text": "What is drawn?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]);
+    asked.push((with_image, contexts[0].1));
     for (k, (body, warm)) in asked.iter().enumerate() {
         let response = client
             .post(&url)

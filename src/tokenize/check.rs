@@ -202,6 +202,23 @@ fn probes(model: &str) -> Vec<(&'static str, Value)> {
                 user("Thanks."),
             ])),
         ),
+        ("documents", {
+            let mut body = chat(json!([user("How often are pods scraped?")]));
+            body["documents"] = json!([
+                {"title": "Scrapes", "text": "Every pod is scraped every 50 ms."},
+                {"title": "Routing", "text": "Envoy asks kvroute for each request."},
+            ]);
+            body
+        }),
+        ("a continued final message", {
+            let mut body = chat(json!([
+                user("Name a color."),
+                {"role": "assistant", "content": "The color is "},
+            ]));
+            body["continue_final_message"] = json!(true);
+            body["add_generation_prompt"] = json!(false);
+            body
+        }),
         (
             "completion",
             json!({ "model": model, "prompt": "The KV cache of every pod is scraped every 50 ms." }),

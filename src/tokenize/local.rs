@@ -8,10 +8,13 @@
 //!   `raise_exception`, `strftime_now`, Python's string methods; a list of named
 //!   templates' `tool_use` for a request with tools, else its `default`), with
 //!   `add_generation_prompt` (default true), the request's `tools` as vLLM dumps its
-//!   models of them (else none), `documents` none, the tokenizer's named special tokens
-//!   (`bos_token`, `eos_token`, `unk_token`, `sep_token`, `pad_token`, `cls_token`,
-//!   `mask_token`: `tokenizer_config.json`'s, else `special_tokens_map.json`'s) and the
-//!   request's `chat_template_kwargs`; the text is encoded with `add_special_tokens`
+//!   models of them (else none), its `documents` as it gives them (else none), the
+//!   tokenizer's named special tokens (`bos_token`, `eos_token`, `unk_token`,
+//!   `sep_token`, `pad_token`, `cls_token`, `mask_token`: `tokenizer_config.json`'s, else
+//!   `special_tokens_map.json`'s) and the request's `chat_template_kwargs`; with
+//!   `continue_final_message` (and the generation prompt declined) the text is cut
+//!   where the final message continues, as transformers cuts it
+//!   (`kvroute_chat_template::cut_at_marker`); the text is encoded with `add_special_tokens`
 //!   default false (the template writes the BOS itself). A message is its role, its
 //!   content (one string, its text parts joined by a newline: vLLM's "string" content
 //!   format; or a list of text parts where the template loops over the content:
@@ -22,12 +25,12 @@
 //!
 //! What a local rendering could get wrong is left to the pod's `/tokenize`
 //! ([`super::pod`]), which renders it exactly: a request carrying its own chat template
-//! or documents (in the request's fields or its `chat_template_kwargs`), tools or tool
-//! calls vLLM refuses or whose handling changed between its releases (a custom tool,
-//! arguments that are not one JSON object), non-text content, `continue_final_message`
-//! (transformers trims the rendered text after the fact). Removing the round trip
-//! matters most below a fleet's knee, where it is a visible part of the time to first
-//! token, and it takes the tokenization off the pods' API servers.
+//! (in its fields or its `chat_template_kwargs`, as tools, documents or
+//! `continue_final_message` named there), tools, tool calls or documents vLLM refuses or
+//! whose handling changed between its releases (a custom tool, arguments that are not one
+//! JSON object), non-text content. Removing the round trip matters most below a fleet's
+//! knee, where it is a visible part of the time to first token, and it takes the
+//! tokenization off the pods' API servers.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -547,17 +550,8 @@ impl ChatTemplate {
     /// The conversation of `request` as the template writes it.
     fn render(&self, request: &PromptRequest<'_>) -> Result<String, Unsupported> {
         let messages = request.messages.as_ref().ok_or(Unsupported::NotOneText)?;
-        let set = |field: Option<&RawValue>| field.is_some_and(|v| v.get() != "null");
-        for (field, what) in [
-            (request.chat_template, "brings its own chat template"),
-            (request.documents, "has documents"),
-        ] {
-            if set(field) {
-                return Err(Unsupported::LeftToPod(what));
-            }
-        }
-        if request.continue_final_message == Some(true) {
-            return Err(Unsupported::LeftToPod("continues its final message"));
+        if request.chat_template.is_some_and(|v| v.get() != "null") {
+            return Err(Unsupported::LeftToPod("brings its own chat template"));
         }
         let kwargs = keyword_arguments(request.chat_template_kwargs.as_ref())?;
         if kwargs
@@ -568,31 +562,59 @@ impl ChatTemplate {
                 "names tools, documents or a template in its chat_template_kwargs",
             ));
         }
+        let continued = request.continue_final_message == Some(true);
+        // transformers refuses both at once, and vLLM's default adds the generation prompt.
+        if continued
+            && (request.add_generation_prompt != Some(false)
+                || kwargs
+                    .iter()
+                    .any(|(name, _)| name == "add_generation_prompt"))
+        {
+            return Err(Unsupported::LeftToPod(
+                "continues its final message and adds a generation prompt",
+            ));
+        }
         // `None` where the request has none; a list (maybe empty) where it has some, which
         // picks a tokenizer's `tool_use` template as transformers does.
-        let tools = match request.tools.filter(|tools| tools.get() != "null") {
-            None => None,
-            Some(tools) => {
-                let tools: Value = serde_json::from_str(tools.get())
-                    .map_err(|_| Unsupported::LeftToPod("has tools that do not parse"))?;
-                Some(kvroute_chat_template::tools(&tools).map_err(left_to_pod)?)
-            }
-        };
+        let tools = shaped(request.tools, "tools", kvroute_chat_template::tools)?;
+        let documents = shaped(
+            request.documents,
+            "documents",
+            kvroute_chat_template::documents,
+        )?;
         let (template, content_parts) = match self.tool_use.filter(|_| tools.is_some()) {
             Some(content_parts) => (TOOL_USE, content_parts),
             None => (CHAT, self.content_parts),
         };
+        let last = messages.len().saturating_sub(1);
+        let mut final_text = String::new();
         let messages = messages
             .iter()
-            .map(|message| message_for_template(message, content_parts))
-            .collect::<Result<Vec<_>, _>>()?;
+            .enumerate()
+            .map(|(i, message)| {
+                let continued = continued && i == last;
+                let (value, text) = message_for_template(message, content_parts, continued)?;
+                if continued {
+                    final_text = text;
+                }
+                Ok(value)
+            })
+            .collect::<Result<Vec<_>, Unsupported>>()?;
+        if continued && messages.is_empty() {
+            return Err(Unsupported::Render(
+                "continue_final_message is set but the conversation is empty".into(),
+            ));
+        }
         // Later entries override earlier ones. `tools` and `documents` are none, not
         // undefined, as transformers passes them (`tools is not none` is true of an
         // undefined value); the request's keyword arguments override the special tokens
         // and the generation prompt, not the conversation.
         let mut context: Vec<(String, Value)> = vec![
             ("tools".into(), tools.unwrap_or_else(|| Value::from(()))),
-            ("documents".into(), Value::from(())),
+            (
+                "documents".into(),
+                documents.unwrap_or_else(|| Value::from(())),
+            ),
             (
                 "add_generation_prompt".into(),
                 Value::from(request.add_generation_prompt.unwrap_or(true)),
@@ -604,11 +626,41 @@ impl ChatTemplate {
         context.extend(kwargs);
         context.push(("messages".into(), Value::from(messages)));
         let context: Value = context.into_iter().collect();
-        self.env
+        let rendered = self
+            .env
             .get_template(template)
             .and_then(|template| template.render(context))
-            .map_err(|e| Unsupported::Render(e.to_string()))
+            .map_err(|e| Unsupported::Render(e.to_string()))?;
+        if !continued {
+            return Ok(rendered);
+        }
+        kvroute_chat_template::cut_at_marker(&rendered, &final_text).ok_or_else(|| {
+            Unsupported::Render(
+                "continue_final_message is set but the final message does not appear in the \
+                 rendered chat"
+                    .into(),
+            )
+        })
     }
+}
+
+/// A request field vLLM hands the template after validating it (`shape`, its name
+/// `what`): `None` where the request has none.
+fn shaped(
+    field: Option<&RawValue>,
+    what: &'static str,
+    shape: fn(&Value) -> Result<Value, kvroute_chat_template::Unshaped>,
+) -> Result<Option<Value>, Unsupported> {
+    let Some(field) = field.filter(|field| field.get() != "null") else {
+        return Ok(None);
+    };
+    let value: Value = serde_json::from_str(field.get()).map_err(|_| {
+        Unsupported::LeftToPod(match what {
+            "tools" => "has tools that do not parse",
+            _ => "has documents that do not parse",
+        })
+    })?;
+    shape(&value).map(Some).map_err(left_to_pod)
 }
 
 /// What vLLM would refuse, or what vLLM releases shape differently.
@@ -621,17 +673,21 @@ fn left_to_pod(unshaped: kvroute_chat_template::Unshaped) -> Unsupported {
 /// joined by a newline) or, with `content_parts`, as a list of text parts; an assistant's
 /// tool calls ([`kvroute_chat_template::tool_calls`]) and reasoning (under both its names);
 /// a tool result's `tool_call_id`; its name if it is a string; a developer's tools (none).
-fn message_for_template(message: &Message, content_parts: bool) -> Result<Value, Unsupported> {
+fn message_for_template(
+    message: &Message,
+    content_parts: bool,
+    continued: bool,
+) -> Result<(Value, String), Unsupported> {
     // No content is an empty string (an empty list of parts), as vLLM hands it over.
-    let texts = match &message.content {
+    let mut texts: Vec<std::borrow::Cow<'_, str>> = match &message.content {
         None | Some(serde_json::Value::Null) => Vec::new(),
-        Some(serde_json::Value::String(text)) => vec![text.as_str()],
+        Some(serde_json::Value::String(text)) => vec![text.as_str().into()],
         Some(serde_json::Value::Array(parts)) => parts
             .iter()
             .map(|part| {
                 let text = part.get("text").and_then(serde_json::Value::as_str);
                 match part.get("type").and_then(serde_json::Value::as_str) {
-                    Some("text") => text,
+                    Some("text") => text.map(Into::into),
                     _ => None,
                 }
                 .ok_or(Unsupported::LeftToPod("has content other than text"))
@@ -639,6 +695,29 @@ fn message_for_template(message: &Message, content_parts: bool) -> Result<Value,
             .collect::<Result<Vec<_>, _>>()?,
         Some(_) => return Err(Unsupported::LeftToPod("has content other than text")),
     };
+    // The text a continued message continues, before transformers' marker is appended to
+    // it: its last text part, or its whole content as one string.
+    let mut final_text = String::new();
+    if content_parts {
+        if continued {
+            let last = texts.last_mut().ok_or_else(|| {
+                Unsupported::Render(
+                    "continue_final_message is set but the final message has no text".into(),
+                )
+            })?;
+            final_text = last.to_string();
+            last.to_mut()
+                .push_str(kvroute_chat_template::CONTINUE_MARKER);
+        }
+    } else {
+        texts = vec![texts.join("\n").into()];
+        if continued {
+            final_text = texts[0].to_string();
+            texts[0]
+                .to_mut()
+                .push_str(kvroute_chat_template::CONTINUE_MARKER);
+        }
+    }
     let content = if content_parts {
         Value::from(
             texts
@@ -651,7 +730,7 @@ fn message_for_template(message: &Message, content_parts: bool) -> Result<Value,
                 .collect::<Vec<_>>(),
         )
     } else {
-        Value::from(texts.join("\n"))
+        Value::from(texts.concat())
     };
     let role = message.role.as_ref();
     let is = |name: &str| role.and_then(serde_json::Value::as_str) == Some(name);
@@ -682,7 +761,7 @@ fn message_for_template(message: &Message, content_parts: bool) -> Result<Value,
         }
         fields.push(("tools", Value::from(())));
     }
-    Ok(fields.into_iter().collect())
+    Ok((fields.into_iter().collect(), final_text))
 }
 
 /// The request's `chat_template_kwargs` by name, in their order (none: no arguments).

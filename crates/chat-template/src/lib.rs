@@ -14,10 +14,12 @@
 //!
 //! [`loops_over_content`] is vLLM's choice of how a message's content is handed over;
 //! [`tools`] and [`tool_calls`] are a request's tools and tool calls as vLLM hands them over
-//! (`tools.rs`).
+//! (`tools.rs`); [`cut_at_marker`] is transformers' `continue_final_message`
+//! (`continuation.rs`).
 //! `scripts/compare-chat-templates.py` compares the rendering with transformers' on real
 //! templates (docs/kv-events.md).
 
+mod continuation;
 mod json;
 mod python;
 mod source;
@@ -26,9 +28,10 @@ mod tools;
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 
+pub use continuation::{CONTINUE_MARKER, cut_at_marker};
 pub use source::{loops_over_content, template_source};
 pub use time::strftime;
-pub use tools::{Unshaped, tool_calls, tools};
+pub use tools::{Unshaped, documents, tool_calls, tools};
 
 /// The special tokens transformers hands a chat template by name (its tokenizer's
 /// `special_tokens_map`), where the tokenizer has them.

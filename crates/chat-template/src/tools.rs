@@ -13,7 +13,9 @@
 //!   order; `arguments`, a JSON string, is parsed into the object it holds (an empty
 //!   string: `{}`), and an empty list of calls is dropped (vLLM's
 //!   `_postprocess_messages`);
-//! - a tool message's `tool_call_id` is kept when the request has the key.
+//! - a tool message's `tool_call_id` is kept when the request has the key;
+//! - **documents** (for retrieval-augmented templates) are validated as
+//!   `list[dict[str, str]]` and handed over as they are.
 //!
 //! What vLLM refuses or a vLLM release handles differently (a custom tool or tool call,
 //! arguments that are not one JSON object, a field of the wrong type) is [`Unshaped`]:
@@ -55,6 +57,20 @@ pub fn tool_calls(calls: &Value) -> Result<Option<Value>, Unshaped> {
         .map(tool_call)
         .collect::<Result<Vec<_>, _>>()
         .map(|calls| Some(Value::from(calls)))
+}
+
+/// A request's `documents` as the template receives them: each an object of strings, in
+/// the request's order.
+pub fn documents(documents: &Value) -> Result<Value, Unshaped> {
+    let documents = items(documents, "has documents that are not a list")?;
+    for document in &documents {
+        let entries =
+            map_entries(document).ok_or(Unshaped("has a document that is not an object"))?;
+        if !entries.iter().all(|(_, value)| is_str(value)) {
+            return Err(Unshaped("has a document whose values are not all strings"));
+        }
+    }
+    Ok(Value::from(documents))
 }
 
 fn items(list: &Value, not_a_list: &'static str) -> Result<Vec<Value>, Unshaped> {
@@ -262,6 +278,16 @@ mod tests {
             let refused = tool_calls(&value(calls)).expect_err(calls);
             assert!(refused.0.contains(why), "{calls}: {refused}");
         }
+        for (list, why) in [
+            (r#"{"title": "t"}"#, "not a list"),
+            (r#"["t"]"#, "not an object"),
+            (r#"[{"title": "t", "page": 3}]"#, "not all strings"),
+        ] {
+            let refused = documents(&value(list)).expect_err(list);
+            assert!(refused.0.contains(why), "{list}: {refused}");
+        }
+        let kept = r#"[{"title":"b","text":"x"},{"text":"y","title":"a"}]"#;
+        assert_eq!(json(&documents(&value(kept)).expect("shaped")), kept);
         for (list, why) in [
             (r#"{"type": "function"}"#, "not a list"),
             (

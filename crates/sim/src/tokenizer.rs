@@ -327,7 +327,6 @@ impl HfTokenizer {
         } else {
             return Err(PromptError::NoDefaultTemplate);
         };
-        let messages = conversation(&request, &ordered, *content_parts)?;
         let kwargs = match request.get("chat_template_kwargs") {
             None | Some(Value::Null) => serde_json::Map::new(),
             Some(Value::Object(m)) => m.clone(),
@@ -345,6 +344,7 @@ impl HfTokenizer {
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             ));
         }
+        let messages = conversation(&request, &ordered, *content_parts, continue_final_message)?;
 
         // Later entries override earlier ones: special tokens, then the request's fields,
         // then chat_template_kwargs; `messages` is always the conversation.
@@ -359,8 +359,14 @@ impl HfTokenizer {
                 .map_err(|e| invalid(format!("the request {e}")))?,
         };
         ctx.insert("tools".into(), tools);
-        let documents = request.get("documents").unwrap_or(&Value::Null);
-        ctx.insert("documents".into(), JinjaValue::from_serialize(documents));
+        let documents = match request.get("documents") {
+            None | Some(Value::Null) => JinjaValue::from(()),
+            Some(_) => {
+                kvroute_chat_template::documents(&ordered.get_attr("documents").unwrap_or_default())
+                    .map_err(|e| invalid(format!("the request {e}")))?
+            }
+        };
+        ctx.insert("documents".into(), documents);
         ctx.insert(
             "add_generation_prompt".into(),
             JinjaValue::from(add_generation_prompt),
@@ -370,7 +376,10 @@ impl HfTokenizer {
                 ctx.insert(k.clone(), JinjaValue::from_serialize(v));
             }
         }
-        let final_content = messages.last().map(|m| m.text.clone()).unwrap_or_default();
+        let final_text = messages
+            .last()
+            .map(|m| m.continued.clone())
+            .unwrap_or_default();
         let for_template = messages
             .into_iter()
             .map(|m| m.fields.into_iter().collect::<JinjaValue>())
@@ -382,7 +391,12 @@ impl HfTokenizer {
             .render(JinjaValue::from_iter(ctx))
             .map_err(PromptError::Render)?;
         if continue_final_message {
-            return cut_after_final_message(rendered, &final_content);
+            return kvroute_chat_template::cut_at_marker(&rendered, &final_text).ok_or_else(|| {
+                invalid(
+                    "continue_final_message is set but the final message does not appear in the \
+                     chat after applying the chat template",
+                )
+            });
         }
         Ok(rendered)
     }
@@ -405,8 +419,9 @@ fn flag(request: &Value, key: &str, default: bool) -> Result<bool, PromptError> 
 struct Message {
     /// Its fields in vLLM's order (a template that prints a message shows them so).
     fields: Vec<(&'static str, JinjaValue)>,
-    /// Its content as one string ("string" content format).
-    text: String,
+    /// For the final message of a `continue_final_message` request, the text it continues
+    /// (transformers' marker follows it in `fields`).
+    continued: String,
 }
 
 /// The messages as vLLM hands them to the template: `request`'s, with `ordered` the same
@@ -416,26 +431,35 @@ fn conversation(
     request: &Value,
     ordered: &JinjaValue,
     content_parts: bool,
+    continue_final_message: bool,
 ) -> Result<Vec<Message>, PromptError> {
     let messages = request
         .get("messages")
         .and_then(Value::as_array)
         .ok_or_else(|| invalid("'messages' must be a list"))?;
+    if continue_final_message && messages.is_empty() {
+        return Err(invalid(
+            "continue_final_message is set but the conversation is empty",
+        ));
+    }
     let ordered = ordered.get_attr("messages").unwrap_or_default();
     messages
         .iter()
         .enumerate()
         .map(|(i, m)| {
-            message(
-                m,
-                &ordered.get_item_by_index(i).unwrap_or_default(),
-                content_parts,
-            )
+            let continued = continue_final_message && i + 1 == messages.len();
+            let ordered = ordered.get_item_by_index(i).unwrap_or_default();
+            message(m, &ordered, content_parts, continued)
         })
         .collect()
 }
 
-fn message(m: &Value, ordered: &JinjaValue, content_parts: bool) -> Result<Message, PromptError> {
+fn message(
+    m: &Value,
+    ordered: &JinjaValue,
+    content_parts: bool,
+    continued: bool,
+) -> Result<Message, PromptError> {
     let role = m
         .get("role")
         .and_then(Value::as_str)
@@ -449,11 +473,27 @@ fn message(m: &Value, ordered: &JinjaValue, content_parts: bool) -> Result<Messa
             .collect(),
         Some(_) => return Err(invalid("a message's 'content' must be a string or a list")),
     };
-    let text = texts.join("\n");
+    // transformers' continue_final_message: its marker after the text continued (the
+    // last text part, or the whole content as one string).
+    let marker = kvroute_chat_template::CONTINUE_MARKER;
+    let mut continued_text = String::new();
     let content = if content_parts {
-        JinjaValue::from(texts.into_iter().map(text_part).collect::<Vec<_>>())
+        let mut parts: Vec<String> = texts.into_iter().map(str::to_owned).collect();
+        if continued {
+            let last = parts.last_mut().ok_or_else(|| {
+                invalid("continue_final_message is set but the final message has no text")
+            })?;
+            continued_text = last.clone();
+            last.push_str(marker);
+        }
+        JinjaValue::from(parts.iter().map(|p| text_part(p)).collect::<Vec<_>>())
     } else {
-        JinjaValue::from(text.as_str())
+        let mut text = texts.join("\n");
+        if continued {
+            continued_text = text.clone();
+            text.push_str(marker);
+        }
+        JinjaValue::from(text)
     };
     let mut fields = vec![("role", JinjaValue::from(role)), ("content", content)];
     match role {
@@ -492,7 +532,10 @@ fn message(m: &Value, ordered: &JinjaValue, content_parts: bool) -> Result<Messa
         };
         fields.push(("tools", tools));
     }
-    Ok(Message { fields, text })
+    Ok(Message {
+        fields,
+        continued: continued_text,
+    })
 }
 
 fn text_part(text: &str) -> JinjaValue {
@@ -502,19 +545,6 @@ fn text_part(text: &str) -> JinjaValue {
     ]
     .into_iter()
     .collect()
-}
-
-/// transformers' `continue_final_message`: the text up to the end of the final message's
-/// (stripped) content, right-stripped, so the model continues that message.
-fn cut_after_final_message(rendered: String, final_content: &str) -> Result<String, PromptError> {
-    let last = final_content.trim();
-    let Some(at) = rendered.rfind(last) else {
-        return Err(invalid(
-            "continue_final_message is set but the final message does not appear in the \
-             rendered chat",
-        ));
-    };
-    Ok(rendered[..at + last.len()].trim_end().to_string())
 }
 
 #[cfg(test)]

@@ -187,9 +187,11 @@ fn what_only_the_pod_renders_exactly_is_left_to_it() {
     let tokenizer = loaded();
     let chat = |body: &str| tokenizer.tokenize(ApiKind::ChatCompletions, body.as_bytes());
     for body in [
-        r#"{"messages":[{"role":"user","content":"x"}],"documents":[{"text":"d"}]}"#,
+        r#"{"messages":[{"role":"user","content":"x"}],"documents":[{"text":"d","page":1}]}"#,
         r#"{"messages":[{"role":"user","content":"x"}],"chat_template":"{{ 1 }}"}"#,
+        // The generation prompt is on by default: transformers refuses both.
         r#"{"messages":[{"role":"assistant","content":"x"}],"continue_final_message":true}"#,
+        r#"{"messages":[{"role":"assistant","content":"x"}],"continue_final_message":true,"add_generation_prompt":true}"#,
         // Tools and tool calls vLLM refuses, or whose handling changed between releases.
         r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"custom","custom":{"name":"f"}}]}"#,
         r#"{"messages":[{"role":"user","content":"x"}],"tools":{"type":"function"}}"#,
@@ -400,6 +402,57 @@ fn tools_tool_calls_and_tool_results_reach_the_template_as_vllm_hands_them_over(
 {"role": "assistant", "content": "18 C."}
 {"role": "developer", "content": "Be brief.", "tools": null}
 "#
+    );
+}
+
+#[test]
+fn documents_reach_the_template_as_the_request_gives_them() {
+    let dir = with_template("{{ documents | tojson }}|{{ messages[0].content }}");
+    assert_eq!(
+        rendered(
+            dir.path(),
+            br#"{"documents":[{"title":"b","text":"x"},{"text":"y","title":"a"}],
+                "messages":[{"role":"user","content":"q"}]}"#
+        ),
+        r#"[{"title": "b", "text": "x"}, {"text": "y", "title": "a"}]|q"#
+    );
+}
+
+#[test]
+fn a_continued_final_message_is_cut_where_transformers_cuts_it() {
+    // transformers appends a marker to the final message's text, renders, and cuts at the
+    // marker: right there where the template kept the marker's space, after stripping the
+    // whitespace before it where the template trimmed the content.
+    let keeps = with_template(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}",
+    );
+    let trims = with_template(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}",
+    );
+    let parts = with_template(
+        "{% for m in messages %}<{{ m.role }}>{% for p in m.content %}[{{ p.text }}]{% endfor %}</{{ m.role }}>{% endfor %}",
+    );
+    let body = br#"{"continue_final_message":true,"add_generation_prompt":false,
+        "messages":[{"role":"user","content":"Name a color."},{"role":"assistant","content":"The color is "}]}"#;
+    assert_eq!(
+        rendered(keeps.path(), body),
+        "<user>Name a color.</user><assistant>The color is "
+    );
+    assert_eq!(
+        rendered(trims.path(), body),
+        "<user>Name a color.</user><assistant>The color is"
+    );
+    let body = br#"{"continue_final_message":true,"add_generation_prompt":false,
+        "messages":[{"role":"assistant","content":[{"type":"text","text":"One"},{"type":"text","text":"Two"}]}]}"#;
+    assert_eq!(rendered(parts.path(), body), "<assistant>[One][Two");
+    // A template that drops the final message: transformers refuses, so does kvroute.
+    let drops = with_template("{% for m in messages[:-1] %}{{ m.content }}{% endfor %}");
+    let refused = LocalTokenizer::load(drops.path(), CACHE)
+        .expect("loads")
+        .prompt_text(ApiKind::ChatCompletions, body);
+    assert!(
+        matches!(refused, Err(Unsupported::Render(_))),
+        "{refused:?}"
     );
 }
 
