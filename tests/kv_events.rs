@@ -228,14 +228,7 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
     let client = http_client();
     let contexts: Vec<(String, SocketAddr)> = (0..4).map(|k| (prompt(k), pods[k % 2])).collect();
     for (context, pod) in &contexts {
-        let status = client
-            .post(format!("http://{pod}/v1/chat/completions"))
-            .json(&chat(context, "What is the first word?"))
-            .send()
-            .await
-            .expect("the pod answers")
-            .status();
-        assert_eq!(status, 200);
+        compute_chat_on(*pod, context).await;
     }
     wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 4.0 * 18.0).await;
 
@@ -322,35 +315,18 @@ async fn a_tokenizer_that_disagrees_with_the_pods_is_found_by_its_first_check_an
     let (fleet, templates) = fleet_tokenizing(Some(test_tokenizer())).await;
     let pods = fleet.endpoints();
     // The model's tokenizer with another chat template: the roles in capitals.
-    let other = tempfile::tempdir().expect("temp dir");
-    for file in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(test_tokenizer().join(file), other.path().join(file)).expect("copy");
-    }
-    std::fs::write(
-        other.path().join("chat_template.jinja"),
+    let (kvroute, _dir) = tokenizing_with_template(
+        &pods,
+        &templates,
         "{{- bos_token }}{%- for m in messages %}<|start_header_id|>{{ m.role | upper }}\
          <|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{%- endfor %}\
          {%- if add_generation_prompt %}<|start_header_id|>ASSISTANT<|end_header_id|>\n\n{%- endif %}",
     )
-    .expect("write the template");
-    let mut config = test_config(pods.clone());
-    config.tokenizers = vec![TokenizerSpec {
-        model: None,
-        dir: other.path().to_owned(),
-    }];
-    let kvroute = following_events(config, &templates, &pods).await;
-
+    .await;
     let client = http_client();
     let context = prompt(7);
     let warm = pods[1];
-    let status = client
-        .post(format!("http://{warm}/v1/chat/completions"))
-        .json(&chat(&context, "What is the first word?"))
-        .send()
-        .await
-        .expect("the pod answers")
-        .status();
-    assert_eq!(status, 200);
+    compute_chat_on(warm, &context).await;
     wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 18.0).await;
 
     let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &pods).await;
@@ -413,33 +389,15 @@ async fn a_difference_found_on_a_prompt_with_tools_leaves_only_prompts_with_tool
     let template = config["chat_template"]
         .as_str()
         .expect("the fixture's template");
-    let other = tempfile::tempdir().expect("temp dir");
-    for file in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(test_tokenizer().join(file), other.path().join(file)).expect("copy");
-    }
-    std::fs::write(
-        other.path().join("chat_template.jinja"),
-        format!("{{%- if tools %}}Tools: {{{{ tools | tojson }}}}{{% endif %}}{template}"),
+    let (kvroute, _dir) = tokenizing_with_template(
+        &pods,
+        &templates,
+        &format!("{{%- if tools %}}Tools: {{{{ tools | tojson }}}}{{% endif %}}{template}"),
     )
-    .expect("write the template");
-    let mut config = test_config(pods.clone());
-    config.tokenizers = vec![TokenizerSpec {
-        model: None,
-        dir: other.path().to_owned(),
-    }];
-    let kvroute = following_events(config, &templates, &pods).await;
-
+    .await;
     let client = http_client();
     let context = prompt(5);
-    let warm = pods[0];
-    let status = client
-        .post(format!("http://{warm}/v1/chat/completions"))
-        .json(&chat(&context, "What is the first word?"))
-        .send()
-        .await
-        .expect("the pod answers")
-        .status();
-    assert_eq!(status, 200);
+    compute_chat_on(pods[0], &context).await;
     wait_for_metric(&kvroute, "kvroute_kv_event_index_entries", 18.0).await;
 
     let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &pods).await;
@@ -484,6 +442,39 @@ async fn a_difference_found_on_a_prompt_with_tools_leaves_only_prompts_with_tool
         "the plain prompts and the one tokenized by a pod match the context: {text}"
     );
     fleet.shutdown().await;
+}
+
+/// kvroute following the fleet's events and tokenizing with the test tokenizer under
+/// another chat template, `template`; and the directory holding them.
+async fn tokenizing_with_template(
+    pods: &[SocketAddr],
+    templates: &kvroute_lab::compare::KvEventTemplates,
+    template: &str,
+) -> (Kvroute, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(test_tokenizer().join(file), dir.path().join(file)).expect("copy");
+    }
+    std::fs::write(dir.path().join("chat_template.jinja"), template).expect("write");
+    let mut config = test_config(pods.to_vec());
+    config.tokenizers = vec![TokenizerSpec {
+        model: None,
+        dir: dir.path().to_owned(),
+    }];
+    (following_events(config, templates, pods).await, dir)
+}
+
+/// `context` computed on `pod` directly (a chat whose system message it is): that pod's
+/// events announce its blocks.
+async fn compute_chat_on(pod: SocketAddr, context: &str) {
+    let status = http_client()
+        .post(format!("http://{pod}/v1/chat/completions"))
+        .json(&chat(context, "What is the first word?"))
+        .send()
+        .await
+        .expect("the pod answers")
+        .status();
+    assert_eq!(status, 200);
 }
 
 /// Prompts tokenized by `tokenizer` (`pod` or `local`) with `outcome`, in kvroute's
