@@ -576,10 +576,14 @@ impl ChatTemplate {
         }
         // `None` where the request has none; a list (maybe empty) where it has some, which
         // picks a tokenizer's `tool_use` template as transformers does.
-        let tools = shaped(request.tools, "tools", kvroute_chat_template::tools)?;
+        let tools = shaped(
+            request.tools,
+            "has tools that do not parse",
+            kvroute_chat_template::tools,
+        )?;
         let documents = shaped(
             request.documents,
-            "documents",
+            "has documents that do not parse",
             kvroute_chat_template::documents,
         )?;
         let (template, content_parts) = match self.tool_use.filter(|_| tools.is_some()) {
@@ -644,22 +648,18 @@ impl ChatTemplate {
     }
 }
 
-/// A request field vLLM hands the template after validating it (`shape`, its name
-/// `what`): `None` where the request has none.
+/// A request field vLLM hands the template after validating it (`shape`): `None` where
+/// the request has none. Read in its order, as Python keeps a dict's.
 fn shaped(
     field: Option<&RawValue>,
-    what: &'static str,
+    unparsable: &'static str,
     shape: fn(&Value) -> Result<Value, kvroute_chat_template::Unshaped>,
 ) -> Result<Option<Value>, Unsupported> {
     let Some(field) = field.filter(|field| field.get() != "null") else {
         return Ok(None);
     };
-    let value: Value = serde_json::from_str(field.get()).map_err(|_| {
-        Unsupported::LeftToPod(match what {
-            "tools" => "has tools that do not parse",
-            _ => "has documents that do not parse",
-        })
-    })?;
+    let value: Value =
+        serde_json::from_str(field.get()).map_err(|_| Unsupported::LeftToPod(unparsable))?;
     shape(&value).map(Some).map_err(left_to_pod)
 }
 
@@ -673,6 +673,9 @@ fn left_to_pod(unshaped: kvroute_chat_template::Unshaped) -> Unsupported {
 /// joined by a newline) or, with `content_parts`, as a list of text parts; an assistant's
 /// tool calls ([`kvroute_chat_template::tool_calls`]) and reasoning (under both its names);
 /// a tool result's `tool_call_id`; its name if it is a string; a developer's tools (none).
+/// Where the message is `continued` (the final one of a `continue_final_message`
+/// request), transformers' marker follows its text, and the text before the marker comes
+/// back with the message, for [`kvroute_chat_template::cut_at_marker`].
 fn message_for_template(
     message: &Message,
     content_parts: bool,
