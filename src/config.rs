@@ -263,9 +263,10 @@ pub struct ServeArgs {
     /// chat template) still go to a pod's /tokenize. Needs --prefix-source precise or auto.
     #[arg(long = "tokenizer", env = "KVROUTE_TOKENIZER", value_delimiter = ',')]
     pub tokenizers: Vec<crate::tokenize::TokenizerSpec>,
-    /// Memory for the tokens of long texts --tokenizer has encoded, in MiB (shared system
-    /// prompts and contexts are encoded once, then copied; the least recently used are
-    /// forgotten first); 0 encodes every prompt whole.
+    /// Memory for the tokens of the texts --tokenizer has encoded, in MiB (shared system
+    /// prompts and contexts are encoded once, then copied; short texts such as headers
+    /// and tool calls in a sixteenth of it, apart; the least recently used are forgotten
+    /// first); 0 encodes every prompt whole.
     #[arg(long, env = "KVROUTE_TOKENIZER_CACHE_MIB", default_value_t = 64)]
     pub tokenizer_cache_mib: u32,
     /// Check --tokenizer against the engine on the first prompt of each model and then on

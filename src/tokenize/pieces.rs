@@ -1,4 +1,4 @@
-//! A rendered prompt cut at the tokenizer's special tokens, each long piece's tokens
+//! A rendered prompt cut at the tokenizer's special tokens, each piece's tokens
 //! remembered.
 //!
 //! A tokenizer splits its input at its special tokens before anything else, then
@@ -6,7 +6,11 @@
 //! joined by the special tokens' ids, are the text's. A chat template writes special
 //! tokens between messages, so a tenant's long system prompt is one piece, the same in
 //! every request it sends. Encoding it once instead of per request takes a 32 KiB context
-//! from about 8 ms of CPU to a hash and a copy (`benches/tokenize_local.rs`).
+//! from about 8 ms of CPU to a hash and a copy (`benches/tokenize_local.rs`). Short pieces
+//! repeat as much (a role's header, an agent's tool call) and each costs the tokenizer
+//! several microseconds whatever its length, so they are remembered too, apart: in a
+//! pool of their own, a sixteenth of the budget, where a stream of new questions pushes
+//! out only other short pieces, never a tenant's context.
 //!
 //! Whether a tokenizer really encodes pieces independently is checked when it is loaded,
 //! on probes around each special token: a `Metaspace` pre-tokenizer that marks only the
@@ -19,8 +23,11 @@ use std::sync::{Arc, Mutex};
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use tokenizers::Tokenizer;
 
-/// Pieces shorter than this are encoded every time: cheaper than remembering them.
-const REMEMBERED_FROM_BYTES: usize = 512;
+/// Pieces at least this long are remembered among the long ones, shorter ones in their own
+/// pool.
+const LONG_FROM_BYTES: usize = 512;
+/// The share of the budget that remembers short pieces: 1 / this.
+const SHORT_SHARE: usize = 16;
 /// What an entry costs besides its ids: the key, the map's slot, the `Arc`'s header.
 const ENTRY_OVERHEAD_BYTES: usize = 64;
 
@@ -34,7 +41,10 @@ pub(super) struct Pieces {
     /// What `add_special_tokens` puts before and after a sequence's tokens, where that is
     /// all it does (checked on probes); else such texts are encoded whole.
     wrap: Option<(Vec<u32>, Vec<u32>)>,
+    /// Pieces of [`LONG_FROM_BYTES`] or more.
     remembered: Mutex<Remembered>,
+    /// Shorter pieces.
+    short: Mutex<Remembered>,
 }
 
 /// How much a text may have encoded afresh.
@@ -80,7 +90,8 @@ impl Pieces {
             specials: specials_matcher,
             ids: specials.iter().map(|&(_, id)| id).collect(),
             wrap: None,
-            remembered: Mutex::new(Remembered::new(budget)),
+            remembered: Mutex::new(Remembered::new(budget - budget / SHORT_SHARE)),
+            short: Mutex::new(Remembered::new(budget / SHORT_SHARE)),
         };
         let probes = probes(specials.iter().map(|(content, _)| content.as_str()));
         let whole = |text: &str, add: bool| {
@@ -166,9 +177,14 @@ impl Pieces {
         if piece.is_empty() {
             return Ok(true);
         }
-        let remember = matches!(budget, Fresh::Within(_)) && piece.len() >= REMEMBERED_FROM_BYTES;
+        let pool = if piece.len() >= LONG_FROM_BYTES {
+            &self.remembered
+        } else {
+            &self.short
+        };
+        let remember = matches!(budget, Fresh::Within(_));
         let key = remember.then(|| xxhash_rust::xxh3::xxh3_128(piece.as_bytes()));
-        if let Some(known) = key.and_then(|key| self.lock().get(key)) {
+        if let Some(known) = key.and_then(|key| lock(pool).get(key)) {
             reuse.remembered += known.len();
             ids.extend_from_slice(&known);
             return Ok(true);
@@ -183,25 +199,31 @@ impl Pieces {
         reuse.encoded += encoded.len();
         ids.extend_from_slice(&encoded);
         if let Some(key) = key {
-            self.lock().insert(key, encoded);
+            lock(pool).insert(key, encoded);
         }
         Ok(true)
     }
 
-    /// The remembered pieces (a panic elsewhere while holding them leaves a consistent
-    /// map: each change is one insert or removal).
-    fn lock(&self) -> std::sync::MutexGuard<'_, Remembered> {
-        self.remembered
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Bytes remembered now, and the budget.
+    /// Bytes of long pieces remembered now, and their budget.
     #[cfg(test)]
     pub(super) fn remembered_bytes(&self) -> (usize, usize) {
-        let remembered = self.lock();
+        let remembered = lock(&self.remembered);
         (remembered.bytes, remembered.budget)
     }
+
+    /// Bytes of short pieces remembered now, and their budget.
+    #[cfg(test)]
+    pub(super) fn short_bytes(&self) -> (usize, usize) {
+        let short = lock(&self.short);
+        (short.bytes, short.budget)
+    }
+}
+
+/// A pool of remembered pieces (a panic elsewhere while holding it leaves a consistent
+/// map: each change is one insert or removal).
+fn lock(pool: &Mutex<Remembered>) -> std::sync::MutexGuard<'_, Remembered> {
+    pool.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The tokens of `text` encoded whole, nothing remembered; `None` where it is longer than

@@ -137,6 +137,56 @@ fn remembered_pieces_stay_within_the_budget_the_least_recently_used_forgotten_fi
 }
 
 #[test]
+fn short_pieces_are_remembered_apart_and_cannot_push_a_context_out() {
+    let tokenizer = fixture();
+    let budget = 64 << 10;
+    let pieces = Pieces::new(&tokenizer, budget).expect("by pieces");
+    let context = "A tenant's context, long enough to remember. ".repeat(40);
+    let system = format!("<|start_header_id|>system<|end_header_id|>{context}<|eot_id|>");
+    let user =
+        |question: &str| format!("<|start_header_id|>user<|end_header_id|>{question}<|eot_id|>");
+    let encode = |text: &str| {
+        pieces
+            .encode(&tokenizer, text, false, usize::MAX)
+            .expect("encodes")
+            .expect("encodes")
+    };
+    let first = format!("{system}{}", user("Who?"));
+    encode(&first);
+    // The headers and the question were remembered too: nothing is encoded again.
+    let (ids, again) = encode(&first);
+    assert_eq!(ids, whole(&tokenizer, &first, false));
+    assert_eq!(again.encoded, 0, "{again:?}");
+    // Twice the whole budget of new questions while the context waits: they push out
+    // each other only.
+    let (_, short_budget) = pieces.short_bytes();
+    assert_eq!(short_budget, budget / 16);
+    let mut filled = 0;
+    for k in 0.. {
+        let question = format!("question number {k}, asked once and never again");
+        let (ids, _) = encode(&user(&question));
+        filled += 4 * ids.len() + 64;
+        let (bytes, within) = pieces.short_bytes();
+        assert!(bytes <= within, "{bytes} bytes of short pieces");
+        if filled > 2 * budget {
+            break;
+        }
+    }
+    // The context is still copied (the header before it, a short piece, was pushed out).
+    let (_, reuse) = encode(&system);
+    let context_tokens = whole(&tokenizer, &context, false).len();
+    assert!(
+        reuse.remembered >= context_tokens,
+        "the context stays: {reuse:?}"
+    );
+    let (_, reuse) = encode(&user("question number 0, asked once and never again"));
+    assert!(
+        reuse.encoded > 0,
+        "the first question was forgotten: {reuse:?}"
+    );
+}
+
+#[test]
 fn tokenizers_whose_pieces_depend_on_each_other_encode_whole() {
     // A special token that strips the whitespace beside it.
     let mut stripping = fixture();
