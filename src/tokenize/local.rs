@@ -35,8 +35,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use minijinja::{Environment, Error as TemplateError, Value};
 use serde::Deserialize;
@@ -134,7 +134,11 @@ impl FromStr for TokenizerSpec {
 #[derive(Debug, Default, Clone)]
 pub struct LocalTokenizers {
     by_model: HashMap<String, Arc<LocalTokenizer>>,
+    /// The directory for every other model, and its checks kept by model (each model's
+    /// first prompt is checked, and a difference sets the directory aside for that model
+    /// alone); the models are those some pod serves.
     any: Option<Arc<LocalTokenizer>>,
+    any_by_model: Arc<RwLock<HashMap<String, Arc<LocalTokenizer>>>>,
 }
 
 impl LocalTokenizers {
@@ -149,9 +153,9 @@ impl LocalTokenizers {
             tracing::info!(
                 model = spec.model.as_deref().unwrap_or("every model"),
                 dir = %spec.dir.display(),
-                vocab = tokenizer.tokenizer.get_vocab_size(true),
-                chat_template = tokenizer.chat.is_some(),
-                remembers_pieces = tokenizer.pieces.is_some(),
+                vocab = tokenizer.loaded.tokenizer.get_vocab_size(true),
+                chat_template = tokenizer.loaded.chat.is_some(),
+                remembers_pieces = tokenizer.loaded.pieces.is_some(),
                 "local tokenizer loaded"
             );
             match &spec.model {
@@ -171,32 +175,69 @@ impl LocalTokenizers {
     /// The same tokenizers, each checking its first prompt and then every `every`th
     /// against the engine's ([`LocalTokenizer::due_for_check`]; 0: never).
     pub fn checking_every(self, every: u64) -> Self {
-        for tokenizer in self.by_model.values().chain(&self.any) {
+        let any_by_model = self
+            .any_by_model
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        for tokenizer in self
+            .by_model
+            .values()
+            .chain(&self.any)
+            .chain(any_by_model.values())
+        {
             tokenizer.checks.every.store(every, Ordering::Relaxed);
         }
+        drop(any_by_model);
         self
     }
 
     /// The tokenizer of `base_model` (an adapter's requests use its base model's), unless
-    /// a check found it making other tokens than the engine.
+    /// a check found it making other tokens than the engine for that model.
     pub fn for_model(&self, base_model: &str) -> Option<Arc<LocalTokenizer>> {
-        self.by_model
-            .get(base_model)
-            .or(self.any.as_ref())
-            .filter(|tokenizer| !tokenizer.differs())
-            .cloned()
+        let tokenizer = match self.by_model.get(base_model) {
+            Some(tokenizer) => Arc::clone(tokenizer),
+            None => self.any_for(base_model)?,
+        };
+        (!tokenizer.differs()).then_some(tokenizer)
+    }
+
+    /// The directory for every model, with `model`'s own checks.
+    fn any_for(&self, model: &str) -> Option<Arc<LocalTokenizer>> {
+        let any = self.any.as_ref()?;
+        let read = |map: &HashMap<String, Arc<LocalTokenizer>>| map.get(model).cloned();
+        if let Some(tokenizer) = read(
+            &self
+                .any_by_model
+                .read()
+                .unwrap_or_else(PoisonError::into_inner),
+        ) {
+            return Some(tokenizer);
+        }
+        let mut by_model = self
+            .any_by_model
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let tokenizer = by_model
+            .entry(model.to_owned())
+            .or_insert_with(|| Arc::new(any.checked_apart()));
+        Some(Arc::clone(tokenizer))
     }
 }
 
-/// One model's tokenizer and chat template.
+/// One model's tokenizer and chat template, and the checks of what it made.
 pub struct LocalTokenizer {
+    loaded: Arc<Loaded>,
+    checks: Checks,
+}
+
+/// A model directory, loaded.
+struct Loaded {
     tokenizer: tokenizers::Tokenizer,
     chat: Option<ChatTemplate>,
-    /// Texts encoded piece by piece between special tokens, the long pieces remembered
+    /// Texts encoded piece by piece between special tokens, the pieces remembered
     /// (`None`: encoded whole, where the tokenizer's pieces depend on one another or
     /// nothing may be remembered).
     pieces: Option<Pieces>,
-    checks: Checks,
 }
 
 /// The checks of a tokenizer's prompts against the engine's own tokens, kept apart for
@@ -236,9 +277,9 @@ impl PromptKind {
 impl std::fmt::Debug for LocalTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LocalTokenizer")
-            .field("vocab", &self.tokenizer.get_vocab_size(true))
-            .field("chat_template", &self.chat.is_some())
-            .field("remembers_pieces", &self.pieces.is_some())
+            .field("vocab", &self.loaded.tokenizer.get_vocab_size(true))
+            .field("chat_template", &self.loaded.chat.is_some())
+            .field("remembers_pieces", &self.loaded.pieces.is_some())
             .finish()
     }
 }
@@ -328,9 +369,11 @@ impl LocalTokenizer {
             .then(|| Pieces::new(&tokenizer, cache_bytes))
             .flatten();
         Ok(LocalTokenizer {
-            tokenizer,
-            chat,
-            pieces,
+            loaded: Arc::new(Loaded {
+                tokenizer,
+                chat,
+                pieces,
+            }),
             checks: Checks::default(),
         })
     }
@@ -388,9 +431,12 @@ impl LocalTokenizer {
         add_special_tokens: bool,
         fresh_bytes: usize,
     ) -> Option<Result<Vec<u32>, Unsupported>> {
-        let encoded = match &self.pieces {
-            Some(pieces) => pieces.encode(&self.tokenizer, text, add_special_tokens, fresh_bytes),
-            None => encode_whole(&self.tokenizer, text, add_special_tokens, fresh_bytes),
+        let Loaded {
+            tokenizer, pieces, ..
+        } = &*self.loaded;
+        let encoded = match pieces {
+            Some(pieces) => pieces.encode(tokenizer, text, add_special_tokens, fresh_bytes),
+            None => encode_whole(tokenizer, text, add_special_tokens, fresh_bytes),
         };
         match encoded {
             Ok(Some((ids, reuse))) => {
@@ -419,7 +465,11 @@ impl LocalTokenizer {
                 Ok((text, request.add_special_tokens.unwrap_or(true)))
             }
             ApiKind::ChatCompletions => {
-                let chat = self.chat.as_ref().ok_or(Unsupported::NoChatTemplate)?;
+                let chat = self
+                    .loaded
+                    .chat
+                    .as_ref()
+                    .ok_or(Unsupported::NoChatTemplate)?;
                 if self.checks.differs[PromptKind::Tools as usize].load(Ordering::Relaxed)
                     && PromptKind::of(body) == PromptKind::Tools
                 {
@@ -438,6 +488,19 @@ impl LocalTokenizer {
 }
 
 impl LocalTokenizer {
+    /// The same directory (sharing its remembered pieces) with checks of its own, checking
+    /// as often as this one.
+    fn checked_apart(&self) -> LocalTokenizer {
+        let checks = Checks::default();
+        checks
+            .every
+            .store(self.checks.every.load(Ordering::Relaxed), Ordering::Relaxed);
+        LocalTokenizer {
+            loaded: Arc::clone(&self.loaded),
+            checks,
+        }
+    }
+
     /// Whether the prompt just tokenized, of `kind`, should also be tokenized by the
     /// engine and the two compared: the first of its kind, then every
     /// [`LocalTokenizers::checking_every`]th. A tokenizer that disagrees with the engine
@@ -466,7 +529,8 @@ impl LocalTokenizer {
 
     /// The text of `ids`, special tokens included (for showing where tokens differ).
     pub fn decode(&self, ids: &[u32]) -> String {
-        self.tokenizer
+        self.loaded
+            .tokenizer
             .decode(ids, false)
             .unwrap_or_else(|e| format!("<cannot decode: {e}>"))
     }

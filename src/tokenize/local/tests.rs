@@ -75,6 +75,7 @@ fn a_chat_is_rendered_with_the_template_then_encoded_without_a_second_bos() {
         <|start_header_id|>user<|end_header_id|>\n\nhello there<|eot_id|>\
         <|start_header_id|>assistant<|end_header_id|>\n\n";
     let expected = tokenizer
+        .loaded
         .tokenizer
         .encode(rendered, false)
         .expect("encodes")
@@ -115,6 +116,7 @@ fn text_parts_are_one_string_joined_by_newlines_unless_the_template_loops_over_t
     );
     let looping = LocalTokenizer::load(looping.path(), CACHE).expect("loads");
     let expected = looping
+        .loaded
         .tokenizer
         .encode("[one;two;][three;]", false)
         .expect("encodes")
@@ -137,6 +139,7 @@ fn the_requests_template_arguments_reach_the_template() {
     let tokenizer = LocalTokenizer::load(dir.path(), CACHE).expect("loads");
     let encode = |text: &str| {
         tokenizer
+            .loaded
             .tokenizer
             .encode(text, false)
             .expect("encodes")
@@ -174,6 +177,7 @@ fn tools_and_documents_are_none_as_transformers_passes_them() {
         )
         .expect("tokenized");
     let expected = tokenizer
+        .loaded
         .tokenizer
         .encode("no documents|hi", false)
         .expect("encodes")
@@ -561,6 +565,34 @@ fn a_tokenizer_checks_its_first_prompt_then_every_nth_and_is_set_aside_once_it_d
         tokenizers.for_model("m").is_none(),
         "the pods tokenize from now on"
     );
+}
+
+#[test]
+fn one_directory_for_every_model_is_checked_and_set_aside_model_by_model() {
+    let tokenizers = LocalTokenizers::load(
+        &[TokenizerSpec {
+            model: None,
+            dir: fixture(),
+        }],
+        CACHE,
+    )
+    .expect("loads")
+    .checking_every(1000);
+    let (a, b) = (
+        tokenizers.for_model("a").expect("serves a"),
+        tokenizers.for_model("b").expect("serves b"),
+    );
+    // Each model's first prompt is checked.
+    assert!(a.due_for_check(PromptKind::Plain));
+    assert!(b.due_for_check(PromptKind::Plain));
+    assert!(!a.due_for_check(PromptKind::Plain));
+    // One model's tokens differing leaves the other's local tokenizer in place, the
+    // directory and its remembered pieces shared.
+    assert!(a.found_different(PromptKind::Plain));
+    assert!(tokenizers.for_model("a").is_none());
+    let b_again = tokenizers.for_model("b").expect("b still tokenized here");
+    assert!(Arc::ptr_eq(&b, &b_again));
+    assert!(Arc::ptr_eq(&a.loaded, &b.loaded));
 }
 
 #[test]
