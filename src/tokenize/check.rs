@@ -32,9 +32,10 @@ pub struct TokenizeArgs {
     pub body: PathBuf,
     /// Instead of one body, a built-in set of requests of every shape kvroute renders
     /// (a system message, several turns, text parts, no generation prompt, a name, an
-    /// assistant's reasoning, `enable_thinking` off, Unicode, completions with and
-    /// without special tokens) for this model, each
-    /// compared with the pod's tokens: one JSON line each, then a summary line.
+    /// assistant's reasoning, `enable_thinking` off, Unicode, tools, a tool call and its
+    /// result, tool calls without tools, documents, a continued final message,
+    /// completions with and without special tokens) for this model, each compared with
+    /// the pod's tokens: one JSON line each, then a summary line.
     #[arg(long, value_name = "MODEL", requires = "pod")]
     pub probes: Option<String>,
     /// The API the body is for; by default `chat` when it has `messages`, else
