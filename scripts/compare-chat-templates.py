@@ -15,13 +15,15 @@ Needs `pip install transformers jinja2 pydantic openai` (no PyTorch); CI does no
 this.
 
     cargo build --release --bin kvroute
-    python3 scripts/compare-chat-templates.py [--kvroute BIN] [--tokenizer-json FILE] DIR...
+    python3 scripts/compare-chat-templates.py [--kvroute BIN] [--tokenizer-json FILE]
+        [--random N [--seed S]] DIR...
 
 Exit status 1 when some rendering differs.
 """
 import argparse
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -135,6 +137,66 @@ CASES = [
         {"role": "assistant", "content": "It is 18 degrees."},
         {"role": "user", "content": "Thanks"}]}),
 ]
+
+
+# Random agent conversations (`--random N`): tools with their fields in either order, some
+# left out, tool calls whose keys come in any order and whose arguments hold strings with
+# quotes, escapes and non-ASCII text, integers, floats Python writes in exponent form,
+# booleans, nulls, nested lists and objects (written with or without ASCII escapes), empty
+# arguments.
+TEXTS = ["city", "unit", "ünïcode", "日本", 'a"quote', "back\\slash", "tab\tx", "new\nline",
+         "emoji 🎉", "", " spaced "]
+
+
+def random_value(rng, depth=0):
+    r = rng.random()
+    if depth > 2 or r < 0.25:
+        return rng.choice(TEXTS)
+    if r < 0.35:
+        return rng.randint(-10**12, 10**12)
+    if r < 0.45:
+        return rng.choice([0.1, 1.0, -2.5e-7, 1e21, 3.14159, 100.0, 1e16, 123456789.123])
+    if r < 0.5:
+        return rng.choice([True, False, None])
+    if r < 0.75:
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {rng.choice(TEXTS) + str(i): random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
+
+
+def shuffled(rng, mapping):
+    items = list(mapping.items())
+    rng.shuffle(items)
+    return dict(items)
+
+
+def random_tool(rng):
+    parameters = {"type": "object", "properties": {t: {"type": "string"} for t in rng.sample(TEXTS, 3)}}
+    function = {"name": rng.choice(["get_weather", "search", "run"])}
+    for key, value in shuffled(rng, {"description": rng.choice(TEXTS), "parameters": parameters,
+                                     "strict": True}).items():
+        if rng.random() < 0.6:
+            function[key] = value
+    return shuffled(rng, {"type": "function", "function": function})
+
+
+def random_call(rng, i):
+    arguments = {rng.choice(TEXTS) + str(j): random_value(rng) for j in range(rng.randint(0, 3))}
+    text = "" if rng.random() < 0.2 else json.dumps(arguments, ensure_ascii=rng.random() < 0.5)
+    return shuffled(rng, {"id": f"call{i}abcde", "type": "function",
+                          "function": shuffled(rng, {"name": "get_weather", "arguments": text})})
+
+
+def random_case(rng):
+    messages = [{"role": "user", "content": rng.choice(TEXTS) or "question"}]
+    for i in range(rng.randint(0, 2)):
+        messages.append({"role": "assistant", "content": rng.choice([None, "", "Checking."]),
+                         "tool_calls": [random_call(rng, i)]})
+        messages.append({"role": "tool", "tool_call_id": f"call{i}abcde", "content": str(random_value(rng))})
+    messages.append({"role": "user", "content": "And next?"})
+    body = {"messages": messages}
+    if rng.random() < 0.8:
+        body["tools"] = [random_tool(rng) for _ in range(rng.randint(0, 3))]
+    return body
 
 
 # vLLM's content-format detection (entrypoints/chat_utils.py), restated.
@@ -301,9 +363,14 @@ def main():
     parser.add_argument("--kvroute", default=os.path.join(root, "target/release/kvroute"))
     parser.add_argument("--tokenizer-json",
                         default=os.path.join(root, "crates/lab/tokenizers/bpe-4k/tokenizer.json"))
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="also N random agent conversations (tools, tool calls) per directory")
+    parser.add_argument("--seed", type=int, default=1, help="of the random conversations")
     parser.add_argument("dirs", nargs="+", metavar="DIR")
     args = parser.parse_args()
     binary, tokenizer_json, dirs = args.kvroute, args.tokenizer_json, args.dirs
+    rng = random.Random(args.seed)
+    cases = CASES + [(f"random {k}", random_case(rng)) for k in range(args.random)]
     failures = 0
     counts = {}
     for model_dir in dirs:
@@ -314,7 +381,7 @@ def main():
             for f in ["tokenizer_config.json", "chat_template.jinja", "chat_template.json", "special_tokens_map.json"]:
                 if os.path.exists(os.path.join(model_dir, f)):
                     shutil.copy(os.path.join(model_dir, f), os.path.join(work, f))
-            for case, body in CASES:
+            for case, body in cases:
                 body = dict(body, model="m")
                 try:
                     expected, fmt = reference(templates, specials, body)
