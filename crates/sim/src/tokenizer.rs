@@ -301,21 +301,21 @@ impl HfTokenizer {
     /// Token ids of a chat request (its body's JSON): the rendered template, with no special
     /// tokens added unless the request says `"add_special_tokens": true`.
     pub fn encode_chat(&self, body: &[u8]) -> Result<Vec<u32>, PromptError> {
-        let request: Value = serde_json::from_slice(body)
-            .map_err(|e| invalid(format!("the body is not valid JSON: {e}")))?;
+        let (request, ordered) = read_body(body)?;
         let add_special_tokens = flag(&request, "add_special_tokens", false)?;
-        let text = self.render_chat(body)?;
+        let text = self.render(&request, &ordered)?;
         self.encode(&text, add_special_tokens)
     }
 
     /// The chat request's prompt text (of its body's JSON): its messages rendered with the
-    /// chat template. The body is read twice: once for the fields, once keeping every
-    /// object's order for what templates print whole (tools, tool calls).
+    /// chat template.
     pub fn render_chat(&self, body: &[u8]) -> Result<String, PromptError> {
-        let request: Value = serde_json::from_slice(body)
-            .map_err(|e| invalid(format!("the body is not valid JSON: {e}")))?;
-        let ordered: JinjaValue = serde_json::from_slice(body)
-            .map_err(|e| invalid(format!("the body is not valid JSON: {e}")))?;
+        let (request, ordered) = read_body(body)?;
+        self.render(&request, &ordered)
+    }
+
+    /// [`HfTokenizer::render_chat`] of a body read by [`read_body`].
+    fn render(&self, request: &Value, ordered: &JinjaValue) -> Result<String, PromptError> {
         let find = |name: &str| self.templates.iter().find(|(t, _)| t == name);
         let has_tools = request.get("tools").is_some_and(|t| !t.is_null());
         let (name, content_parts) = if self.templates.is_empty() {
@@ -335,7 +335,7 @@ impl HfTokenizer {
         // vLLM merges chat_template_kwargs over the request's own fields.
         let merged_flag = |key: &str, default: bool| match kwargs.get(key) {
             Some(v) => Ok(v.as_bool().unwrap_or(default)),
-            None => flag(&request, key, default),
+            None => flag(request, key, default),
         };
         let add_generation_prompt = merged_flag("add_generation_prompt", true)?;
         let continue_final_message = merged_flag("continue_final_message", false)?;
@@ -344,7 +344,7 @@ impl HfTokenizer {
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             ));
         }
-        let messages = conversation(&request, &ordered, *content_parts, continue_final_message)?;
+        let messages = conversation(request, ordered, *content_parts, continue_final_message)?;
 
         // Later entries override earlier ones: special tokens, then the request's fields,
         // then chat_template_kwargs; `messages` is always the conversation.
@@ -400,6 +400,16 @@ impl HfTokenizer {
         }
         Ok(rendered)
     }
+}
+
+/// A chat request's body read twice: for its fields, and keeping every object's order for
+/// what templates print whole (tools, tool calls, documents).
+fn read_body(body: &[u8]) -> Result<(Value, JinjaValue), PromptError> {
+    let not_json = |e: serde_json::Error| invalid(format!("the body is not valid JSON: {e}"));
+    Ok((
+        serde_json::from_slice(body).map_err(not_json)?,
+        serde_json::from_slice(body).map_err(not_json)?,
+    ))
 }
 
 fn invalid(message: impl Into<String>) -> PromptError {
