@@ -28,7 +28,7 @@ use kvroute_core::request::{InferenceRequest, RouteRequest};
 use kvroute_core::scheduler::{Decision, Outlook, PickError, Picked, SchedulerConfig};
 use serde::Serialize;
 use tokio::sync::{broadcast, oneshot};
-use tracing::{debug, error, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::extproc::messages::ErrorReply;
 use crate::extproc::observe::PrefixPrediction;
@@ -970,10 +970,35 @@ fn local_outcome(started: Instant, tokens: Result<Vec<u32>, Unsupported>) -> Loc
         Ok(tokens) => LocalOutcome::Tokens(tokens),
         Err(Unsupported::NotOneText) => LocalOutcome::NotOneText,
         Err(why) => {
-            debug!(%why, "prompt not tokenized locally; asking a pod");
+            if let Unsupported::LeftToPod(reason) = why
+                && first_left_to_pod(reason)
+            {
+                // Once per kind of request, so an operator sees at the default level why
+                // some prompts still wait for a pod's `/tokenize`.
+                info!(
+                    %why,
+                    "a kind of prompt kvroute leaves to the pods' /tokenize (logged once; \
+                     kvroute_tokenize_duration_seconds{{outcome=\"left_to_pod\"}} counts them)"
+                );
+            } else {
+                debug!(%why, "prompt not tokenized locally; asking a pod");
+            }
             LocalOutcome::AskPod
         }
     }
+}
+
+/// Whether `reason` (one of a few fixed phrases) is new to this process.
+fn first_left_to_pod(reason: &'static str) -> bool {
+    static SEEN: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let mut seen = SEEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if seen.contains(&reason) {
+        return false;
+    }
+    seen.push(reason);
+    true
 }
 
 /// The prompt's engine `tokens` as blocks to match, their count replacing the estimate

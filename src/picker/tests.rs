@@ -61,6 +61,16 @@ fn the_debug_log_keeps_the_last_decisions_without_watchers() {
     assert_eq!(picker.decisions().recent().len(), 2);
 }
 
+#[test]
+fn each_reason_to_leave_a_prompt_to_the_pods_is_told_once() {
+    // Reasons no other test gives: the set is the process's.
+    let (a, b) = ("has a test's first reason", "has a test's second reason");
+    assert!(first_left_to_pod(a));
+    assert!(!first_left_to_pod(a));
+    assert!(first_left_to_pod(b));
+    assert!(!first_left_to_pod(b) && !first_left_to_pod(a));
+}
+
 mod waiting_room {
     use std::net::SocketAddr;
     use std::time::Duration;
