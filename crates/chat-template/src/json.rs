@@ -87,16 +87,25 @@ fn write(out: &mut String, value: &Value, style: &Style, depth: usize) -> Result
             out.push(']');
         }
         ValueKind::Map => {
-            let mut keys: Vec<Value> = value.try_iter()?.collect();
-            if keys.is_empty() {
+            // Keys and values together where the map gives them so (a lookup per key
+            // otherwise).
+            let mut entries: Vec<(Value, Value)> =
+                match value.as_object().and_then(|map| map.try_iter_pairs()) {
+                    Some(pairs) => pairs.collect(),
+                    None => value
+                        .try_iter()?
+                        .map(|key| value.get_item(&key).map(|item| (key, item)))
+                        .collect::<Result<_, Error>>()?,
+                };
+            if entries.is_empty() {
                 out.push_str("{}");
                 return Ok(());
             }
             if style.sort_keys {
-                keys.sort();
+                entries.sort_by(|(a, _), (b, _)| a.cmp(b));
             }
             out.push('{');
-            for (i, key) in keys.iter().enumerate() {
+            for (i, (key, item)) in entries.iter().enumerate() {
                 if i > 0 {
                     out.push_str(&style.item_separator);
                 }
@@ -107,7 +116,7 @@ fn write(out: &mut String, value: &Value, style: &Style, depth: usize) -> Result
                     None => write_string(out, &key_text(key)?, style.ensure_ascii),
                 }
                 out.push_str(&style.key_separator);
-                write(out, &value.get_item(key)?, style, depth + 1)?;
+                write(out, item, style, depth + 1)?;
             }
             newline(out, style, depth);
             out.push('}');
@@ -148,25 +157,34 @@ fn key_text(key: &Value) -> Result<String, Error> {
 }
 
 fn write_string(out: &mut String, text: &str, ensure_ascii: bool) {
+    out.reserve(text.len() + 2);
     out.push('"');
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            c if u32::from(c) < 0x20 || (ensure_ascii && !c.is_ascii()) => {
-                let mut units = [0u16; 2];
-                for unit in c.encode_utf16(&mut units) {
-                    out.push_str(&format!("\\u{unit:04x}"));
-                }
+    // Runs of characters written as they are go in whole.
+    let mut plain = 0;
+    for (at, c) in text.char_indices() {
+        let escaped = match c {
+            '"' => "\\\"",
+            '\\' => "\\\\",
+            '\n' => "\\n",
+            '\r' => "\\r",
+            '\t' => "\\t",
+            '\u{8}' => "\\b",
+            '\u{c}' => "\\f",
+            c if u32::from(c) < 0x20 || (ensure_ascii && !c.is_ascii()) => "",
+            _ => continue,
+        };
+        out.push_str(&text[plain..at]);
+        plain = at + c.len_utf8();
+        if escaped.is_empty() {
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{unit:04x}"));
             }
-            c => out.push(c),
+        } else {
+            out.push_str(escaped);
         }
     }
+    out.push_str(&text[plain..]);
     out.push('"');
 }
 
@@ -201,5 +219,13 @@ mod tests {
             ),
             r#"["\u00e9",1e+20]"#
         );
+        // Every escape between runs of plain text, at either end too (CPython's output).
+        let text = r#""plain \"q\" back\\\\ nl\n cr\r tab\t bs\b ff\f ctl\u0001 é 日本 🎉 end""#;
+        assert_eq!(render("{{ v | tojson }}", text), text);
+        assert_eq!(
+            render("{{ v | tojson(ensure_ascii=true) }}", text),
+            r#""plain \"q\" back\\\\ nl\n cr\r tab\t bs\b ff\f ctl\u0001 \u00e9 \u65e5\u672c \ud83c\udf89 end""#
+        );
+        assert_eq!(render("{{ v | tojson }}", r#""\n\"""#), r#""\n\"""#);
     }
 }
