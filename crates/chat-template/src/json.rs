@@ -87,16 +87,12 @@ fn write(out: &mut String, value: &Value, style: &Style, depth: usize) -> Result
             out.push(']');
         }
         ValueKind::Map => {
-            // Keys and values together where the map gives them so (a lookup per key
-            // otherwise).
-            let mut entries: Vec<(Value, Value)> =
-                match value.as_object().and_then(|map| map.try_iter_pairs()) {
-                    Some(pairs) => pairs.collect(),
-                    None => value
-                        .try_iter()?
-                        .map(|key| value.get_item(&key).map(|item| (key, item)))
-                        .collect::<Result<_, Error>>()?,
-                };
+            let mut entries = crate::map_pairs(value).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::BadSerialization,
+                    "tojson: a map that cannot be read",
+                )
+            })?;
             if entries.is_empty() {
                 out.push_str("{}");
                 return Ok(());

@@ -72,6 +72,22 @@ fn token_text(value: Option<&serde_json::Value>) -> Option<String> {
     }
 }
 
+/// A map's keys and values in its order, read in one pass where the map gives them so (a
+/// lookup per key otherwise); `None` if it is not a map.
+pub(crate) fn map_pairs(map: &Value) -> Option<Vec<(Value, Value)>> {
+    if map.kind() != minijinja::value::ValueKind::Map {
+        return None;
+    }
+    match map.as_object().and_then(|object| object.try_iter_pairs()) {
+        Some(pairs) => Some(pairs.collect()),
+        None => map
+            .try_iter()
+            .ok()?
+            .map(|key| map.get_item(&key).ok().map(|item| (key, item)))
+            .collect(),
+    }
+}
+
 /// An environment that renders chat templates as transformers' does. Add each template
 /// with [`template_source`] applied to it.
 pub fn environment() -> Environment<'static> {

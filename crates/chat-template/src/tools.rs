@@ -84,15 +84,22 @@ fn items(list: &Value, not_a_list: &'static str) -> Result<Vec<Value>, Unshaped>
 
 /// A map's entries in its order; `None` if it is not a map with string keys.
 fn map_entries(map: &Value) -> Option<Vec<(String, Value)>> {
-    if map.kind() != ValueKind::Map {
-        return None;
-    }
-    map.try_iter()
-        .ok()?
-        .map(|key| {
-            let value = map.get_item(&key).ok()?;
-            Some((key.as_str()?.to_owned(), value))
-        })
+    crate::map_pairs(map)?
+        .into_iter()
+        .map(|(key, value)| Some((key.as_str()?.to_owned(), value)))
+        .collect()
+}
+
+/// An object of the `declared` fields, in their order, then the `extra` ones: how pydantic
+/// writes a model or typed dict that allows extra fields.
+fn declared_then_extra<const N: usize>(
+    declared: [(&str, Value); N],
+    extra: Vec<(String, Value)>,
+) -> Value {
+    declared
+        .into_iter()
+        .map(|(name, value)| (name.to_owned(), value))
+        .chain(extra)
         .collect()
 }
 
@@ -117,10 +124,6 @@ fn is_str(value: &Value) -> bool {
     value.kind() == ValueKind::String
 }
 
-fn is_none(value: &Value) -> bool {
-    value.is_none()
-}
-
 /// One tool, as `ChatCompletionToolsParam.model_dump()` writes it.
 fn tool(tool: &Value) -> Result<Value, Unshaped> {
     let entries = map_entries(tool).ok_or(Unshaped("has a tool that is not an object"))?;
@@ -137,25 +140,25 @@ fn tool(tool: &Value) -> Result<Value, Unshaped> {
         .filter(is_str)
         .ok_or(Unshaped("has a tool function with no string name"))?;
     let description = description.unwrap_or_else(|| Value::from(()));
-    if !is_str(&description) && !is_none(&description) {
+    if !is_str(&description) && !description.is_none() {
         return Err(Unshaped("has a tool description that is not a string"));
     }
     let parameters = parameters.unwrap_or_else(|| Value::from(()));
-    if parameters.kind() != ValueKind::Map && !is_none(&parameters) {
+    if parameters.kind() != ValueKind::Map && !parameters.is_none() {
         return Err(Unshaped("has tool parameters that are not an object"));
     }
-    let mut function: Vec<(String, Value)> = vec![
-        ("name".into(), name),
-        ("description".into(), description),
-        ("parameters".into(), parameters),
-    ];
-    function.extend(function_extra);
-    let mut dumped: Vec<(String, Value)> = vec![
-        ("type".into(), Value::from("function")),
-        ("function".into(), function.into_iter().collect()),
-    ];
-    dumped.extend(extra);
-    Ok(dumped.into_iter().collect())
+    let function = declared_then_extra(
+        [
+            ("name", name),
+            ("description", description),
+            ("parameters", parameters),
+        ],
+        function_extra,
+    );
+    Ok(declared_then_extra(
+        [("type", Value::from("function")), ("function", function)],
+        extra,
+    ))
 }
 
 /// One tool call, as the typed dict validates it and vLLM parses its arguments.
@@ -189,16 +192,11 @@ fn tool_call(call: &Value) -> Result<Value, Unshaped> {
             }
         },
     };
-    let mut function: Vec<(String, Value)> =
-        vec![("arguments".into(), arguments), ("name".into(), name)];
-    function.extend(function_extra);
-    let mut validated: Vec<(String, Value)> = vec![
-        ("id".into(), id),
-        ("function".into(), function.into_iter().collect()),
-        ("type".into(), kind),
-    ];
-    validated.extend(extra);
-    Ok(validated.into_iter().collect())
+    let function = declared_then_extra([("arguments", arguments), ("name", name)], function_extra);
+    Ok(declared_then_extra(
+        [("id", id), ("function", function), ("type", kind)],
+        extra,
+    ))
 }
 
 #[cfg(test)]
