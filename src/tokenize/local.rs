@@ -137,8 +137,10 @@ pub struct LocalTokenizers {
     /// The directory for every other model, and its checks kept by model (each model's
     /// first prompt is checked, and a difference sets the directory aside for that model
     /// alone); the models are those some pod serves.
-    any: Option<Arc<LocalTokenizer>>,
+    any: Option<Arc<Loaded>>,
     any_by_model: Arc<RwLock<HashMap<String, Arc<LocalTokenizer>>>>,
+    /// [`LocalTokenizers::checking_every`]'s, for the models `any` serves from now on.
+    every: u64,
 }
 
 impl LocalTokenizers {
@@ -162,7 +164,7 @@ impl LocalTokenizers {
                 Some(model) => {
                     loaded.by_model.insert(model.clone(), tokenizer);
                 }
-                None => loaded.any = Some(tokenizer),
+                None => loaded.any = Some(Arc::clone(&tokenizer.loaded)),
             }
         }
         Ok(loaded)
@@ -174,17 +176,13 @@ impl LocalTokenizers {
 
     /// The same tokenizers, each checking its first prompt and then every `every`th
     /// against the engine's ([`LocalTokenizer::due_for_check`]; 0: never).
-    pub fn checking_every(self, every: u64) -> Self {
+    pub fn checking_every(mut self, every: u64) -> Self {
+        self.every = every;
         let any_by_model = self
             .any_by_model
             .read()
             .unwrap_or_else(PoisonError::into_inner);
-        for tokenizer in self
-            .by_model
-            .values()
-            .chain(&self.any)
-            .chain(any_by_model.values())
-        {
+        for tokenizer in self.by_model.values().chain(any_by_model.values()) {
             tokenizer.checks.every.store(every, Ordering::Relaxed);
         }
         drop(any_by_model);
@@ -219,12 +217,13 @@ impl LocalTokenizers {
             .unwrap_or_else(PoisonError::into_inner);
         let tokenizer = by_model
             .entry(model.to_owned())
-            .or_insert_with(|| Arc::new(any.checked_apart()));
+            .or_insert_with(|| Arc::new(LocalTokenizer::checking(any, self.every)));
         Some(Arc::clone(tokenizer))
     }
 }
 
 /// One model's tokenizer and chat template, and the checks of what it made.
+#[derive(Debug)]
 pub struct LocalTokenizer {
     loaded: Arc<Loaded>,
     checks: Checks,
@@ -274,12 +273,12 @@ impl PromptKind {
     }
 }
 
-impl std::fmt::Debug for LocalTokenizer {
+impl std::fmt::Debug for Loaded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LocalTokenizer")
-            .field("vocab", &self.loaded.tokenizer.get_vocab_size(true))
-            .field("chat_template", &self.loaded.chat.is_some())
-            .field("remembers_pieces", &self.loaded.pieces.is_some())
+        f.debug_struct("Loaded")
+            .field("vocab", &self.tokenizer.get_vocab_size(true))
+            .field("chat_template", &self.chat.is_some())
+            .field("remembers_pieces", &self.pieces.is_some())
             .finish()
     }
 }
@@ -488,15 +487,13 @@ impl LocalTokenizer {
 }
 
 impl LocalTokenizer {
-    /// The same directory (sharing its remembered pieces) with checks of its own, checking
-    /// as often as this one.
-    fn checked_apart(&self) -> LocalTokenizer {
+    /// The directory `loaded` (sharing its remembered pieces) with checks of its own,
+    /// checking every `every`th prompt.
+    fn checking(loaded: &Arc<Loaded>, every: u64) -> LocalTokenizer {
         let checks = Checks::default();
-        checks
-            .every
-            .store(self.checks.every.load(Ordering::Relaxed), Ordering::Relaxed);
+        checks.every.store(every, Ordering::Relaxed);
         LocalTokenizer {
-            loaded: Arc::clone(&self.loaded),
+            loaded: Arc::clone(loaded),
             checks,
         }
     }
