@@ -16,7 +16,10 @@ this.
 
     cargo build --release --bin kvroute
     python3 scripts/compare-chat-templates.py [--kvroute BIN] [--tokenizer-json FILE]
-        [--random N [--seed S]] DIR...
+        [--random N] [--texts N] [--seed S] DIR...
+
+scripts/templates/python-strings is a template of our own that puts every string method
+and filter a template may call on each message's content into the prompt (with `--texts`).
 
 Exit status 1 when some rendering differs.
 """
@@ -357,6 +360,26 @@ def first_diff(a, b):
     return i
 
 
+# Random plain conversations (`--texts N`) whose contents hold what Python's string methods
+# read otherwise than Rust's: its white space (U+001C-U+001F, no-break spaces) and line
+# breaks (a lone \r, \v, \f, U+0085, U+2028), letters whose case changes their length
+# (ß, ǆ, ligatures), words after digits and apostrophes, non-ASCII text before a match.
+AWKWARD = ["\x1c lead and trail \x1f", "no\u00a0break\u2003space", "cr\ronly", "crlf\r\nline",
+           "vt\x0bff\x0cnel\x85ls\u2028ps\u2029end", "straße 1st o'neil-smith", "ǆungla ﬁne",
+           "日本 e here", "  padded  ", "\n", "", "UPPER lower Title", "e", "tab\tand\nnewline\n"]
+
+
+def random_text_case(rng):
+    messages = []
+    if rng.random() < 0.5:
+        messages.append({"role": "system", "content": rng.choice(AWKWARD)})
+    for _ in range(rng.randint(1, 3)):
+        messages.append({"role": "user", "content": rng.choice(AWKWARD) + rng.choice(AWKWARD)})
+        messages.append({"role": "assistant", "content": rng.choice(AWKWARD)})
+    messages.append({"role": "user", "content": rng.choice(AWKWARD)})
+    return {"messages": messages}
+
+
 def main():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -365,12 +388,15 @@ def main():
                         default=os.path.join(root, "crates/lab/tokenizers/bpe-4k/tokenizer.json"))
     parser.add_argument("--random", type=int, default=0, metavar="N",
                         help="also N random agent conversations (tools, tool calls) per directory")
+    parser.add_argument("--texts", type=int, default=0, metavar="N",
+                        help="also N random plain conversations of awkward texts per directory")
     parser.add_argument("--seed", type=int, default=1, help="of the random conversations")
     parser.add_argument("dirs", nargs="+", metavar="DIR")
     args = parser.parse_args()
     binary, tokenizer_json, dirs = args.kvroute, args.tokenizer_json, args.dirs
     rng = random.Random(args.seed)
     cases = CASES + [(f"random {k}", random_case(rng)) for k in range(args.random)]
+    cases += [(f"texts {k}", random_text_case(rng)) for k in range(args.texts)]
     failures = 0
     counts = {}
     for model_dir in dirs:

@@ -6,6 +6,8 @@
 //! message's stripped text and the marker must both appear in the rendered text, or the
 //! request is refused (the template dropped or rewrote them).
 
+use crate::strings::{is_space, python_strip};
+
 /// The marker transformers appends to the final message's text.
 pub const CONTINUE_MARKER: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 
@@ -20,19 +22,8 @@ pub fn cut_at_marker(rendered: &str, final_text: &str) -> Option<String> {
     if rendered[at..].starts_with(CONTINUE_MARKER) {
         Some(rendered[..at].to_owned())
     } else {
-        Some(rendered[..at].trim_end_matches(python_space).to_owned())
+        Some(rendered[..at].trim_end_matches(is_space).to_owned())
     }
-}
-
-/// Python's `str.isspace` for one character: Unicode's white space and the four
-/// information separators (U+001C to U+001F), which Python counts and Unicode does not.
-fn python_space(c: char) -> bool {
-    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
-}
-
-/// Python's `str.strip()`.
-fn python_strip(text: &str) -> &str {
-    text.trim_matches(python_space)
 }
 
 #[cfg(test)]

@@ -10,7 +10,9 @@
 //!   `{% generation %}` tag is known ([`template_source`], `source.rs`);
 //! - values are written as Python's `str()` writes them (lists, dicts, floats), in
 //!   `{{ }}` and through the `string` and `trim` filters (`python.rs`);
-//! - `tojson` is `json.dumps` (`json.rs`), `strftime_now` Python's `strftime` (`time.rs`).
+//! - `tojson` is `json.dumps` (`json.rs`), `strftime_now` Python's `strftime` (`time.rs`);
+//! - string methods cut, split and case text as Python's do, with Python's white space
+//!   and line breaks, as do the `title` and `capitalize` filters (`strings.rs`).
 //!
 //! [`loops_over_content`] is vLLM's choice of how a message's content is handed over;
 //! [`tools`] and [`tool_calls`] are a request's tools and tool calls as vLLM hands them over
@@ -23,6 +25,7 @@ mod continuation;
 mod json;
 mod python;
 mod source;
+mod strings;
 mod time;
 mod tools;
 
@@ -94,10 +97,12 @@ pub fn environment() -> Environment<'static> {
     let mut env = Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_unknown_method_callback(strings::unknown_method);
     env.set_formatter(python::format);
     env.add_filter("string", python::string);
     env.add_filter("trim", python::trim);
+    env.add_filter("title", |text: &str| strings::title_filter(text));
+    env.add_filter("capitalize", |text: &str| strings::capitalize(text));
     env.add_filter("tojson", json::tojson);
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);

@@ -11,6 +11,8 @@ use std::fmt::Write;
 use minijinja::value::{Value, ValueKind};
 use minijinja::{Error, ErrorKind, Output, State};
 
+use crate::strings::python_strip;
+
 /// The environment's formatter: lists, dicts and floats as Python writes them, the rest as
 /// minijinja does (which already writes `True`, `False` and `None` as Python does).
 pub(crate) fn format(
@@ -42,7 +44,7 @@ pub(crate) fn trim(value: &Value, chars: Option<String>) -> Result<String, Error
     let text = str_of(value)?;
     Ok(match chars {
         Some(chars) => text.trim_matches(|c| chars.contains(c)).to_owned(),
-        None => text.trim().to_owned(),
+        None => python_strip(&text).to_owned(),
     })
 }
 
