@@ -617,6 +617,14 @@ impl ChatTemplate {
         let kwargs = keyword_arguments(request.chat_template_kwargs.as_ref())?;
         if kwargs
             .iter()
+            .any(|(_, value)| kvroute_chat_template::holds_wide_number(value))
+        {
+            return Err(Unsupported::LeftToPod(
+                "has chat_template_kwargs that hold an integer beyond 64 bits",
+            ));
+        }
+        if kwargs
+            .iter()
             .any(|(name, value)| !value.is_none() && KWARGS_LEFT_TO_POD.contains(&name.as_str()))
         {
             return Err(Unsupported::LeftToPod(

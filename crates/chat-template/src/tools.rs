@@ -18,8 +18,9 @@
 //!   `list[dict[str, str]]` and handed over as they are.
 //!
 //! What vLLM refuses or a vLLM release handles differently (a custom tool or tool call,
-//! arguments that are not one JSON object, a field of the wrong type) is [`Unshaped`]:
-//! the caller leaves such a request to an engine to render.
+//! arguments that are not one JSON object, a field of the wrong type), and what Python
+//! reads otherwise than serde_json ([`holds_wide_number`]), is [`Unshaped`]: the caller
+//! leaves such a request to an engine to render.
 
 use minijinja::Value;
 use minijinja::value::ValueKind;
@@ -35,9 +36,34 @@ impl std::fmt::Display for Unshaped {
     }
 }
 
+/// Whether `value` holds a number without a fraction at or beyond 2⁶³ in magnitude. JSON's
+/// integers beyond 64 bits, which Python keeps whole and `json.dumps` writes digit for
+/// digit, reach a template from serde_json as floats (written `1e+20`), and cannot be
+/// told from a float the request wrote so: a template that prints either may print other
+/// text than the engine's.
+pub fn holds_wide_number(value: &Value) -> bool {
+    const WIDE: f64 = 9_223_372_036_854_775_808.0;
+    match value.kind() {
+        ValueKind::Number if !value.is_integer() => {
+            f64::try_from(value.clone()).is_ok_and(|x| x.fract() == 0.0 && x.abs() >= WIDE)
+        }
+        ValueKind::Seq => value
+            .try_iter()
+            .is_ok_and(|mut items| items.any(|item| holds_wide_number(&item))),
+        ValueKind::Map => crate::map_pairs(value)
+            .is_some_and(|pairs| pairs.iter().any(|(_, item)| holds_wide_number(item))),
+        _ => false,
+    }
+}
+
+const WIDE_NUMBER: Unshaped = Unshaped("holds an integer beyond 64 bits (or a float that large)");
+
 /// vLLM's `[tool.model_dump() for tool in request.tools]` of a request's `tools`, read in
 /// the request's order (a `minijinja::Value` deserialized from its JSON).
 pub fn tools(tools: &Value) -> Result<Value, Unshaped> {
+    if holds_wide_number(tools) {
+        return Err(WIDE_NUMBER);
+    }
     items(tools, "has tools that are not a list")?
         .iter()
         .map(tool)
@@ -48,6 +74,9 @@ pub fn tools(tools: &Value) -> Result<Value, Unshaped> {
 /// An assistant message's `tool_calls` as the template receives them; `None` where vLLM
 /// drops them (an empty list).
 pub fn tool_calls(calls: &Value) -> Result<Option<Value>, Unshaped> {
+    if holds_wide_number(calls) {
+        return Err(WIDE_NUMBER);
+    }
     let calls = items(calls, "has tool_calls that are not a list")?;
     if calls.is_empty() {
         return Ok(None);
@@ -183,6 +212,7 @@ fn tool_call(call: &Value) -> Result<Value, Unshaped> {
         None => return Err(Unshaped("has tool call arguments that are not a string")),
         Some("") => Value::from_iter(std::iter::empty::<(String, Value)>()),
         Some(json) => match serde_json::from_str::<Value>(json) {
+            Ok(parsed) if holds_wide_number(&parsed) => return Err(WIDE_NUMBER),
             Ok(parsed) if parsed.kind() == ValueKind::Map => parsed,
             // vLLM releases differ here: an error, the value as it is, or `{}`.
             _ => {
@@ -242,6 +272,14 @@ mod tests {
             Ok(None),
             "an empty list is dropped"
         );
+        // 64-bit integers stay whole, as in Python.
+        let widest = value(
+            r#"[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"u\": 18446744073709551615, \"i\": -9223372036854775808, \"x\": 1e18}"}}]"#,
+        );
+        assert_eq!(
+            json(&tool_calls(&widest).expect("shaped").expect("kept")),
+            r#"[{"id":"c","function":{"arguments":{"u":18446744073709551615,"i":-9223372036854775808,"x":1e+18},"name":"f"},"type":"function"}]"#
+        );
     }
 
     #[test]
@@ -272,6 +310,15 @@ mod tests {
                 r#"[{"id": "c", "type": "function", "function": {"arguments": "{}"}}]"#,
                 "no string name",
             ),
+            // Python keeps the integer whole; serde_json makes it a float.
+            (
+                r#"[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"n\": [123456789012345678901234567890]}"}}]"#,
+                "beyond 64 bits",
+            ),
+            (
+                r#"[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}, "n": -1e19}]"#,
+                "beyond 64 bits",
+            ),
         ] {
             let refused = tool_calls(&value(calls)).expect_err(calls);
             assert!(refused.0.contains(why), "{calls}: {refused}");
@@ -288,6 +335,10 @@ mod tests {
         assert_eq!(json(&documents(&value(kept)).expect("shaped")), kept);
         for (list, why) in [
             (r#"{"type": "function"}"#, "not a list"),
+            (
+                r#"[{"function": {"name": "f", "parameters": {"maximum": 1e20}}}]"#,
+                "beyond 64 bits",
+            ),
             (
                 r#"[{"type": "custom", "custom": {"name": "f"}}]"#,
                 "not a function",
