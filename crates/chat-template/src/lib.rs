@@ -34,7 +34,7 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 pub use continuation::{CONTINUE_MARKER, cut_at_marker};
 pub use source::{loops_over_content, template_source};
 pub use time::strftime;
-pub use tools::{Unshaped, documents, holds_wide_number, tool_calls, tools};
+pub use tools::{Unshaped, documents, holds_wide_number, long_digit_run, tool_calls, tools};
 
 /// The special tokens transformers hands a chat template by name (its tokenizer's
 /// `special_tokens_map`), where the tokenizer has them.

@@ -40,7 +40,9 @@ impl std::fmt::Display for Unshaped {
 /// integers beyond 64 bits, which Python keeps whole and `json.dumps` writes digit for
 /// digit, reach a template from serde_json as floats (written `1e+20`), and cannot be
 /// told from a float the request wrote so: a template that prints either may print other
-/// text than the engine's.
+/// text than the engine's. [`tool_calls`] checks the calls; a caller of [`tools`] checks
+/// the tools where their text has a [`long_digit_run`] (walking a tool's schema costs
+/// more than shaping it).
 pub fn holds_wide_number(value: &Value) -> bool {
     const WIDE: f64 = 9_223_372_036_854_775_808.0;
     match value.kind() {
@@ -50,10 +52,58 @@ pub fn holds_wide_number(value: &Value) -> bool {
         ValueKind::Seq => value
             .try_iter()
             .is_ok_and(|mut items| items.any(|item| holds_wide_number(&item))),
-        ValueKind::Map => crate::map_pairs(value)
-            .is_some_and(|pairs| pairs.iter().any(|(_, item)| holds_wide_number(item))),
+        // A map's values read in one pass where it can (a request's JSON objects can),
+        // without collecting them.
+        ValueKind::Map => match value.as_object().and_then(|map| map.try_iter_pairs()) {
+            Some(mut pairs) => pairs.any(|(_, item)| holds_wide_number(&item)),
+            None => crate::map_pairs(value)
+                .is_some_and(|pairs| pairs.iter().any(|(_, item)| holds_wide_number(item))),
+        },
         _ => false,
     }
+}
+
+/// Whether `text` holds 19 ASCII digits in a row, as every integer beyond 64 bits written
+/// out does (2⁶³ has 19 digits): a test of eight bytes at a time, so that only a text that
+/// may hold one pays for [`holds_wide_number`]'s walk.
+pub fn long_digit_run(text: &[u8]) -> bool {
+    const RUN: u32 = 19;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let mut run = 0u32;
+    let mut words = text.chunks_exact(8);
+    for word in &mut words {
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(word);
+        let x = u64::from_le_bytes(bytes);
+        // Each byte's high bit: set in `from_0` where its low seven bits are at least
+        // '0', in `past_9` where they are past '9' (no carry crosses a byte: at most
+        // 0x7f + 0x50), and clear in `x` where the byte is ASCII.
+        let low = x & !HIGH;
+        let from_0 = low.wrapping_add(0x5050_5050_5050_5050);
+        let past_9 = low.wrapping_add(0x4646_4646_4646_4646);
+        let others = !(from_0 & !past_9 & !x) & HIGH;
+        if others == 0 {
+            run += 8;
+        } else {
+            // The digits before the word's first other byte end the run so far; those
+            // after its last begin the next.
+            run += others.trailing_zeros() / 8;
+            if run >= RUN {
+                return true;
+            }
+            run = others.leading_zeros() / 8;
+        }
+        if run >= RUN {
+            return true;
+        }
+    }
+    for &byte in words.remainder() {
+        run = if byte.is_ascii_digit() { run + 1 } else { 0 };
+        if run >= RUN {
+            return true;
+        }
+    }
+    false
 }
 
 const WIDE_NUMBER: Unshaped = Unshaped("holds an integer beyond 64 bits (or a float that large)");
@@ -61,9 +111,6 @@ const WIDE_NUMBER: Unshaped = Unshaped("holds an integer beyond 64 bits (or a fl
 /// vLLM's `[tool.model_dump() for tool in request.tools]` of a request's `tools`, read in
 /// the request's order (a `minijinja::Value` deserialized from its JSON).
 pub fn tools(tools: &Value) -> Result<Value, Unshaped> {
-    if holds_wide_number(tools) {
-        return Err(WIDE_NUMBER);
-    }
     items(tools, "has tools that are not a list")?
         .iter()
         .map(tool)
@@ -212,7 +259,9 @@ fn tool_call(call: &Value) -> Result<Value, Unshaped> {
         None => return Err(Unshaped("has tool call arguments that are not a string")),
         Some("") => Value::from_iter(std::iter::empty::<(String, Value)>()),
         Some(json) => match serde_json::from_str::<Value>(json) {
-            Ok(parsed) if holds_wide_number(&parsed) => return Err(WIDE_NUMBER),
+            Ok(parsed) if long_digit_run(json.as_bytes()) && holds_wide_number(&parsed) => {
+                return Err(WIDE_NUMBER);
+            }
             Ok(parsed) if parsed.kind() == ValueKind::Map => parsed,
             // vLLM releases differ here: an error, the value as it is, or `{}`.
             _ => {
@@ -283,6 +332,51 @@ mod tests {
     }
 
     #[test]
+    fn a_long_digit_run_is_found_wherever_it_lies() {
+        // Against a byte-at-a-time count, on texts of digits, letters and multi-byte
+        // characters at every alignment.
+        let naive = |text: &[u8]| {
+            let mut run = 0;
+            text.iter().any(|byte| {
+                run = if byte.is_ascii_digit() { run + 1 } else { 0 };
+                run >= 19
+            })
+        };
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let pieces: [&[u8]; 5] = [b"7", b"0123456789", b"a", "é".as_bytes(), b"\xff"];
+        let (mut with, mut without) = (0, 0);
+        for _ in 0..20_000 {
+            let mut text = Vec::new();
+            for _ in 0..next() % 12 {
+                let piece = pieces[(next() % 5) as usize];
+                for _ in 0..next() % 4 {
+                    text.extend_from_slice(piece);
+                }
+            }
+            let expected = naive(&text);
+            assert_eq!(
+                long_digit_run(&text),
+                expected,
+                "{:?}",
+                String::from_utf8_lossy(&text)
+            );
+            if expected { with += 1 } else { without += 1 }
+        }
+        assert!(
+            with > 1_000 && without > 1_000,
+            "{with} with, {without} without"
+        );
+        assert!(!long_digit_run(b"{\"n\": 922337203685477580}"));
+        assert!(long_digit_run(b"{\"n\": 9223372036854775808}"));
+    }
+
+    #[test]
     fn what_vllm_refuses_or_reads_differently_is_left_unshaped() {
         for (calls, why) in [
             (r#"{"id": "c"}"#, "tool_calls that are not a list"),
@@ -315,6 +409,7 @@ mod tests {
                 r#"[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"n\": [123456789012345678901234567890]}"}}]"#,
                 "beyond 64 bits",
             ),
+            // A float that large is refused too where no text says which it was.
             (
                 r#"[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}, "n": -1e19}]"#,
                 "beyond 64 bits",
@@ -335,10 +430,6 @@ mod tests {
         assert_eq!(json(&documents(&value(kept)).expect("shaped")), kept);
         for (list, why) in [
             (r#"{"type": "function"}"#, "not a list"),
-            (
-                r#"[{"function": {"name": "f", "parameters": {"maximum": 1e20}}}]"#,
-                "beyond 64 bits",
-            ),
             (
                 r#"[{"type": "custom", "custom": {"name": "f"}}]"#,
                 "not a function",

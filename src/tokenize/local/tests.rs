@@ -211,7 +211,7 @@ fn what_only_the_pod_renders_exactly_is_left_to_it() {
         r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"messages":[]}}"#,
         // Python keeps the integer whole, serde_json rounds it to a float.
         r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"seed":[123456789012345678901]}}"#,
-        r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"maximum":1e19}}}]}"#,
+        r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"maximum":99999999999999999999}}}]}"#,
     ] {
         assert!(
             matches!(chat(body), Err(Unsupported::LeftToPod(_))),
