@@ -131,6 +131,15 @@ CASES = [
     ("continue final message", {"continue_final_message": True, "add_generation_prompt": False,
         "messages": [{"role": "user", "content": "Name a color."},
                      {"role": "assistant", "content": "The color is "}]}),
+    ("wide integers", {"tools": [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 18446744073709551615,
+                                               "minimum": -9223372036854775808}}}}}],
+        "messages": [
+        {"role": "user", "content": "Pick two numbers."},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call9abcd", "type": "function",
+             "function": {"name": "pick", "arguments": "{\"a\": 123456789012345678901234567890, \"b\": 1e21, \"c\": 18446744073709551615}"}}]},
+        {"role": "tool", "tool_call_id": "call9abcd", "content": "done"}]}),
     ("tool history, no tools", {"messages": [
         {"role": "user", "content": "What is the weather in Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [
