@@ -702,7 +702,7 @@ impl ChatTemplate {
         let rendered = self
             .env
             .get_template(template)
-            .and_then(|template| template.render(context))
+            .and_then(|template| kvroute_chat_template::render(&template, context))
             .map_err(|e| Unsupported::Render(e.to_string()))?;
         if !continued {
             return Ok(rendered);

@@ -9,7 +9,8 @@
 //! - the source's string literals are decoded as Python decodes them, and transformers'
 //!   `{% generation %}` tag is known ([`template_source`], `source.rs`);
 //! - values are written as Python's `str()` writes them (lists, dicts, floats), in
-//!   `{{ }}` and through the `string` and `trim` filters (`python.rs`);
+//!   `{{ }}` and through the `string` and `trim` filters, and the `sequence` and
+//!   `iterable` tests hold where Python's do (`python.rs`);
 //! - `tojson` is `json.dumps` (`json.rs`), `strftime_now` Python's `strftime` (`time.rs`);
 //! - string methods cut, split and case text as Python's do, with Python's white space
 //!   and line breaks, as do the `title` and `capitalize` filters (`strings.rs`).
@@ -104,9 +105,29 @@ pub fn environment() -> Environment<'static> {
     env.add_filter("title", |text: &str| strings::title_filter(text));
     env.add_filter("capitalize", |text: &str| strings::capitalize(text));
     env.add_filter("tojson", json::tojson);
+    env.add_test("sequence", python::is_sequence);
+    env.add_test("iterable", python::is_iterable);
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env
+}
+
+/// `template` rendered with `context`, where a panic inside minijinja (it has a few:
+/// slicing an empty list or string backwards, as `messages[::-1]` of no messages does)
+/// comes back as an error instead of unwinding through the caller.
+pub fn render(template: &minijinja::Template<'_, '_>, context: Value) -> Result<String, Error> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| template.render(context)))
+        .unwrap_or_else(|panic| {
+            let why = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("no message");
+            Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("the template engine failed: {why}"),
+            ))
+        })
 }
 
 /// The template's own refusal (an unknown role, roles out of order).
@@ -123,6 +144,29 @@ fn strftime_now(format: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_panic_in_the_engine_is_an_error() {
+        let mut env = environment();
+        env.add_template_owned(
+            "t",
+            "{% for m in messages[::-1] %}{{ m }}{% endfor %}|".to_owned(),
+        )
+        .expect("parses");
+        let template = env.get_template("t").expect("added");
+        let empty: Vec<Value> = Vec::new();
+        let failed = render(&template, minijinja::context! { messages => empty })
+            .expect_err("minijinja 2 panics on an empty list sliced backwards");
+        assert!(
+            failed.to_string().contains("the template engine failed"),
+            "{failed}"
+        );
+        let one = render(
+            &template,
+            minijinja::context! { messages => vec!["a", "b"] },
+        );
+        assert_eq!(one.expect("rendered"), "ba|");
+    }
 
     #[test]
     fn the_environment_renders_as_transformers_does() {
@@ -149,6 +193,21 @@ mod tests {
                 .render(minijinja::context! { messages => messages, x => 1 })
                 .expect("renders"),
             "  hi|{\"role\": \"user\", \"content\": \" hi \"}\nab"
+        );
+    }
+
+    #[test]
+    fn sequences_and_iterables_are_pythons() {
+        // What jinja2 3.1 prints for the same tests.
+        let env = environment();
+        let tests = "{{ s is sequence }}{{ m is sequence }}{{ l is sequence }}{{ u is sequence }}\
+                     {{ n is sequence }}{{ 1 is sequence }}|{{ s is iterable }}{{ m is iterable }}\
+                     {{ u is iterable }}{{ n is iterable }}{{ 1 is iterable }}";
+        let context = minijinja::context! { s => "ab", m => minijinja::context! { k => 1 },
+        l => vec![1], n => () };
+        assert_eq!(
+            env.render_str(tests, context).expect("renders"),
+            "TrueTrueTrueTrueFalseFalse|TrueTrueTrueFalseFalse"
         );
     }
 }

@@ -48,6 +48,24 @@ pub(crate) fn trim(value: &Value, chars: Option<String>) -> Result<String, Error
     })
 }
 
+/// jinja2's `sequence` test: what has a length and an item by index in Python (strings,
+/// lists and dicts; jinja2's undefined too), where minijinja's holds for lists only.
+pub(crate) fn is_sequence(value: &Value) -> bool {
+    matches!(
+        value.kind(),
+        ValueKind::Seq
+            | ValueKind::Map
+            | ValueKind::String
+            | ValueKind::Bytes
+            | ValueKind::Undefined
+    )
+}
+
+/// jinja2's `iterable` test: minijinja's, but for `None`, which Python cannot iterate.
+pub(crate) fn is_iterable(value: &Value) -> bool {
+    !value.is_none() && value.try_iter().is_ok()
+}
+
 /// Python's `str()` of a value.
 fn str_of(value: &Value) -> Result<String, Error> {
     Ok(match value.kind() {

@@ -387,8 +387,7 @@ impl HfTokenizer {
         ctx.insert("messages".into(), JinjaValue::from(for_template));
 
         let template = self.env.get_template(name).map_err(PromptError::Render)?;
-        let rendered = template
-            .render(JinjaValue::from_iter(ctx))
+        let rendered = kvroute_chat_template::render(&template, JinjaValue::from_iter(ctx))
             .map_err(PromptError::Render)?;
         if continue_final_message {
             return kvroute_chat_template::cut_at_marker(&rendered, &final_text).ok_or_else(|| {
