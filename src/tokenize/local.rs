@@ -19,7 +19,8 @@
 //!   content (one string, its text parts joined by a newline: vLLM's "string" content
 //!   format; or a list of text parts where the template loops over the content:
 //!   "openai"), an assistant's tool calls (their arguments parsed) and reasoning (as both
-//!   `reasoning` and `reasoning_content`, as vLLM hands it over), a tool result's
+//!   `reasoning` and `reasoning_content`, as vLLM hands it over, and as `thinking`
+//!   before the other fields, as transformers 5 adds it), a tool result's
 //!   `tool_call_id`, its name, and a developer message's `tools` (none). The tools and
 //!   tool calls are shaped by `kvroute_chat_template::tools`, which says how.
 //!
@@ -240,7 +241,7 @@ struct Loaded {
 }
 
 /// The checks of a tokenizer's prompts against the engine's own tokens, kept apart for
-/// prompts with and without tools ([`PromptKind`]).
+/// prompts with and without tools or reasoning ([`PromptKind`]).
 #[derive(Debug, Default)]
 struct Checks {
     /// Check the first prompt of each kind and then every this many (0: never).
@@ -251,22 +252,25 @@ struct Checks {
     differs: [AtomicBool; 2],
 }
 
-/// Prompts checked apart: tools and tool calls are shaped by rules of their own
-/// (`kvroute_chat_template::tools`), which an engine release may change while the rest of
-/// its rendering stays the same, so a difference found there sets aside the local
-/// rendering of tools alone.
+/// Prompts checked apart: tools, tool calls and reasoning are shaped by rules of their own
+/// (`kvroute_chat_template::tools`; transformers 5's `thinking`), which an engine release
+/// may change while the rest of its rendering stays the same, so a difference found there
+/// sets aside the local rendering of such prompts alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PromptKind {
     Plain = 0,
-    /// The body mentions tools: a field or a role starting `"tool` (tools, tool calls, a
-    /// tool's result). Text that quotes such a name only puts a prompt in this class.
-    Tools = 1,
+    /// The body mentions tools or reasoning: a field or a role starting `"tool` (tools,
+    /// tool calls, a tool's result) or `"reasoning`. Text that quotes such a name only puts
+    /// a prompt in this class.
+    Shaped = 1,
 }
 
 impl PromptKind {
     pub fn of(body: &[u8]) -> PromptKind {
-        if memchr::memmem::find(body, b"\"tool").is_some() {
-            PromptKind::Tools
+        if memchr::memmem::find(body, b"\"tool").is_some()
+            || memchr::memmem::find(body, b"\"reasoning").is_some()
+        {
+            PromptKind::Shaped
         } else {
             PromptKind::Plain
         }
@@ -469,11 +473,12 @@ impl LocalTokenizer {
                     .chat
                     .as_ref()
                     .ok_or(Unsupported::NoChatTemplate)?;
-                if self.checks.differs[PromptKind::Tools as usize].load(Ordering::Relaxed)
-                    && PromptKind::of(body) == PromptKind::Tools
+                if self.checks.differs[PromptKind::Shaped as usize].load(Ordering::Relaxed)
+                    && PromptKind::of(body) == PromptKind::Shaped
                 {
                     return Err(Unsupported::LeftToPod(
-                        "has tools, which a check found rendered otherwise by the engine",
+                        "has tools or reasoning, which a check found rendered otherwise by the \
+                         engine",
                     ));
                 }
                 Ok((
@@ -512,13 +517,13 @@ impl LocalTokenizer {
     }
 
     /// Notes that a check of a prompt of `kind` found other tokens than the engine's:
-    /// from now on the pods tokenize this model's prompts (those with tools only, for a
-    /// prompt with tools). Whether it is the first such finding for the kind.
+    /// from now on the pods tokenize this model's prompts (those with tools or reasoning
+    /// only, for such a prompt). Whether it is the first such finding for the kind.
     pub fn found_different(&self, kind: PromptKind) -> bool {
         !self.checks.differs[kind as usize].swap(true, Ordering::Relaxed)
     }
 
-    /// Whether a check of a prompt without tools found other tokens than the engine's
+    /// Whether a check of a prompt without tools or reasoning found other tokens than the engine's
     /// (the tokenizer is then set aside for the model).
     pub fn differs(&self) -> bool {
         self.checks.differs[PromptKind::Plain as usize].load(Ordering::Relaxed)
@@ -826,6 +831,10 @@ fn message_for_template(
             .find_map(|field| field.as_ref().filter(|value| !value.is_null()))
             .map(Value::from_serialize);
         if let Some(reasoning) = reasoning {
+            // transformers 5 hands it over as `thinking` too, first (gpt-oss's templates
+            // read that name); 4.x does not, and the checks against the engine, which
+            // count prompts with reasoning apart ([`PromptKind`]), find an engine on it.
+            fields.insert(0, ("thinking", reasoning.clone()));
             fields.push(("reasoning", reasoning.clone()));
             fields.push(("reasoning_content", reasoning));
         }

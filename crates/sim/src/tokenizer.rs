@@ -39,7 +39,7 @@
 //!   string, an assistant's `tool_calls` (in OpenAI's typed dict's key order, each
 //!   function's `arguments` parsed from its JSON string into an object, an empty list
 //!   dropped, as vLLM does) and its reasoning (as both `reasoning` and
-//!   `reasoning_content`), a tool message's `tool_call_id`, a developer message's `tools`;
+//!   `reasoning_content`, and first as `thinking`, as transformers 5 adds it), a tool message's `tool_call_id`, a developer message's `tools`;
 //!   other fields are dropped. Tools and tool calls vLLM refuses (a custom tool, arguments
 //!   that are not one JSON object) are a 400;
 //! - with `continue_final_message` (default false; not a template variable), the text is
@@ -518,6 +518,8 @@ fn message(
                 .filter(|v| !v.is_null())
                 .or_else(|| m.get("reasoning_content").filter(|v| !v.is_null()));
             if let Some(r) = reasoning {
+                // As transformers 5 adds it, first.
+                fields.insert(0, ("thinking", JinjaValue::from_serialize(r)));
                 fields.push(("reasoning", JinjaValue::from_serialize(r)));
                 fields.push(("reasoning_content", JinjaValue::from_serialize(r)));
             }

@@ -361,10 +361,10 @@ fn every_named_special_token_reaches_the_template() {
 }
 
 #[test]
-fn an_assistants_reasoning_reaches_the_template_under_both_names() {
+fn an_assistants_reasoning_reaches_the_template_under_its_three_names() {
     let dir = with_template(
-        "{% for m in messages %}[{{ m.role }}:{{ m.content }}\
-         {% if m.reasoning_content is defined %}:{{ m.reasoning_content }}/{{ m.reasoning }}{% endif %}\
+        "{% for m in messages %}[{{ (m|list)|first }} {{ m.role }}:{{ m.content }}\
+         {% if m.reasoning_content is defined %}:{{ m.reasoning_content }}/{{ m.reasoning }}/{{ m.thinking }}{% endif %}\
          {% if m.name is defined %}:{{ m.name }}{% endif %}]{% endfor %}",
     );
     let text = rendered(
@@ -375,10 +375,12 @@ fn an_assistants_reasoning_reaches_the_template_under_both_names() {
             {"role":"user","content":"q","name":7}]}"#,
     );
     // Only an assistant's reasoning is handed over (`reasoning` first, as vLLM reads
-    // it), and a name only when it is a string.
+    // it; as `thinking` too, the first field, as transformers 5 adds it), and a name only
+    // when it is a string.
     assert_eq!(
         text,
-        "[user:2+2?:ann][assistant:4:two and two/two and two][assistant:5:r/r][user:q]"
+        "[role user:2+2?:ann][thinking assistant:4:two and two/two and two/two and two]\
+         [thinking assistant:5:r/r/r][role user:q]"
     );
 }
 
@@ -553,7 +555,7 @@ fn a_tokenizer_checks_its_first_prompt_then_every_nth_and_is_set_aside_once_it_d
     )
     .expect("loads");
     let tokenizer = tokenizers.for_model("m").expect("serves every model");
-    let (plain, tools) = (PromptKind::Plain, PromptKind::Tools);
+    let (plain, tools) = (PromptKind::Plain, PromptKind::Shaped);
     // Not checking until told to.
     assert!(!tokenizer.due_for_check(plain));
     let tokenizers = tokenizers.checking_every(3);
@@ -599,18 +601,24 @@ fn one_directory_for_every_model_is_checked_and_set_aside_model_by_model() {
 }
 
 #[test]
-fn a_difference_found_on_a_prompt_with_tools_sets_aside_only_prompts_with_tools() {
+fn a_difference_found_on_a_prompt_with_tools_or_reasoning_sets_aside_only_those_prompts() {
     let tokenizer = loaded();
     let chat = |body: &str| tokenizer.tokenize(ApiKind::ChatCompletions, body.as_bytes());
     let plain = r#"{"messages":[{"role":"user","content":"x"}]}"#;
     let with_tools = r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#;
     let tool_result = r#"{"messages":[{"role":"tool","tool_call_id":"a","content":"x"}]}"#;
+    let reasoning = r#"{"messages":[{"role":"assistant","content":"4","reasoning_content":"2+2"},{"role":"user","content":"x"}]}"#;
     assert_eq!(PromptKind::of(plain.as_bytes()), PromptKind::Plain);
-    assert_eq!(PromptKind::of(with_tools.as_bytes()), PromptKind::Tools);
-    assert_eq!(PromptKind::of(tool_result.as_bytes()), PromptKind::Tools);
-    assert!(chat(with_tools).is_ok() && chat(tool_result).is_ok());
-    assert!(tokenizer.found_different(PromptKind::Tools));
-    for body in [with_tools, tool_result] {
+    for body in [with_tools, tool_result, reasoning] {
+        assert_eq!(
+            PromptKind::of(body.as_bytes()),
+            PromptKind::Shaped,
+            "{body}"
+        );
+        assert!(chat(body).is_ok(), "{body}");
+    }
+    assert!(tokenizer.found_different(PromptKind::Shaped));
+    for body in [with_tools, tool_result, reasoning] {
         assert!(
             matches!(chat(body), Err(Unsupported::LeftToPod(why)) if why.contains("a check")),
             "{body}"
