@@ -9,7 +9,7 @@
 //! - the source's string literals are decoded as Python decodes them, and transformers'
 //!   `{% generation %}` tag is known ([`template_source`], `source.rs`);
 //! - values are written as Python's `str()` writes them (lists, dicts, floats), in
-//!   `{{ }}` and through the `string` and `trim` filters, and the `sequence` and
+//!   `{{ }}` and through the `string`, `trim`, `join` and `indent` filters, and the `sequence` and
 //!   `iterable` tests hold where Python's do (`python.rs`);
 //! - `tojson` is `json.dumps` (`json.rs`), `strftime_now` Python's `strftime` (`time.rs`);
 //! - string methods cut, split and case text as Python's do, with Python's white space
@@ -105,6 +105,8 @@ pub fn environment() -> Environment<'static> {
     env.add_filter("title", |text: &str| strings::title_filter(text));
     env.add_filter("capitalize", |text: &str| strings::capitalize(text));
     env.add_filter("tojson", json::tojson);
+    env.add_filter("join", python::join);
+    env.add_filter("indent", python::indent);
     env.add_test("sequence", python::is_sequence);
     env.add_test("iterable", python::is_iterable);
     env.add_function("raise_exception", raise_exception);
@@ -194,6 +196,31 @@ mod tests {
                 .expect("renders"),
             "  hi|{\"role\": \"user\", \"content\": \" hi \"}\nab"
         );
+    }
+
+    #[test]
+    fn join_and_indent_write_as_jinja2_does() {
+        // What jinja2 3.1 prints for the same expressions.
+        let env = environment();
+        let context = minijinja::context! {
+            s => "a\n\nb \u{2028}c\r\n",
+            l => Value::from_serialize(serde_json::json!([1.5, true, null, 1e20, [1, "x"], "z"])),
+            d => Value::from_serialize(serde_json::json!([{"a": 1}, {"a": "q"}])),
+        };
+        let render = |template: &str| env.render_str(template, context.clone()).expect("renders");
+        assert_eq!(render("{{ s|indent }}"), "a\n\n    b \n    c\n");
+        assert_eq!(render("{{ s|indent(2, true) }}"), "  a\n\n  b \n  c\n");
+        assert_eq!(
+            render("{{ s|indent(2, first=true, blank=true) }}"),
+            "  a\n  \n  b \n  c\n  "
+        );
+        assert_eq!(render("{{ s|indent('> ') }}"), "a\n\n> b \n> c\n");
+        assert_eq!(render("{{ l|join }}"), "1.5TrueNone1e+20[1, 'x']z");
+        assert_eq!(
+            render("{{ l|join(', ') }}"),
+            "1.5, True, None, 1e+20, [1, 'x'], z"
+        );
+        assert_eq!(render("{{ d|join('-', attribute='a') }}"), "1-q");
     }
 
     #[test]

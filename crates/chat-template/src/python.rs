@@ -4,11 +4,11 @@
 //! text. A template that prints a message's content parts, which vLLM hands over as a
 //! list where the template loops over them elsewhere, puts exactly that text into the
 //! prompt. Floats follow Python's `repr` too (`2.5e+20`, `1e-05`), and the filters that
-//! turn a value into text (`string`, `trim`) use Python's `str()`.
+//! turn a value into text (`string`, `trim`, `join`, `indent`) use Python's `str()`.
 
 use std::fmt::Write;
 
-use minijinja::value::{Value, ValueKind};
+use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Error, ErrorKind, Output, State};
 
 use crate::strings::python_strip;
@@ -46,6 +46,102 @@ pub(crate) fn trim(value: &Value, chars: Option<String>) -> Result<String, Error
         Some(chars) => text.trim_matches(|c| chars.contains(c)).to_owned(),
         None => python_strip(&text).to_owned(),
     })
+}
+
+/// jinja2's `join` filter: each item (or its `attribute`, a dotted path) written with
+/// Python's `str()` (`1e+20`, `True`, `[1, 'x']`), where minijinja's writes its own text.
+pub(crate) fn join(
+    value: &Value,
+    separator: Option<Value>,
+    kwargs: Kwargs,
+) -> Result<String, Error> {
+    let separator = match separator {
+        Some(separator) => Some(separator),
+        None => kwargs.get::<Option<Value>>("d")?,
+    };
+    let attribute: Option<Value> = kwargs.get("attribute")?;
+    kwargs.assert_all_used()?;
+    let separator = match separator {
+        Some(separator) => str_of(&separator)?,
+        None => String::new(),
+    };
+    let mut text = String::new();
+    for (i, item) in value.try_iter()?.enumerate() {
+        if i > 0 {
+            text.push_str(&separator);
+        }
+        let item = match &attribute {
+            Some(path) => attribute_of(&item, path)?,
+            None => item,
+        };
+        text.push_str(&str_of(&item)?);
+    }
+    Ok(text)
+}
+
+/// jinja2's attribute getter: a dotted path, whose parts that are digits index a list.
+fn attribute_of(item: &Value, path: &Value) -> Result<Value, Error> {
+    if let Ok(index) = i64::try_from(path.clone()) {
+        return item.get_item(&Value::from(index));
+    }
+    let path = path.as_str().unwrap_or_default().to_owned();
+    let mut value = item.clone();
+    for part in path.split('.') {
+        value = match part.parse::<i64>() {
+            Ok(index) => value.get_item(&Value::from(index))?,
+            Err(_) => value.get_attr(part)?,
+        };
+    }
+    Ok(value)
+}
+
+/// jinja2's `indent` filter: the lines (Python's line breaks, each written back as `\n`)
+/// after the first indented by `width` spaces or by the text `width`, the first too with
+/// `first`, blank lines too with `blank`.
+pub(crate) fn indent(
+    value: &Value,
+    width: Option<Value>,
+    first: Option<bool>,
+    blank: Option<bool>,
+    kwargs: Kwargs,
+) -> Result<String, Error> {
+    let width = match width {
+        Some(width) => Some(width),
+        None => kwargs.get::<Option<Value>>("width")?,
+    };
+    let first = first
+        .or(kwargs.get::<Option<bool>>("first")?)
+        .unwrap_or(false);
+    let blank = blank
+        .or(kwargs.get::<Option<bool>>("blank")?)
+        .unwrap_or(false);
+    kwargs.assert_all_used()?;
+    let indention = match width {
+        None => "    ".to_owned(),
+        Some(width) if width.kind() == ValueKind::String => str_of(&width)?,
+        Some(width) => " ".repeat(usize::try_from(width).unwrap_or(0)),
+    };
+    // jinja2 appends a newline first, so that a text ending in one keeps it.
+    let text = str_of(value)? + "\n";
+    let lines = crate::strings::splitlines(&text, false);
+    let mut indented = if blank {
+        lines.join(&format!("\n{indention}"))
+    } else {
+        let mut rest = lines.iter();
+        let mut indented = rest.next().copied().unwrap_or_default().to_owned();
+        for line in rest {
+            indented.push('\n');
+            if !line.is_empty() {
+                indented.push_str(&indention);
+            }
+            indented.push_str(line);
+        }
+        indented
+    };
+    if first {
+        indented.insert_str(0, &indention);
+    }
+    Ok(indented)
 }
 
 /// jinja2's `sequence` test: what has a length and an item by index in Python (strings,

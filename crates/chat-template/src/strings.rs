@@ -237,7 +237,7 @@ fn is_line_break(c: char) -> bool {
     )
 }
 
-fn splitlines(text: &str, keepends: bool) -> Vec<&str> {
+pub(crate) fn splitlines(text: &str, keepends: bool) -> Vec<&str> {
     let mut lines = Vec::new();
     let mut start = 0;
     let mut chars = text.char_indices().peekable();
