@@ -897,7 +897,7 @@ async fn tokenize_here_or_on(
 /// (the request `body`, whose model's tokenizer `local` is) tokenized by the pod at
 /// `endpoint` in the background and compared with `tokens`, kvroute's own. The request
 /// does not wait for it. A difference stops local tokenization for the model (for its
-/// prompts with tools or reasoning only, where the prompt had them: [`PromptKind`]): they go to the
+/// prompts with tools, or with reasoning, only, where the prompt had them: [`PromptKind`]): they go to the
 /// pods' `/tokenize`, which is right by construction.
 fn check_against_pod(
     pod: &PodTokenizer,
@@ -938,9 +938,8 @@ fn check_against_pod(
             let difference = difference_report(&local, &tokens, &engine, at);
             let from_now_on = match kind {
                 PromptKind::Plain => "its prompts are",
-                PromptKind::Shaped => {
-                    "its prompts with tools or reasoning (others still agree) are"
-                }
+                PromptKind::Tools => "its prompts with tools (others still agree) are",
+                PromptKind::Reasoning => "its prompts with reasoning (others still agree) are",
             };
             error!(
                 model,

@@ -241,40 +241,54 @@ struct Loaded {
 }
 
 /// The checks of a tokenizer's prompts against the engine's own tokens, kept apart for
-/// prompts with and without tools or reasoning ([`PromptKind`]).
+/// prompts with tools, with reasoning and with neither ([`PromptKind`]).
 #[derive(Debug, Default)]
 struct Checks {
     /// Check the first prompt of each kind and then every this many (0: never).
     every: AtomicU64,
     /// Prompts tokenized so far, by kind.
-    tokenized: [AtomicU64; 2],
+    tokenized: [AtomicU64; KINDS],
     /// A check found other tokens than the engine's, by kind.
-    differs: [AtomicBool; 2],
+    differs: [AtomicBool; KINDS],
 }
 
-/// Prompts checked apart: tools, tool calls and reasoning are shaped by rules of their own
-/// (`kvroute_chat_template::tools`; transformers 5's `thinking`), which an engine release
-/// may change while the rest of its rendering stays the same, so a difference found there
-/// sets aside the local rendering of such prompts alone.
+/// Prompts checked apart: tools and tool calls are shaped by rules of their own
+/// (`kvroute_chat_template::tools`), and reasoning by transformers' release (5 adds
+/// `thinking`), which an engine release may change while the rest of its rendering stays
+/// the same, so a difference found on such a prompt sets aside the local rendering of
+/// prompts of its kind alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PromptKind {
     Plain = 0,
-    /// The body mentions tools or reasoning: a field or a role starting `"tool` (tools,
-    /// tool calls, a tool's result) or `"reasoning`. Text that quotes such a name only puts
-    /// a prompt in this class.
-    Shaped = 1,
+    /// The body mentions tools: a field or a role starting `"tool` (tools, tool calls, a
+    /// tool's result), and no reasoning. Text that quotes such a name only puts a prompt
+    /// in this class.
+    Tools = 1,
+    /// The body mentions reasoning (a field starting `"reasoning`), with or without tools.
+    Reasoning = 2,
 }
 
+const KINDS: usize = 3;
+
 impl PromptKind {
+    /// The kind a prompt is counted and checked as: the most particular it has.
     pub fn of(body: &[u8]) -> PromptKind {
-        if memchr::memmem::find(body, b"\"tool").is_some()
-            || memchr::memmem::find(body, b"\"reasoning").is_some()
-        {
-            PromptKind::Shaped
+        if mentions_reasoning(body) {
+            PromptKind::Reasoning
+        } else if mentions_tools(body) {
+            PromptKind::Tools
         } else {
             PromptKind::Plain
         }
     }
+}
+
+fn mentions_tools(body: &[u8]) -> bool {
+    memchr::memmem::find(body, b"\"tool").is_some()
+}
+
+fn mentions_reasoning(body: &[u8]) -> bool {
+    memchr::memmem::find(body, b"\"reasoning").is_some()
 }
 
 impl std::fmt::Debug for Loaded {
@@ -473,12 +487,18 @@ impl LocalTokenizer {
                     .chat
                     .as_ref()
                     .ok_or(Unsupported::NoChatTemplate)?;
-                if self.checks.differs[PromptKind::Shaped as usize].load(Ordering::Relaxed)
-                    && PromptKind::of(body) == PromptKind::Shaped
-                {
+                // A prompt with tools and reasoning is set aside by a difference found on
+                // either kind.
+                let differs =
+                    |kind: PromptKind| self.checks.differs[kind as usize].load(Ordering::Relaxed);
+                if differs(PromptKind::Tools) && mentions_tools(body) {
                     return Err(Unsupported::LeftToPod(
-                        "has tools or reasoning, which a check found rendered otherwise by the \
-                         engine",
+                        "has tools, which a check found rendered otherwise by the engine",
+                    ));
+                }
+                if differs(PromptKind::Reasoning) && mentions_reasoning(body) {
+                    return Err(Unsupported::LeftToPod(
+                        "has reasoning, which a check found rendered otherwise by the engine",
                     ));
                 }
                 Ok((
@@ -517,13 +537,14 @@ impl LocalTokenizer {
     }
 
     /// Notes that a check of a prompt of `kind` found other tokens than the engine's:
-    /// from now on the pods tokenize this model's prompts (those with tools or reasoning
-    /// only, for such a prompt). Whether it is the first such finding for the kind.
+    /// from now on the pods tokenize this model's prompts (those with tools, or with
+    /// reasoning, only, for such a prompt). Whether it is the first such finding for the
+    /// kind.
     pub fn found_different(&self, kind: PromptKind) -> bool {
         !self.checks.differs[kind as usize].swap(true, Ordering::Relaxed)
     }
 
-    /// Whether a check of a prompt without tools or reasoning found other tokens than the engine's
+    /// Whether a check of a prompt with neither tools nor reasoning found other tokens than the engine's
     /// (the tokenizer is then set aside for the model).
     pub fn differs(&self) -> bool {
         self.checks.differs[PromptKind::Plain as usize].load(Ordering::Relaxed)
