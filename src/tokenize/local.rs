@@ -755,13 +755,7 @@ fn shaped(
     };
     let value: Value =
         serde_json::from_str(field.get()).map_err(|_| Unsupported::LeftToPod(unparsable))?;
-    if kvroute_chat_template::long_digit_run(field.get().as_bytes())
-        && kvroute_chat_template::holds_wide_number(&value)
-    {
-        return Err(Unsupported::LeftToPod(
-            "holds an integer beyond 64 bits (or a float that large)",
-        ));
-    }
+    kvroute_chat_template::wide_numbers(field.get(), &value).map_err(left_to_pod)?;
     shape(&value).map(Some).map_err(left_to_pod)
 }
 

@@ -35,7 +35,7 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 pub use continuation::{CONTINUE_MARKER, cut_at_marker};
 pub use source::{loops_over_content, template_source};
 pub use time::strftime;
-pub use tools::{Unshaped, documents, holds_wide_number, long_digit_run, tool_calls, tools};
+pub use tools::{Unshaped, documents, holds_wide_number, tool_calls, tools, wide_numbers};
 
 /// The special tokens transformers hands a chat template by name (its tokenizer's
 /// `special_tokens_map`), where the tokenizer has them.
@@ -89,6 +89,23 @@ pub(crate) fn map_pairs(map: &Value) -> Option<Vec<(Value, Value)>> {
             .ok()?
             .map(|key| map.get_item(&key).ok().map(|item| (key, item)))
             .collect(),
+    }
+}
+
+/// An argument jinja2 takes by position or by keyword: `given` by position, else the
+/// keyword `name` (left unread when given by position, so that both at once is refused
+/// by `Kwargs::assert_all_used`).
+pub(crate) fn or_keyword<'a, T>(
+    given: Option<T>,
+    kwargs: &'a minijinja::value::Kwargs,
+    name: &'a str,
+) -> Result<Option<T>, Error>
+where
+    Option<T>: minijinja::value::ArgType<'a, Output = Option<T>>,
+{
+    match given {
+        Some(given) => Ok(Some(given)),
+        None => kwargs.get(name),
     }
 }
 

@@ -11,6 +11,7 @@ use std::fmt::Write;
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Error, ErrorKind, Output, State};
 
+use crate::or_keyword;
 use crate::strings::python_strip;
 
 /// The environment's formatter: lists, dicts and floats as Python writes them, the rest as
@@ -55,10 +56,7 @@ pub(crate) fn join(
     separator: Option<Value>,
     kwargs: Kwargs,
 ) -> Result<String, Error> {
-    let separator = match separator {
-        Some(separator) => Some(separator),
-        None => kwargs.get::<Option<Value>>("d")?,
-    };
+    let separator = or_keyword(separator, &kwargs, "d")?;
     let attribute: Option<Value> = kwargs.get("attribute")?;
     kwargs.assert_all_used()?;
     let separator = match separator {
@@ -105,10 +103,7 @@ pub(crate) fn indent(
     blank: Option<bool>,
     kwargs: Kwargs,
 ) -> Result<String, Error> {
-    let width = match width {
-        Some(width) => Some(width),
-        None => kwargs.get::<Option<Value>>("width")?,
-    };
+    let width = or_keyword(width, &kwargs, "width")?;
     let first = first
         .or(kwargs.get::<Option<bool>>("first")?)
         .unwrap_or(false);

@@ -28,6 +28,8 @@
 use minijinja::value::{Kwargs, from_args};
 use minijinja::{Error, ErrorKind, State, Value};
 
+use crate::or_keyword;
+
 /// The environment's callback for methods minijinja does not have.
 pub(crate) fn unknown_method(
     state: &State<'_, '_>,
@@ -58,14 +60,8 @@ fn string_method(text: &str, method: &str, args: &[Value]) -> Result<Option<Valu
         }
         "split" | "rsplit" => {
             let (sep, maxsplit, kwargs): (Option<&str>, Option<i64>, Kwargs) = from_args(args)?;
-            let sep = match sep {
-                Some(sep) => Some(sep),
-                None => kwargs.get::<Option<&str>>("sep")?,
-            };
-            let maxsplit = match maxsplit {
-                Some(maxsplit) => Some(maxsplit),
-                None => kwargs.get::<Option<i64>>("maxsplit")?,
-            };
+            let sep = or_keyword(sep, &kwargs, "sep")?;
+            let maxsplit = or_keyword(maxsplit, &kwargs, "maxsplit")?;
             kwargs.assert_all_used()?;
             // Python's -1 (or any negative number): no limit.
             let limit = maxsplit.and_then(|n| usize::try_from(n).ok());
@@ -80,10 +76,7 @@ fn string_method(text: &str, method: &str, args: &[Value]) -> Result<Option<Valu
         }
         "splitlines" => {
             let (keepends, kwargs): (Option<bool>, Kwargs) = from_args(args)?;
-            let keepends = match keepends {
-                Some(keepends) => keepends,
-                None => kwargs.get::<Option<bool>>("keepends")?.unwrap_or(false),
-            };
+            let keepends = or_keyword(keepends, &kwargs, "keepends")?.unwrap_or(false);
             kwargs.assert_all_used()?;
             Value::from_iter(splitlines(text, keepends).into_iter().map(Value::from))
         }
@@ -120,10 +113,9 @@ fn string_method(text: &str, method: &str, args: &[Value]) -> Result<Option<Valu
             let () = from_args(args)?;
             Value::from(cased_as(text, method == "islower"))
         }
-        "isdigit" | "isnumeric" | "isalpha" | "isalnum" | "isascii" if text.is_empty() => {
+        "isdigit" | "isnumeric" | "isalpha" | "isalnum" if text.is_empty() => {
             let () = from_args(args)?;
-            // `"".isascii()` alone is true in Python.
-            Value::from(method == "isascii")
+            Value::from(false)
         }
         _ => return Ok(None),
     }))
@@ -139,7 +131,7 @@ pub(crate) fn is_space(c: char) -> bool {
     c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
 }
 
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy)]
 enum Ends {
     Start,
     End,

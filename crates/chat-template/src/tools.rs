@@ -41,8 +41,7 @@ impl std::fmt::Display for Unshaped {
 /// digit, reach a template from serde_json as floats (written `1e+20`), and cannot be
 /// told from a float the request wrote so: a template that prints either may print other
 /// text than the engine's. [`tool_calls`] checks the calls; a caller of [`tools`] checks
-/// the tools where their text has a [`long_digit_run`] (walking a tool's schema costs
-/// more than shaping it).
+/// the tools with [`wide_numbers`] (walking a tool's schema costs more than shaping it).
 pub fn holds_wide_number(value: &Value) -> bool {
     const WIDE: f64 = 9_223_372_036_854_775_808.0;
     match value.kind() {
@@ -66,7 +65,7 @@ pub fn holds_wide_number(value: &Value) -> bool {
 /// Whether `text` holds 19 ASCII digits in a row, as every integer beyond 64 bits written
 /// out does (2⁶³ has 19 digits): a test of eight bytes at a time, so that only a text that
 /// may hold one pays for [`holds_wide_number`]'s walk.
-pub fn long_digit_run(text: &[u8]) -> bool {
+fn long_digit_run(text: &[u8]) -> bool {
     const RUN: u32 = 19;
     const HIGH: u64 = 0x8080_8080_8080_8080;
     let mut run = 0u32;
@@ -107,6 +106,16 @@ pub fn long_digit_run(text: &[u8]) -> bool {
 }
 
 const WIDE_NUMBER: Unshaped = Unshaped("holds an integer beyond 64 bits (or a float that large)");
+
+/// Refused where `parsed`, read from the JSON `text`, [`holds_wide_number`]: walked only
+/// where the text has a [`long_digit_run`].
+pub fn wide_numbers(text: &str, parsed: &Value) -> Result<(), Unshaped> {
+    if long_digit_run(text.as_bytes()) && holds_wide_number(parsed) {
+        Err(WIDE_NUMBER)
+    } else {
+        Ok(())
+    }
+}
 
 /// vLLM's `[tool.model_dump() for tool in request.tools]` of a request's `tools`, read in
 /// the request's order (a `minijinja::Value` deserialized from its JSON).
@@ -259,10 +268,10 @@ fn tool_call(call: &Value) -> Result<Value, Unshaped> {
         None => return Err(Unshaped("has tool call arguments that are not a string")),
         Some("") => Value::from_iter(std::iter::empty::<(String, Value)>()),
         Some(json) => match serde_json::from_str::<Value>(json) {
-            Ok(parsed) if long_digit_run(json.as_bytes()) && holds_wide_number(&parsed) => {
-                return Err(WIDE_NUMBER);
+            Ok(parsed) if parsed.kind() == ValueKind::Map => {
+                wide_numbers(json, &parsed)?;
+                parsed
             }
-            Ok(parsed) if parsed.kind() == ValueKind::Map => parsed,
             // vLLM releases differ here: an error, the value as it is, or `{}`.
             _ => {
                 return Err(Unshaped(
