@@ -138,12 +138,12 @@ async fn a_prompt_goes_to_the_pod_whose_events_show_its_prefix_even_if_it_came_a
     let envoy = Envoy::start(Gateway::OriginalDst, kvroute.addrs.grpc, &pods).await;
     let url = envoy.url("/v1/completions");
     for (k, (text, warm)) in prompts.iter().enumerate() {
-        let response = client
-            .post(&url)
-            .json(&json!({"model": MODEL, "prompt": format!("{text} and then?"), "max_tokens": 2}))
-            .send()
-            .await
-            .expect("Envoy answers");
+        let response = post(
+            &client,
+            &url,
+            &json!({"model": MODEL, "prompt": format!("{text} and then?"), "max_tokens": 2}),
+        )
+        .await;
         assert_eq!(response.status(), 200, "{}", envoy.log());
         // Waiting for a pod's /tokenize is not waiting for room: no queue time reported.
         assert_eq!(response.headers().get("server-timing"), None);
@@ -262,12 +262,7 @@ async fn kvroute_tokenizes_chats_as_the_pods_do_and_asks_a_pod_only_what_it_cann
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]);
     asked.push((with_image, contexts[0].1));
     for (k, (body, warm)) in asked.iter().enumerate() {
-        let response = client
-            .post(&url)
-            .json(body)
-            .send()
-            .await
-            .expect("Envoy answers");
+        let response = post(&client, &url, body).await;
         assert_eq!(response.status(), 200, "{}", envoy.log());
         let served = served_by(&response).expect("the pod names itself");
         assert_eq!(
@@ -333,12 +328,7 @@ async fn a_tokenizer_that_disagrees_with_the_pods_is_found_by_its_first_check_an
     let url = envoy.url("/v1/chat/completions");
     // The first prompt is tokenized with the wrong template, and checked (the default
     // checks each model's first prompt).
-    let response = client
-        .post(&url)
-        .json(&chat(&context, "And the last one?"))
-        .send()
-        .await
-        .expect("Envoy answers");
+    let response = post(&client, &url, &chat(&context, "And the last one?")).await;
     assert_eq!(response.status(), 200, "{}", envoy.log());
     let first = response_pod(&pods, &response);
     let differed = "kvroute_local_tokenizer_checks_total{result=\"differ\"}";
@@ -351,12 +341,7 @@ async fn a_tokenizer_that_disagrees_with_the_pods_is_found_by_its_first_check_an
     // context's blocks (held by the pod that computed it, and by the one that served the
     // first prompt, if another) and go to a pod holding them.
     for question in ["And then?", "And after that?"] {
-        let response = client
-            .post(&url)
-            .json(&chat(&context, question))
-            .send()
-            .await
-            .expect("Envoy answers");
+        let response = post(&client, &url, &chat(&context, question)).await;
         assert_eq!(response.status(), 200, "{}", envoy.log());
         let served = response_pod(&pods, &response);
         assert!(
@@ -410,12 +395,7 @@ async fn a_difference_found_on_a_prompt_with_tools_leaves_only_prompts_with_tool
     let send = |body: serde_json::Value| {
         let (client, url) = (client.clone(), url.clone());
         async move {
-            let response = client
-                .post(&url)
-                .json(&body)
-                .send()
-                .await
-                .expect("Envoy answers");
+            let response = post(&client, &url, &body).await;
             assert_eq!(response.status(), 200);
         }
     };
@@ -581,13 +561,23 @@ impl Drop for Replica {
 
 /// Sends `text` and a question through Envoy: its status and the pod that served it.
 async fn ask(client: &reqwest::Client, url: &str, text: &str) -> (u16, Option<usize>) {
-    let response = client
+    let response = post(
+        client,
+        url,
+        &json!({"model": MODEL, "prompt": format!("{text} and then?"), "max_tokens": 2}),
+    )
+    .await;
+    (response.status().as_u16(), served_by(&response))
+}
+
+/// `body` posted through Envoy at `url`.
+async fn post(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> reqwest::Response {
+    client
         .post(url)
-        .json(&json!({"model": MODEL, "prompt": format!("{text} and then?"), "max_tokens": 2}))
+        .json(body)
         .send()
         .await
-        .expect("Envoy answers");
-    (response.status().as_u16(), served_by(&response))
+        .expect("Envoy answers")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1034,12 +1024,7 @@ async fn the_response_observer_checks_each_prediction_against_the_pods_own_usage
                 body["stream"] = json!(true);
                 body["stream_options"] = json!({"include_usage": true});
             }
-            let response = client
-                .post(&url)
-                .json(&body)
-                .send()
-                .await
-                .expect("Envoy answers");
+            let response = post(&client, &url, &body).await;
             assert_eq!(response.status(), 200, "{}", envoy.log());
             let usage = if stream {
                 streamed_usage(response).await
