@@ -39,6 +39,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
+use minijinja::value::Serde;
 use minijinja::{Environment, Error as TemplateError, Value};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -724,7 +725,7 @@ impl ChatTemplate {
         }
         context.extend(kwargs);
         context.push(("messages".into(), Value::from(messages)));
-        let context: Value = context.into_iter().collect();
+        let context = Value::from_pairs(context);
         let rendered = self
             .env
             .get_template(template)
@@ -822,9 +823,7 @@ fn message_for_template(
             texts
                 .into_iter()
                 .map(|text| {
-                    [("type", Value::from("text")), ("text", Value::from(text))]
-                        .into_iter()
-                        .collect::<Value>()
+                    Value::from_pairs([("type", Value::from("text")), ("text", Value::from(text))])
                 })
                 .collect::<Vec<_>>(),
         )
@@ -834,7 +833,7 @@ fn message_for_template(
     let role = message.role.as_ref();
     let is = |name: &str| role.and_then(serde_json::Value::as_str) == Some(name);
     let mut fields: Vec<(&str, Value)> = Vec::with_capacity(6);
-    fields.extend(role.map(|role| ("role", Value::from_serialize(role))));
+    fields.extend(role.map(|role| ("role", Value::from(Serde(role)))));
     fields.push(("content", content));
     if is("assistant") {
         if let Some(calls) = message.tool_calls.as_ref().filter(|calls| !calls.is_none()) {
@@ -844,7 +843,7 @@ fn message_for_template(
         let reasoning = [&message.reasoning, &message.reasoning_content]
             .into_iter()
             .find_map(|field| field.as_ref().filter(|value| !value.is_null()))
-            .map(Value::from_serialize);
+            .map(|v| Value::from(Serde(v)));
         if let Some(reasoning) = reasoning {
             // transformers 5 hands it over as `thinking` too, first (gpt-oss's templates
             // read that name); 4.x does not, and the checks against the engine, which
@@ -857,14 +856,14 @@ fn message_for_template(
         fields.extend(message.tool_call_id.clone().map(|id| ("tool_call_id", id)));
     }
     let name = message.name.as_ref().filter(|name| name.is_string());
-    fields.extend(name.map(|name| ("name", Value::from_serialize(name))));
+    fields.extend(name.map(|name| ("name", Value::from(Serde(name)))));
     if is("developer") {
         if message.tools.as_ref().is_some_and(|tools| !tools.is_none()) {
             return Err(Unsupported::LeftToPod("has a developer message with tools"));
         }
         fields.push(("tools", Value::from(())));
     }
-    Ok((fields.into_iter().collect(), final_text))
+    Ok((Value::from_pairs(fields), final_text))
 }
 
 /// The request's `chat_template_kwargs` by name, in their order (none: no arguments).

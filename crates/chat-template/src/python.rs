@@ -18,7 +18,7 @@ use crate::strings::python_strip;
 /// minijinja does (which already writes `True`, `False` and `None` as Python does).
 pub(crate) fn format(
     out: &mut Output<'_>,
-    state: &State<'_, '_>,
+    state: &mut State<'_, '_>,
     value: &Value,
 ) -> Result<(), Error> {
     match value.kind() {
@@ -179,14 +179,21 @@ fn write_error(e: std::fmt::Error) -> Error {
 fn repr(out: &mut String, value: &Value) -> Result<(), Error> {
     match value.kind() {
         ValueKind::Seq | ValueKind::Iterable => {
-            out.push('[');
+            // A tuple (`(1, 2)`, `dictsort`'s pairs) as Python writes one: `(1,)` alone.
+            let tuple = value.is_tuple();
+            out.push(if tuple { '(' } else { '[' });
+            let mut items = 0;
             for (i, item) in value.try_iter()?.enumerate() {
                 if i > 0 {
                     out.push_str(", ");
                 }
                 repr(out, &item)?;
+                items += 1;
             }
-            out.push(']');
+            if tuple && items == 1 {
+                out.push(',');
+            }
+            out.push(if tuple { ')' } else { ']' });
         }
         ValueKind::Map => {
             out.push('{');

@@ -32,7 +32,7 @@ use crate::or_keyword;
 
 /// The environment's callback for methods minijinja does not have.
 pub(crate) fn unknown_method(
-    state: &State<'_, '_>,
+    state: &mut State<'_, '_>,
     value: &Value,
     method: &str,
     args: &[Value],

@@ -181,11 +181,12 @@ fn declared_then_extra<const N: usize>(
     declared: [(&str, Value); N],
     extra: Vec<(String, Value)>,
 ) -> Value {
-    declared
-        .into_iter()
-        .map(|(name, value)| (name.to_owned(), value))
-        .chain(extra)
-        .collect()
+    Value::from_pairs(
+        declared
+            .into_iter()
+            .map(|(name, value)| (name.to_owned(), value))
+            .chain(extra),
+    )
 }
 
 /// The entries of `map` named `declared`, in that order (each present, or `None` where the
@@ -266,7 +267,7 @@ fn tool_call(call: &Value) -> Result<Value, Unshaped> {
         .ok_or(Unshaped("has a tool call function with no string name"))?;
     let arguments = match arguments.as_ref().and_then(Value::as_str) {
         None => return Err(Unshaped("has tool call arguments that are not a string")),
-        Some("") => Value::from_iter(std::iter::empty::<(String, Value)>()),
+        Some("") => Value::from_pairs(std::iter::empty::<(String, Value)>()),
         Some(json) => match serde_json::from_str::<Value>(json) {
             Ok(parsed) if parsed.kind() == ValueKind::Map => {
                 wide_numbers(json, &parsed)?;

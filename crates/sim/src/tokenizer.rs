@@ -54,6 +54,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use minijinja::value::Serde;
 use minijinja::{Environment, Value as JinjaValue};
 use serde_json::Value;
 
@@ -373,7 +374,7 @@ impl HfTokenizer {
         );
         for (k, v) in &kwargs {
             if k != "continue_final_message" {
-                ctx.insert(k.clone(), JinjaValue::from_serialize(v));
+                ctx.insert(k.clone(), JinjaValue::from(Serde(v)));
             }
         }
         let final_text = messages
@@ -382,12 +383,12 @@ impl HfTokenizer {
             .unwrap_or_default();
         let for_template = messages
             .into_iter()
-            .map(|m| m.fields.into_iter().collect::<JinjaValue>())
+            .map(|m| JinjaValue::from_pairs(m.fields))
             .collect::<Vec<_>>();
         ctx.insert("messages".into(), JinjaValue::from(for_template));
 
         let template = self.env.get_template(name).map_err(PromptError::Render)?;
-        let rendered = kvroute_chat_template::render(&template, JinjaValue::from_iter(ctx))
+        let rendered = kvroute_chat_template::render(&template, JinjaValue::from_pairs(ctx))
             .map_err(PromptError::Render)?;
         if continue_final_message {
             return kvroute_chat_template::cut_at_marker(&rendered, &final_text).ok_or_else(|| {
@@ -519,14 +520,14 @@ fn message(
                 .or_else(|| m.get("reasoning_content").filter(|v| !v.is_null()));
             if let Some(r) = reasoning {
                 // As transformers 5 adds it, first.
-                fields.insert(0, ("thinking", JinjaValue::from_serialize(r)));
-                fields.push(("reasoning", JinjaValue::from_serialize(r)));
-                fields.push(("reasoning_content", JinjaValue::from_serialize(r)));
+                fields.insert(0, ("thinking", JinjaValue::from(Serde(r))));
+                fields.push(("reasoning", JinjaValue::from(Serde(r))));
+                fields.push(("reasoning_content", JinjaValue::from(Serde(r))));
             }
         }
         "tool" => {
             if let Some(id) = m.get("tool_call_id") {
-                fields.push(("tool_call_id", JinjaValue::from_serialize(id)));
+                fields.push(("tool_call_id", JinjaValue::from(Serde(id))));
             }
         }
         _ => {}
@@ -550,12 +551,10 @@ fn message(
 }
 
 fn text_part(text: &str) -> JinjaValue {
-    [
+    JinjaValue::from_pairs([
         ("type", JinjaValue::from("text")),
         ("text", JinjaValue::from(text)),
-    ]
-    .into_iter()
-    .collect()
+    ])
 }
 
 #[cfg(test)]
