@@ -130,6 +130,8 @@ pub fn environment() -> Environment<'static> {
     env.add_filter("tojson", json::tojson);
     env.add_filter("join", python::join);
     env.add_filter("indent", python::indent);
+    env.add_filter("center", python::center);
+    env.add_filter("truncate", python::truncate);
     env.add_test("sequence", python::is_sequence);
     env.add_test("iterable", python::is_iterable);
     env.add_function("raise_exception", raise_exception);
@@ -235,6 +237,38 @@ mod tests {
                 .expect("renders"),
             "  hi|{\"role\": \"user\", \"content\": \" hi \"}\nab"
         );
+    }
+
+    #[test]
+    fn center_and_truncate_write_as_jinja2_does() {
+        // What jinja2 3.1 (transformers' sandboxed environment) prints for the same.
+        let env = environment();
+        let render = |template: &str| env.render_str(template, ()).expect("renders");
+        assert_eq!(render("{{ 'ab'|center(7) }}|"), "   ab  |");
+        assert_eq!(render("{{ 'ab'|center(6) }}|"), "  ab  |");
+        assert_eq!(render("{{ 'abc'|center(6) }}|"), " abc  |");
+        assert_eq!(render("{{ 'abc'|center(2) }}|"), "abc|");
+        assert_eq!(render("{{ 1.5|center(9) }}|"), "   1.5   |");
+        assert_eq!(render("{{ 'ab'.center(7, '*') }}|"), "***ab**|");
+        assert_eq!(
+            render("{{ 'héllo wörld'.center(15, '·') }}|"),
+            "··héllo wörld··|"
+        );
+        let text = "{% set t = 'hello brave new world' %}";
+        let truncated = |filter: &str| render(&format!("{text}{{{{ t|{filter} }}}}"));
+        assert_eq!(truncated("truncate(12)"), "hello...");
+        assert_eq!(truncated("truncate(17)"), "hello brave new world");
+        assert_eq!(truncated("truncate(12, true, leeway=0)"), "hello bra...");
+        assert_eq!(
+            truncated("truncate(12, killwords=false, end='…', leeway=0)"),
+            "hello…"
+        );
+        assert_eq!(
+            render("{{ 'helloworldbrave'|truncate(8, leeway=0) }}"),
+            "hello..."
+        );
+        // jinja2 asserts its arguments: the template fails (and the request asks a pod).
+        assert!(env.render_str("{{ 'abc'|truncate(2) }}", ()).is_err());
     }
 
     #[test]

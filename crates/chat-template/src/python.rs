@@ -4,7 +4,8 @@
 //! text. A template that prints a message's content parts, which vLLM hands over as a
 //! list where the template loops over them elsewhere, puts exactly that text into the
 //! prompt. Floats follow Python's `repr` too (`2.5e+20`, `1e-05`), and the filters that
-//! turn a value into text (`string`, `trim`, `join`, `indent`) use Python's `str()`.
+//! turn a value into text (`string`, `trim`, `join`, `indent`, `center`, `truncate`)
+//! use Python's `str()`.
 
 use std::fmt::Write;
 
@@ -32,6 +33,38 @@ pub(crate) fn format(
             .map_err(write_error),
         _ => minijinja::escape_formatter(out, state, value),
     }
+}
+
+/// jinja2's `center` filter: Python's `str(value).center(width)`.
+pub(crate) fn center(value: &Value, width: Option<i64>) -> Result<String, Error> {
+    Ok(crate::strings::center(
+        &str_of(value)?,
+        width.unwrap_or(80),
+        ' ',
+    ))
+}
+
+/// jinja2's `truncate` filter (see [`crate::strings::truncate`]), by position or keyword
+/// (`leeway` by keyword only: a fourth positional argument fails, and asks a pod).
+pub(crate) fn truncate(
+    value: &Value,
+    length: Option<i64>,
+    killwords: Option<bool>,
+    end: Option<String>,
+    kwargs: Kwargs,
+) -> Result<String, Error> {
+    let length = or_keyword(length, &kwargs, "length")?.unwrap_or(255);
+    let killwords = or_keyword(killwords, &kwargs, "killwords")?.unwrap_or(false);
+    let end: Option<String> = or_keyword(end, &kwargs, "end")?;
+    let leeway: Option<i64> = kwargs.get("leeway")?;
+    kwargs.assert_all_used()?;
+    crate::strings::truncate(
+        &str_of(value)?,
+        length,
+        killwords,
+        end.as_deref().unwrap_or("..."),
+        leeway.unwrap_or(5),
+    )
 }
 
 /// Jinja's `string` filter as jinja2 runs it: Python's `str()`.

@@ -105,6 +105,16 @@ fn string_method(text: &str, method: &str, args: &[Value]) -> Result<Option<Valu
             let () = from_args(args)?;
             Value::from(capitalize(text))
         }
+        "center" => {
+            let (width, fill): (i64, Option<&str>) = from_args(args)?;
+            let mut fill = fill.unwrap_or(" ").chars();
+            let (Some(fill), None) = (fill.next(), fill.next()) else {
+                return Err(invalid(
+                    "The fill character must be exactly one character long",
+                ));
+            };
+            Value::from(center(text, width, fill))
+        }
         "isspace" => {
             let () = from_args(args)?;
             Value::from(!text.is_empty() && text.chars().all(is_space))
@@ -330,6 +340,58 @@ fn title(text: &str) -> String {
 
 /// `str.capitalize()`: the first character in title case, the rest in lower case (the
 /// jinja2 filter `capitalize` calls it).
+/// Python's `str.center(width, fill)`: `text` padded on both sides to `width` characters,
+/// the odd one on the left when `width` is odd, else on the right (CPython's `pad`).
+pub(crate) fn center(text: &str, width: i64, fill: char) -> String {
+    let len = text.chars().count();
+    let Some(margin) = usize::try_from(width).ok().and_then(|w| w.checked_sub(len)) else {
+        return text.to_owned();
+    };
+    let width = usize::try_from(width).unwrap_or(0);
+    let left = margin / 2 + (margin & width & 1);
+    let mut out = String::with_capacity(text.len() + margin * fill.len_utf8());
+    out.extend(std::iter::repeat_n(fill, left));
+    out.push_str(text);
+    out.extend(std::iter::repeat_n(fill, margin - left));
+    out
+}
+
+/// jinja2's `truncate(length=255, killwords=False, end='...', leeway=None)` with the
+/// environment's default policy (a leeway of 5): text within `length + leeway` characters
+/// is kept whole; longer text is cut to `length − len(end)` characters, back to its last
+/// space unless `killwords`, and `end` appended.
+pub(crate) fn truncate(
+    text: &str,
+    length: i64,
+    killwords: bool,
+    end: &str,
+    leeway: i64,
+) -> Result<String, Error> {
+    let end_len = end.chars().count() as i64;
+    if length < end_len {
+        return Err(invalid(&format!(
+            "expected length >= {end_len}, got {length}"
+        )));
+    }
+    if leeway < 0 {
+        return Err(invalid(&format!("expected leeway >= 0, got {leeway}")));
+    }
+    if text.chars().count() as i64 <= length.saturating_add(leeway) {
+        return Ok(text.to_owned());
+    }
+    let keep = usize::try_from(length - end_len).unwrap_or(0);
+    let head = match text.char_indices().nth(keep) {
+        Some((at, _)) => &text[..at],
+        None => text,
+    };
+    let head = if killwords {
+        head
+    } else {
+        head.rsplit_once(' ').map_or(head, |(before, _)| before)
+    };
+    Ok(format!("{head}{end}"))
+}
+
 pub(crate) fn capitalize(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut chars = text.chars();
