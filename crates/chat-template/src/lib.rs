@@ -239,50 +239,57 @@ mod tests {
         );
     }
 
+    /// What jinja2 3.1 (transformers' sandboxed environment) prints for each template.
+    fn assert_renders_as_jinja2(cases: &[(&str, &str)]) {
+        let env = environment();
+        for (template, jinja2) in cases {
+            let rendered = env.render_str(template, ()).expect("renders");
+            assert_eq!(&rendered, jinja2, "{template}");
+        }
+    }
+
     #[test]
     fn center_and_truncate_write_as_jinja2_does() {
-        // What jinja2 3.1 (transformers' sandboxed environment) prints for the same.
-        let env = environment();
-        let render = |template: &str| env.render_str(template, ()).expect("renders");
-        assert_eq!(render("{{ 'ab'|center(7) }}|"), "   ab  |");
-        assert_eq!(render("{{ 'ab'|center(6) }}|"), "  ab  |");
-        assert_eq!(render("{{ 'abc'|center(6) }}|"), " abc  |");
-        assert_eq!(render("{{ 'abc'|center(2) }}|"), "abc|");
-        assert_eq!(render("{{ 1.5|center(9) }}|"), "   1.5   |");
-        assert_eq!(render("{{ 'ab'.center(7, '*') }}|"), "***ab**|");
-        assert_eq!(
-            render("{{ 'héllo wörld'.center(15, '·') }}|"),
-            "··héllo wörld··|"
-        );
-        let text = "{% set t = 'hello brave new world' %}";
-        let truncated = |filter: &str| render(&format!("{text}{{{{ t|{filter} }}}}"));
-        assert_eq!(truncated("truncate(12)"), "hello...");
-        assert_eq!(truncated("truncate(17)"), "hello brave new world");
-        assert_eq!(truncated("truncate(12, true, leeway=0)"), "hello bra...");
-        assert_eq!(
-            truncated("truncate(12, killwords=false, end='…', leeway=0)"),
-            "hello…"
-        );
-        assert_eq!(
-            render("{{ 'helloworldbrave'|truncate(8, leeway=0) }}"),
-            "hello..."
-        );
+        let t = "{% set t = 'hello brave new world' %}";
+        assert_renders_as_jinja2(&[
+            ("{{ 'ab'|center(7) }}|", "   ab  |"),
+            ("{{ 'ab'|center(6) }}|", "  ab  |"),
+            ("{{ 'abc'|center(6) }}|", " abc  |"),
+            ("{{ 'abc'|center(2) }}|", "abc|"),
+            ("{{ 1.5|center(9) }}|", "   1.5   |"),
+            ("{{ 'ab'.center(7, '*') }}|", "***ab**|"),
+            ("{{ 'héllo wörld'.center(15, '·') }}|", "··héllo wörld··|"),
+            (&format!("{t}{{{{ t|truncate(12) }}}}"), "hello..."),
+            (
+                &format!("{t}{{{{ t|truncate(17) }}}}"),
+                "hello brave new world",
+            ),
+            (
+                &format!("{t}{{{{ t|truncate(12, true, leeway=0) }}}}"),
+                "hello bra...",
+            ),
+            (
+                &format!("{t}{{{{ t|truncate(12, killwords=false, end='…', leeway=0) }}}}"),
+                "hello…",
+            ),
+            ("{{ 'helloworldbrave'|truncate(8, leeway=0) }}", "hello..."),
+        ]);
         // jinja2 asserts its arguments: the template fails (and the request asks a pod).
-        assert!(env.render_str("{{ 'abc'|truncate(2) }}", ()).is_err());
+        assert!(
+            environment()
+                .render_str("{{ 'abc'|truncate(2) }}", ())
+                .is_err()
+        );
     }
 
     #[test]
     fn tuples_print_as_python_writes_them() {
-        // What jinja2 3.1 prints for the same expressions.
-        let env = environment();
-        let render = |template: &str| env.render_str(template, ()).expect("renders");
-        assert_eq!(render("{{ (1, 'a') }}"), "(1, 'a')");
-        assert_eq!(render("{{ (1,) }}"), "(1,)");
-        assert_eq!(render("{{ [(1, 2.5)] }}"), "[(1, 2.5)]");
-        assert_eq!(
-            render("{{ {'b': 1, 'a': 2}|dictsort }}"),
-            "[('a', 2), ('b', 1)]"
-        );
+        assert_renders_as_jinja2(&[
+            ("{{ (1, 'a') }}", "(1, 'a')"),
+            ("{{ (1,) }}", "(1,)"),
+            ("{{ [(1, 2.5)] }}", "[(1, 2.5)]"),
+            ("{{ {'b': 1, 'a': 2}|dictsort }}", "[('a', 2), ('b', 1)]"),
+        ]);
     }
 
     #[test]
