@@ -897,8 +897,8 @@ async fn tokenize_here_or_on(
 /// (the request `body`, whose model's tokenizer `local` is) tokenized by the pod at
 /// `endpoint` in the background and compared with `tokens`, kvroute's own. The request
 /// does not wait for it. A difference stops local tokenization for the model (for its
-/// prompts with tools, or with reasoning, only, where the prompt had them: [`PromptKind`]): they go to the
-/// pods' `/tokenize`, which is right by construction.
+/// prompts with tools, or with reasoning, only, where the prompt had them:
+/// [`PromptKind`]): they go to the pods' `/tokenize`, which is right by construction.
 fn check_against_pod(
     pod: &PodTokenizer,
     local: &Arc<LocalTokenizer>,

@@ -545,8 +545,8 @@ impl LocalTokenizer {
         !self.checks.differs[kind as usize].swap(true, Ordering::Relaxed)
     }
 
-    /// Whether a check of a prompt with neither tools nor reasoning found other tokens than the engine's
-    /// (the tokenizer is then set aside for the model).
+    /// Whether a check of a prompt with neither tools nor reasoning found other tokens
+    /// than the engine's (the tokenizer is then set aside for the model).
     pub fn differs(&self) -> bool {
         self.checks.differs[PromptKind::Plain as usize].load(Ordering::Relaxed)
     }

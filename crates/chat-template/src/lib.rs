@@ -9,8 +9,8 @@
 //! - the source's string literals are decoded as Python decodes them, and transformers'
 //!   `{% generation %}` tag is known ([`template_source`], `source.rs`);
 //! - values are written as Python's `str()` writes them (lists, dicts, floats), in
-//!   `{{ }}` and through the `string`, `trim`, `join` and `indent` filters, and the `sequence` and
-//!   `iterable` tests hold where Python's do (`python.rs`);
+//!   `{{ }}` and through the `string`, `trim`, `join`, `indent`, `center` and `truncate`
+//!   filters, and the `sequence` and `iterable` tests hold where Python's do (`python.rs`);
 //! - `tojson` is `json.dumps` (`json.rs`), `strftime_now` Python's `strftime` (`time.rs`);
 //! - string methods cut, split and case text as Python's do, with Python's white space
 //!   and line breaks, as do the `title` and `capitalize` filters (`strings.rs`).
@@ -139,9 +139,10 @@ pub fn environment() -> Environment<'static> {
     env
 }
 
-/// `template` rendered with `context`, where a panic inside minijinja (it has a few:
-/// slicing an empty list or string backwards, as `messages[::-1]` of no messages does)
-/// comes back as an error instead of unwinding through the caller.
+/// `template` rendered with `context`, where a panic inside minijinja comes back as an
+/// error instead of unwinding through the caller (2.24 panicked on an empty list or string
+/// sliced backwards, as `messages[::-1]` of no messages; 3.1 renders it, and the guard
+/// stays for whatever else might).
 pub fn render(template: &minijinja::Template<'_, '_>, context: Value) -> Result<String, Error> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| template.render(context)))
         .unwrap_or_else(|panic| {

@@ -13,7 +13,7 @@ use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Error, ErrorKind, Output, State};
 
 use crate::or_keyword;
-use crate::strings::python_strip;
+use crate::strings::{Ends, strip};
 
 /// The environment's formatter: lists, dicts and floats as Python writes them, the rest as
 /// minijinja does (which already writes `True`, `False` and `None` as Python does).
@@ -75,11 +75,7 @@ pub(crate) fn string(value: &Value) -> Result<String, Error> {
 /// Jinja's `trim` filter as jinja2 runs it: Python's `str(value).strip(chars)` (a list
 /// of content parts trimmed is the text of the list).
 pub(crate) fn trim(value: &Value, chars: Option<String>) -> Result<String, Error> {
-    let text = str_of(value)?;
-    Ok(match chars {
-        Some(chars) => text.trim_matches(|c| chars.contains(c)).to_owned(),
-        None => python_strip(&text).to_owned(),
-    })
+    Ok(strip(&str_of(value)?, chars.as_deref(), Ends::Both).to_owned())
 }
 
 /// jinja2's `join` filter: each item (or its `attribute`, a dotted path) written with

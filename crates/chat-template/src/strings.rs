@@ -142,14 +142,14 @@ pub(crate) fn is_space(c: char) -> bool {
 }
 
 #[derive(Clone, Copy)]
-enum Ends {
+pub(crate) enum Ends {
     Start,
     End,
     Both,
 }
 
 /// `strip`, `lstrip`, `rstrip`: the characters of `chars`, or Python's white space.
-fn strip<'a>(text: &'a str, chars: Option<&str>, ends: Ends) -> &'a str {
+pub(crate) fn strip<'a>(text: &'a str, chars: Option<&str>, ends: Ends) -> &'a str {
     let strips = |c: char| match chars {
         Some(chars) => chars.contains(c),
         None => is_space(c),
@@ -161,7 +161,7 @@ fn strip<'a>(text: &'a str, chars: Option<&str>, ends: Ends) -> &'a str {
     }
 }
 
-/// Python's `str.strip()`: the `trim` filter and the continuation's cut.
+/// Python's `str.strip()`, for the continuation's cut.
 pub(crate) fn python_strip(text: &str) -> &str {
     strip(text, None, Ends::Both)
 }
@@ -340,14 +340,27 @@ fn title(text: &str) -> String {
 
 /// `str.capitalize()`: the first character in title case, the rest in lower case (the
 /// jinja2 filter `capitalize` calls it).
+pub(crate) fn capitalize(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    if let Some(first) = chars.next() {
+        push_title(&mut out, first);
+    }
+    for c in chars {
+        out.extend(c.to_lowercase());
+    }
+    out
+}
+
 /// Python's `str.center(width, fill)`: `text` padded on both sides to `width` characters,
 /// the odd one on the left when `width` is odd, else on the right (CPython's `pad`).
 pub(crate) fn center(text: &str, width: i64, fill: char) -> String {
-    let len = text.chars().count();
-    let Some(margin) = usize::try_from(width).ok().and_then(|w| w.checked_sub(len)) else {
+    let Ok(width) = usize::try_from(width) else {
         return text.to_owned();
     };
-    let width = usize::try_from(width).unwrap_or(0);
+    let Some(margin) = width.checked_sub(text.chars().count()) else {
+        return text.to_owned();
+    };
     let left = margin / 2 + (margin & width & 1);
     let mut out = String::with_capacity(text.len() + margin * fill.len_utf8());
     out.extend(std::iter::repeat_n(fill, left));
@@ -390,18 +403,6 @@ pub(crate) fn truncate(
         head.rsplit_once(' ').map_or(head, |(before, _)| before)
     };
     Ok(format!("{head}{end}"))
-}
-
-pub(crate) fn capitalize(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    if let Some(first) = chars.next() {
-        push_title(&mut out, first);
-    }
-    for c in chars {
-        out.extend(c.to_lowercase());
-    }
-    out
 }
 
 /// jinja2's `title` filter: each piece between runs of white space and `-([{<` with its
