@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::columns::{Column, kept_columns};
 use super::fleet_stats::WindowStats;
@@ -31,7 +31,7 @@ pub struct PrefixCheckCount {
 /// What kvroute's KV-event subscriptions did over a run, summed over its replicas
 /// (`kvroute_kv_event_*_total` and `kvroute_tokenize_duration_seconds`): whether the index
 /// a run's placements read was whole.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct KvEventCounts {
     /// Event batches by result (`applied`, `seen`, `out_of_order`, `undecodable`,
     /// `malformed`).
@@ -45,6 +45,13 @@ pub struct KvEventCounts {
     /// Prompts tokenized on a pod, and their mean round trip.
     pub tokenized: u64,
     pub tokenize_mean_ms: Option<f64>,
+    /// Pods whose event stream was connected and in sequence when read.
+    #[serde(default)]
+    pub streams: u64,
+    /// Prompt tokens predicted cached on the chosen pod, by where the prediction came
+    /// from (`sent`, `kv_events`, `kv_events+sent`).
+    #[serde(default)]
+    pub predicted_tokens: BTreeMap<String, u64>,
 }
 
 /// One router's run of one workload: the load generator's report and the fleet's activity.
@@ -1157,6 +1164,7 @@ mod tests {
             resets: 1,
             tokenized: 40,
             tokenize_mean_ms: Some(0.4),
+            ..KvEventCounts::default()
         });
         let kvroute = run(
             RouterKind::Kvroute,

@@ -181,6 +181,96 @@ pub struct KvrouteCounters {
     pub kv_events: Option<super::report::KvEventCounts>,
 }
 
+/// What the kvroute processes whose `/metrics` listen at `metrics` counted so far, summed
+/// (the KV-event subscriptions' counts when they follow the pods' events).
+pub(crate) async fn kvroute_counters(
+    metrics: &[SocketAddr],
+    follows_kv_events: bool,
+) -> anyhow::Result<KvrouteCounters> {
+    let client = reqwest::Client::new();
+    let mut routed = Vec::with_capacity(metrics.len());
+    let mut checks: BTreeMap<(String, String), u64> = BTreeMap::new();
+    let mut events = super::report::KvEventCounts::default();
+    let (mut tokenize_s, mut tokenized) = (0.0, 0.0);
+    for addr in metrics {
+        let text = client
+            .get(format!("http://{addr}/metrics"))
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?;
+        const DECISIONS: &str = "kvroute_decisions_total";
+        const CHECKS: &str = "kvroute_prefix_checks_total";
+        const BATCHES: &str = "kvroute_kv_event_batches_total";
+        const GAPS: &str = "kvroute_kv_event_gaps_total";
+        const REPLAYS: &str = "kvroute_kv_event_replays_total";
+        const RESETS: &str = "kvroute_kv_event_resets_total";
+        const TOKENIZE_SUM: &str = "kvroute_tokenize_duration_seconds_sum";
+        const TOKENIZE_COUNT: &str = "kvroute_tokenize_duration_seconds_count";
+        const STREAMS: &str = "kvroute_kv_event_streams";
+        const PREDICTED: &str = "kvroute_prefix_predicted_cached_tokens_total";
+        let samples = kvroute_core::exposition::parse_where(&text, |name| {
+            [
+                DECISIONS,
+                CHECKS,
+                BATCHES,
+                GAPS,
+                REPLAYS,
+                RESETS,
+                TOKENIZE_SUM,
+                TOKENIZE_COUNT,
+                STREAMS,
+                PREDICTED,
+            ]
+            .contains(&name)
+        })
+        .map_err(|e| anyhow::anyhow!("kvroute's /metrics at {addr}: {e}"))?;
+        let mut decisions = 0.0;
+        for sample in &samples {
+            let label = |name: &str| sample.label(name).unwrap_or_default().to_owned();
+            let count = sample.value as u64;
+            match sample.name {
+                DECISIONS => decisions += sample.value,
+                CHECKS if sample.value > 0.0 => {
+                    *checks
+                        .entry((label("source"), label("outcome")))
+                        .or_default() += count;
+                }
+                BATCHES => *events.batches.entry(label("result")).or_default() += count,
+                GAPS => events.gaps += count,
+                REPLAYS => *events.replays.entry(label("outcome")).or_default() += count,
+                RESETS => events.resets += count,
+                TOKENIZE_SUM => tokenize_s += sample.value,
+                TOKENIZE_COUNT => tokenized += sample.value,
+                STREAMS => events.streams += count,
+                PREDICTED => {
+                    *events.predicted_tokens.entry(label("source")).or_default() += count;
+                }
+                _ => {}
+            }
+        }
+        routed.push(decisions as u64);
+    }
+    events.tokenized = tokenized as u64;
+    events.tokenize_mean_ms = (tokenized > 0.0).then(|| tokenize_s / tokenized * 1e3);
+    let prefix_checks = checks
+        .into_iter()
+        .map(
+            |((source, outcome), requests)| super::report::PrefixCheckCount {
+                source,
+                outcome,
+                requests,
+            },
+        )
+        .collect();
+    Ok(KvrouteCounters {
+        routed,
+        prefix_checks,
+        kv_events: follows_kv_events.then_some(events),
+    })
+}
+
 /// A running router; stopped by [`RunningRouter::stop`] or when dropped.
 pub struct RunningRouter {
     /// Which router.
@@ -221,80 +311,7 @@ impl RunningRouter {
         let Guard::Kvroute { metrics, .. } = &self.guard else {
             return Ok(KvrouteCounters::default());
         };
-        let client = reqwest::Client::new();
-        let mut routed = Vec::with_capacity(metrics.len());
-        let mut checks: BTreeMap<(String, String), u64> = BTreeMap::new();
-        let mut events = super::report::KvEventCounts::default();
-        let (mut tokenize_s, mut tokenized) = (0.0, 0.0);
-        for addr in metrics {
-            let text = client
-                .get(format!("http://{addr}/metrics"))
-                .send()
-                .await?
-                .error_for_status()?
-                .text()
-                .await?;
-            const DECISIONS: &str = "kvroute_decisions_total";
-            const CHECKS: &str = "kvroute_prefix_checks_total";
-            const BATCHES: &str = "kvroute_kv_event_batches_total";
-            const GAPS: &str = "kvroute_kv_event_gaps_total";
-            const REPLAYS: &str = "kvroute_kv_event_replays_total";
-            const RESETS: &str = "kvroute_kv_event_resets_total";
-            const TOKENIZE_SUM: &str = "kvroute_tokenize_duration_seconds_sum";
-            const TOKENIZE_COUNT: &str = "kvroute_tokenize_duration_seconds_count";
-            let samples = kvroute_core::exposition::parse_where(&text, |name| {
-                [
-                    DECISIONS,
-                    CHECKS,
-                    BATCHES,
-                    GAPS,
-                    REPLAYS,
-                    RESETS,
-                    TOKENIZE_SUM,
-                    TOKENIZE_COUNT,
-                ]
-                .contains(&name)
-            })
-            .map_err(|e| anyhow::anyhow!("kvroute's /metrics at {addr}: {e}"))?;
-            let mut decisions = 0.0;
-            for sample in &samples {
-                let label = |name: &str| sample.label(name).unwrap_or_default().to_owned();
-                let count = sample.value as u64;
-                match sample.name {
-                    DECISIONS => decisions += sample.value,
-                    CHECKS if sample.value > 0.0 => {
-                        *checks
-                            .entry((label("source"), label("outcome")))
-                            .or_default() += count;
-                    }
-                    BATCHES => *events.batches.entry(label("result")).or_default() += count,
-                    GAPS => events.gaps += count,
-                    REPLAYS => *events.replays.entry(label("outcome")).or_default() += count,
-                    RESETS => events.resets += count,
-                    TOKENIZE_SUM => tokenize_s += sample.value,
-                    TOKENIZE_COUNT => tokenized += sample.value,
-                    _ => {}
-                }
-            }
-            routed.push(decisions as u64);
-        }
-        events.tokenized = tokenized as u64;
-        events.tokenize_mean_ms = (tokenized > 0.0).then(|| tokenize_s / tokenized * 1e3);
-        let prefix_checks = checks
-            .into_iter()
-            .map(
-                |((source, outcome), requests)| super::report::PrefixCheckCount {
-                    source,
-                    outcome,
-                    requests,
-                },
-            )
-            .collect();
-        Ok(KvrouteCounters {
-            routed,
-            prefix_checks,
-            kv_events: self.kind.follows_kv_events().then_some(events),
-        })
+        kvroute_counters(metrics, self.kind.follows_kv_events()).await
     }
 
     /// Stops the router and waits until it is gone.
@@ -407,34 +424,52 @@ pub struct KvEventTemplates {
     pub replay: String,
 }
 
+impl KvEventTemplates {
+    /// The templates for pods whose HTTP ports start at `http`, publishers at `publish`
+    /// and replay sockets at `replay`, each pod at the same offset in all three.
+    pub fn shifted(http: u16, publish: u16, replay: u16) -> KvEventTemplates {
+        KvEventTemplates {
+            endpoint: port_shift_template(http, publish),
+            replay: port_shift_template(http, replay),
+        }
+    }
+}
+
+/// Three ranges of `n` consecutive free loopback ports, apart from each other: the pods'
+/// HTTP ports, their KV event publishers' and their replay sockets' (pod `i` on each
+/// base + `i`), released for the pods to bind.
+pub fn reserve_kv_event_ports(n: usize) -> anyhow::Result<[u16; 3]> {
+    let n = u16::try_from(n).context("too many pods")?;
+    // Held together, so the three ranges differ.
+    let (http, a) = crate::envoy::reserve_port_range(n)?;
+    let (publish, b) = crate::envoy::reserve_port_range(n)?;
+    let (replay, c) = crate::envoy::reserve_port_range(n)?;
+    drop((a, b, c));
+    Ok([http, publish, replay])
+}
+
+/// vLLM's `--kv-events-config` publishing on ZeroMQ at `publish`, replaying at `replay`.
+pub fn kv_events_config_json(publish: u16, replay: u16) -> String {
+    format!(
+        r#"{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{publish}", "replay_endpoint": "tcp://*:{replay}", "topic": "kv"}}"#
+    )
+}
+
 /// `config` with every pod publishing KV events as vLLM does, on consecutive loopback
 /// ports (pod `i` on the base port + `i`, as vLLM offsets data-parallel ranks), its HTTP
 /// ports consecutive too, so that one template (`{port+N}`) names every pod's publisher.
 pub fn with_kv_events(
     mut config: kvroute_sim::FleetConfig,
 ) -> anyhow::Result<(kvroute_sim::FleetConfig, KvEventTemplates)> {
-    let n = u16::try_from(config.pods.len()).context("too many pods")?;
-    // Held together, so the three ranges differ; released for the fleet to bind.
-    let (http, a) = crate::envoy::reserve_port_range(n)?;
-    let (publish, b) = crate::envoy::reserve_port_range(n)?;
-    let (replay, c) = crate::envoy::reserve_port_range(n)?;
-    drop((a, b, c));
-    let json = format!(
-        r#"{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{publish}", "replay_endpoint": "tcp://*:{replay}", "topic": "kv"}}"#
-    );
-    let events = kvroute_sim::kv_events::KvEventsConfig::from_json(&json)
-        .map_err(|e| anyhow::anyhow!("kv events config: {e}"))?;
+    let [http, publish, replay] = reserve_kv_event_ports(config.pods.len())?;
+    let events =
+        kvroute_sim::kv_events::KvEventsConfig::from_json(&kv_events_config_json(publish, replay))
+            .map_err(|e| anyhow::anyhow!("kv events config: {e}"))?;
     config.port = http;
     for pod in &mut config.pods {
         pod.kv_events = Some(events.clone());
     }
-    Ok((
-        config,
-        KvEventTemplates {
-            endpoint: port_shift_template(http, publish),
-            replay: port_shift_template(http, replay),
-        },
-    ))
+    Ok((config, KvEventTemplates::shifted(http, publish, replay)))
 }
 
 /// The `kvroute serve` endpoint template naming, for a pod whose HTTP port is `http`,

@@ -13,7 +13,7 @@ use anyhow::Context;
 use rustix::process::Signal;
 
 use super::procstat::PidCell;
-use crate::compare::routers::{KvrouteTiming, wait_scraped};
+use crate::compare::routers::{KvEventTemplates, KvrouteTiming, wait_scraped};
 use crate::process::Process;
 use kvroute_sim::fault::{Faults, MetricsFault};
 
@@ -35,6 +35,8 @@ pub struct SimPod {
     speedup: f64,
     seed: u64,
     log: PathBuf,
+    /// vLLM's `--kv-events-config`, when the pod publishes its KV cache events.
+    kv_events: Option<String>,
     process: Option<Process>,
     client: reqwest::Client,
 }
@@ -58,6 +60,7 @@ impl SimPod {
             speedup,
             seed,
             log: log_dir.join(format!("pod-{index}.log")),
+            kv_events: None,
             process: None,
             client: reqwest::Client::builder()
                 .no_proxy()
@@ -65,6 +68,13 @@ impl SimPod {
                 .build()
                 .unwrap_or_default(),
         }
+    }
+
+    /// The pod publishes its KV cache events as vLLM does with `--kv-events-config`
+    /// `config` (JSON), from every start on.
+    pub fn with_kv_events(mut self, config: String) -> SimPod {
+        self.kv_events = Some(config);
+        self
     }
 
     /// Starts the pod on its port and waits until it answers `/health`.
@@ -77,6 +87,11 @@ impl SimPod {
             .args(["--first-pod-index", &self.index.to_string()])
             .args(["--speedup", &self.speedup.to_string()])
             .args(["--seed", &self.seed.to_string()])
+            .args(
+                self.kv_events
+                    .iter()
+                    .flat_map(|config| ["--kv-events-config", config.as_str()]),
+            )
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -163,6 +178,8 @@ pub struct Kvroute {
     pods: usize,
     timing: KvrouteTiming,
     drain: Duration,
+    /// Where the pods publish their KV events, when kvroute follows them.
+    kv_events: Option<KvEventTemplates>,
     log: PathBuf,
     process: Option<Process>,
     pid: PidCell,
@@ -193,10 +210,23 @@ impl Kvroute {
             pods: pods.len(),
             timing,
             drain,
+            kv_events: None,
             log: log_dir.join("kvroute.log"),
             process: None,
             pid,
         }
+    }
+
+    /// kvroute follows the pods' KV events where `templates` say they publish them
+    /// (`--prefix-source auto`), from every start on.
+    pub fn with_kv_events(mut self, templates: KvEventTemplates) -> Kvroute {
+        self.kv_events = Some(templates);
+        self
+    }
+
+    /// Its `/metrics` address.
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics
     }
 
     /// Starts kvroute and waits until it has scraped every pod.
@@ -215,6 +245,13 @@ impl Kvroute {
             ])
             .args(["--max-metrics-age", &millis(self.timing.max_metrics_age)])
             .args(["--drain-timeout", &millis(self.drain)])
+            .args(self.kv_events.iter().flat_map(|t| {
+                [
+                    "--prefix-source=auto".to_string(),
+                    format!("--kv-events-endpoint={}", t.endpoint),
+                    format!("--kv-events-replay-endpoint={}", t.replay),
+                ]
+            }))
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -31,7 +31,10 @@ use self::fleet::{Kvroute, SimPod};
 use self::load::LoadSpec;
 use self::report::{FaultEvent, SoakReport};
 use self::schedule::{FaultKind, METRICS_FAULT, POD_DOWN, PlannedFault};
-use crate::compare::routers::{KvrouteTiming, wait_answering};
+use crate::compare::routers::{
+    KvEventTemplates, KvrouteTiming, kv_events_config_json, kvroute_counters,
+    reserve_kv_event_ports, wait_answering,
+};
 use crate::envoy::{EnvoyProcess, Gateway, envoy_binary, free_port};
 use kvroute_sim::fault::MetricsFault;
 
@@ -97,6 +100,12 @@ pub struct SoakArgs {
     /// Load generator seed.
     #[arg(long, env = "KVROUTE_SOAK_SEED", default_value_t = 1)]
     pub seed: u64,
+    /// The pods publish their KV cache events as vLLM does (`--kv-events-config`, ZeroMQ)
+    /// and kvroute follows them (`--prefix-source auto`, each prompt tokenized on a pod's
+    /// `/tokenize`): a killed pod takes its publisher with it, and a restarted kvroute
+    /// subscribes again and asks for replays.
+    #[arg(long, env = "KVROUTE_SOAK_KV_EVENTS")]
+    pub kv_events: bool,
     /// Where soak.json, soak.md, the plot and the processes' logs go.
     #[arg(long, env = "KVROUTE_SOAK_OUTPUT_DIR", default_value = "soak-results")]
     pub output_dir: PathBuf,
@@ -135,6 +144,49 @@ impl SoakArgs {
             "--request-timeout must be > 0"
         );
         Ok(())
+    }
+}
+
+/// Where the pods listen when they publish KV events: each pod's publisher and replay
+/// socket at one offset from its HTTP port (pod `i` on each base port + `i`, as `compare`
+/// lays a fleet out), so that one endpoint template names every pod's, across restarts.
+struct EventPorts {
+    http: u16,
+    publish: u16,
+    replay: u16,
+}
+
+impl EventPorts {
+    fn reserve(pods: usize) -> anyhow::Result<EventPorts> {
+        let [http, publish, replay] = reserve_kv_event_ports(pods)?;
+        Ok(EventPorts {
+            http,
+            publish,
+            replay,
+        })
+    }
+
+    fn port(base: u16, index: usize) -> anyhow::Result<u16> {
+        u16::try_from(index)
+            .ok()
+            .and_then(|i| base.checked_add(i))
+            .context("pod port out of range")
+    }
+
+    fn http(&self, index: usize) -> anyhow::Result<u16> {
+        Self::port(self.http, index)
+    }
+
+    /// Pod `index`'s `--kv-events-config`.
+    fn config(&self, index: usize) -> anyhow::Result<String> {
+        Ok(kv_events_config_json(
+            Self::port(self.publish, index)?,
+            Self::port(self.replay, index)?,
+        ))
+    }
+
+    fn templates(&self) -> KvEventTemplates {
+        KvEventTemplates::shifted(self.http, self.publish, self.replay)
     }
 }
 
@@ -302,10 +354,22 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         out.display()
     );
 
+    let layout = if args.kv_events {
+        Some(EventPorts::reserve(args.pods)?)
+    } else {
+        None
+    };
     let mut pods = Vec::with_capacity(args.pods);
     for index in 0..args.pods {
-        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+        let port = match &layout {
+            Some(layout) => layout.http(index)?,
+            None => free_port()?,
+        };
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
         let mut pod = SimPod::new(index, addr, &sim_bin, args.speedup, args.seed, out);
+        if let Some(layout) = &layout {
+            pod = pod.with_kv_events(layout.config(index)?);
+        }
         pod.start().await?;
         pods.push(pod);
     }
@@ -320,6 +384,9 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         out,
         Arc::clone(&pid),
     );
+    if let Some(layout) = &layout {
+        kvroute = kvroute.with_kv_events(layout.templates());
+    }
     kvroute.start().await?;
     let gateway = match args.gateway {
         GatewayKind::OriginalDst => Gateway::OriginalDst {
@@ -385,6 +452,18 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     }
     running.watch_until(epoch + args.duration).await;
     let tally = load.await.context("the load generator failed")?;
+    // What kvroute's subscriptions did since its last start, read while it still runs.
+    let kv_events = if args.kv_events {
+        match kvroute_counters(&[running.kvroute.metrics_addr()], true).await {
+            Ok(counters) => counters.kv_events,
+            Err(e) => {
+                eprintln!("kvroute-lab soak: kvroute's KV-event counters could not be read: {e:#}");
+                None
+            }
+        }
+    } else {
+        None
+    };
     let _ = stop.send(true);
     let samples = sampler.await.unwrap_or_default();
     let envoy_log = running.envoy.log();
@@ -431,6 +510,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         unexpected_exits,
         kvroute: report::resources(samples, duration_s),
         rss_growth_target_percent: report::RSS_GROWTH_TARGET_PERCENT,
+        kv_events,
     };
     let json_path = out.join("soak.json");
     std::fs::write(&json_path, serde_json::to_string_pretty(&report)? + "\n")

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::load::Tally;
 use super::procstat::Sample;
 use super::schedule::FaultKind;
-use crate::compare::report::plot_font;
+use crate::compare::report::{KvEventCounts, plot_font};
 
 /// The JSON report's format version.
 pub const REPORT_VERSION: u32 = 1;
@@ -193,6 +193,10 @@ pub struct SoakReport {
     pub unexpected_exits: Vec<String>,
     pub kvroute: Resources,
     pub rss_growth_target_percent: f64,
+    /// With `--kv-events`: what kvroute's subscriptions counted since its last start, read
+    /// at the end of the load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventCounts>,
     /// No request lost and no process died on its own.
     pub passed: bool,
 }
@@ -300,6 +304,9 @@ impl SoakReport {
         if let Some(plot) = plot {
             let _ = writeln!(md, "![kvroute RSS and CPU]({plot})\n");
         }
+        if let Some(k) = &self.kv_events {
+            md.push_str(&kv_events_markdown(k, self.pods));
+        }
         if !self.tally.lost_examples.is_empty() {
             md.push_str("## Lost requests (first ones)\n\n");
             for e in &self.tally.lost_examples {
@@ -308,6 +315,37 @@ impl SoakReport {
         }
         md
     }
+}
+
+/// What kvroute's KV-event subscriptions did, as read at the end of the load.
+fn kv_events_markdown(k: &KvEventCounts, pods: usize) -> String {
+    let counts = |m: &BTreeMap<String, u64>| {
+        let nonzero: BTreeMap<String, u64> = m
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(key, n)| (key.clone(), *n))
+            .collect();
+        counts_or_none(&nonzero)
+    };
+    let mut md = String::from("## KV events (kvroute's counters since its last start)\n\n");
+    let _ = writeln!(
+        md,
+        "Streams connected and in sequence at the end: {} of {pods} pods. Event batches: {}. Gaps found: {}; replays: {}; pods' entries dropped and rebuilt: {}.\n",
+        k.streams,
+        counts(&k.batches),
+        k.gaps,
+        counts(&k.replays),
+        k.resets
+    );
+    let _ = writeln!(
+        md,
+        "Prompts tokenized on a pod: {} (mean {} ms). Prompt tokens predicted cached on the chosen pod, by source: {}.\n",
+        k.tokenized,
+        k.tokenize_mean_ms
+            .map_or("n/a".to_string(), |ms| format!("{ms:.2}")),
+        counts(&k.predicted_tokens)
+    );
+    md
 }
 
 fn fault_colour(kind: FaultKind) -> RGBColor {
