@@ -42,9 +42,13 @@ pub struct KvEventCounts {
     pub replays: BTreeMap<String, u64>,
     /// Pods whose entries were dropped and rebuilt.
     pub resets: u64,
-    /// Prompts tokenized on a pod, and their mean round trip.
+    /// Prompts tokenized (on a pod's `/tokenize`, or by kvroute itself with
+    /// `--tokenizer`), and the mean time it took.
     pub tokenized: u64,
     pub tokenize_mean_ms: Option<f64>,
+    /// Of those, the prompts kvroute tokenized itself (`--tokenizer`).
+    #[serde(default)]
+    pub tokenized_locally: u64,
     /// Pods whose event stream was connected and in sequence when read.
     #[serde(default)]
     pub streams: u64,

@@ -242,7 +242,12 @@ pub(crate) async fn kvroute_counters(
                 REPLAYS => *events.replays.entry(label("outcome")).or_default() += count,
                 RESETS => events.resets += count,
                 TOKENIZE_SUM => tokenize_s += sample.value,
-                TOKENIZE_COUNT => tokenized += sample.value,
+                TOKENIZE_COUNT => {
+                    tokenized += sample.value;
+                    if label("tokenizer") == "local" && label("outcome") == "ok" {
+                        events.tokenized_locally += count;
+                    }
+                }
                 STREAMS => events.streams += count,
                 PREDICTED => {
                     *events.predicted_tokens.entry(label("source")).or_default() += count;

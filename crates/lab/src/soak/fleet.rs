@@ -37,6 +37,8 @@ pub struct SimPod {
     log: PathBuf,
     /// vLLM's `--kv-events-config`, when the pod publishes its KV cache events.
     kv_events: Option<String>,
+    /// The model directory it tokenizes with, instead of the synthetic tokenizer.
+    tokenizer: Option<PathBuf>,
     process: Option<Process>,
     client: reqwest::Client,
 }
@@ -61,6 +63,7 @@ impl SimPod {
             seed,
             log: log_dir.join(format!("pod-{index}.log")),
             kv_events: None,
+            tokenizer: None,
             process: None,
             client: reqwest::Client::builder()
                 .no_proxy()
@@ -74,6 +77,12 @@ impl SimPod {
     /// `config` (JSON), from every start on.
     pub fn with_kv_events(mut self, config: String) -> SimPod {
         self.kv_events = Some(config);
+        self
+    }
+
+    /// The pod tokenizes with the model directory `dir` as vLLM does, from every start on.
+    pub fn with_tokenizer(mut self, dir: &Path) -> SimPod {
+        self.tokenizer = Some(dir.to_path_buf());
         self
     }
 
@@ -91,6 +100,11 @@ impl SimPod {
                 self.kv_events
                     .iter()
                     .flat_map(|config| ["--kv-events-config", config.as_str()]),
+            )
+            .args(
+                self.tokenizer
+                    .iter()
+                    .flat_map(|dir| [std::ffi::OsStr::new("--tokenizer"), dir.as_os_str()]),
             )
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
@@ -180,6 +194,8 @@ pub struct Kvroute {
     drain: Duration,
     /// Where the pods publish their KV events, when kvroute follows them.
     kv_events: Option<KvEventTemplates>,
+    /// The model directory kvroute tokenizes prompts with (`--tokenizer`), if any.
+    tokenizer: Option<PathBuf>,
     log: PathBuf,
     process: Option<Process>,
     pid: PidCell,
@@ -211,6 +227,7 @@ impl Kvroute {
             timing,
             drain,
             kv_events: None,
+            tokenizer: None,
             log: log_dir.join("kvroute.log"),
             process: None,
             pid,
@@ -218,9 +235,15 @@ impl Kvroute {
     }
 
     /// kvroute follows the pods' KV events where `templates` say they publish them
-    /// (`--prefix-source auto`), from every start on.
-    pub fn with_kv_events(mut self, templates: KvEventTemplates) -> Kvroute {
+    /// (`--prefix-source auto`), tokenizing prompts with the model directory `tokenizer`
+    /// when given (else on a pod's `/tokenize`), from every start on.
+    pub fn with_kv_events(
+        mut self,
+        templates: KvEventTemplates,
+        tokenizer: Option<&Path>,
+    ) -> Kvroute {
         self.kv_events = Some(templates);
+        self.tokenizer = tokenizer.map(Path::to_path_buf);
         self
     }
 
@@ -252,6 +275,11 @@ impl Kvroute {
                     format!("--kv-events-replay-endpoint={}", t.replay),
                 ]
             }))
+            .args(
+                self.tokenizer
+                    .iter()
+                    .map(|dir| format!("--tokenizer={}", dir.display())),
+            )
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -106,6 +106,11 @@ pub struct SoakArgs {
     /// subscribes again and asks for replays.
     #[arg(long, env = "KVROUTE_SOAK_KV_EVENTS")]
     pub kv_events: bool,
+    /// With `--kv-events`: every pod tokenizes with this model directory as vLLM does
+    /// (`tokenizer.json`, the chat template), and kvroute tokenizes prompts itself with it
+    /// (`--tokenizer`) instead of asking a pod (e.g. crates/lab/tokenizers/bpe-4k).
+    #[arg(long, env = "KVROUTE_SOAK_TOKENIZER", requires = "kv_events")]
+    pub tokenizer: Option<PathBuf>,
     /// Where soak.json, soak.md, the plot and the processes' logs go.
     #[arg(long, env = "KVROUTE_SOAK_OUTPUT_DIR", default_value = "soak-results")]
     pub output_dir: PathBuf,
@@ -143,6 +148,13 @@ impl SoakArgs {
             !self.request_timeout.is_zero(),
             "--request-timeout must be > 0"
         );
+        if let Some(dir) = &self.tokenizer {
+            anyhow::ensure!(
+                dir.join("tokenizer.json").is_file(),
+                "--tokenizer {}: no tokenizer.json there",
+                dir.display()
+            );
+        }
         Ok(())
     }
 }
@@ -370,6 +382,9 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         if let Some(layout) = &layout {
             pod = pod.with_kv_events(layout.config(index)?);
         }
+        if let Some(dir) = &args.tokenizer {
+            pod = pod.with_tokenizer(dir);
+        }
         pod.start().await?;
         pods.push(pod);
     }
@@ -385,7 +400,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         Arc::clone(&pid),
     );
     if let Some(layout) = &layout {
-        kvroute = kvroute.with_kv_events(layout.templates());
+        kvroute = kvroute.with_kv_events(layout.templates(), args.tokenizer.as_deref());
     }
     kvroute.start().await?;
     let gateway = match args.gateway {
@@ -510,6 +525,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         unexpected_exits,
         kvroute: report::resources(samples, duration_s),
         rss_growth_target_percent: report::RSS_GROWTH_TARGET_PERCENT,
+        tokenizer: args.tokenizer.as_ref().map(|d| d.display().to_string()),
         kv_events,
     };
     let json_path = out.join("soak.json");

@@ -193,6 +193,9 @@ pub struct SoakReport {
     pub unexpected_exits: Vec<String>,
     pub kvroute: Resources,
     pub rss_growth_target_percent: f64,
+    /// With `--tokenizer`: the model directory the pods and kvroute tokenized with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
     /// With `--kv-events`: what kvroute's subscriptions counted since its last start, read
     /// at the end of the load.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -243,6 +246,12 @@ impl SoakReport {
             self.request_timeout_s,
             self.wall_s
         );
+        if let Some(dir) = &self.tokenizer {
+            let _ = writeln!(
+                md,
+                "The pods and kvroute tokenized prompts with `{dir}` (kvroute's `--tokenizer`).\n"
+            );
+        }
         md.push_str("## Outcomes\n\n| outcome | requests |\n|---|---:|\n");
         for (key, n) in &self.tally.outcomes {
             let _ = writeln!(md, "| {key} | {n} |");
@@ -339,8 +348,9 @@ fn kv_events_markdown(k: &KvEventCounts, pods: usize) -> String {
     );
     let _ = writeln!(
         md,
-        "Prompts tokenized on a pod: {} (mean {} ms). Prompt tokens predicted cached on the chosen pod, by source: {}.\n",
+        "Prompts tokenized: {} ({} by kvroute itself, the rest on a pod's /tokenize; mean {} ms). Prompt tokens predicted cached on the chosen pod, by source: {}.\n",
         k.tokenized,
+        k.tokenized_locally,
         k.tokenize_mean_ms
             .map_or("n/a".to_string(), |ms| format!("{ms:.2}")),
         counts(&k.predicted_tokens)
