@@ -42,8 +42,9 @@ pub struct KvEventCounts {
     pub replays: BTreeMap<String, u64>,
     /// Pods whose entries were dropped and rebuilt.
     pub resets: u64,
-    /// Prompts tokenized (on a pod's `/tokenize`, or by kvroute itself with
-    /// `--tokenizer`), and the mean time it took.
+    /// Tokenizations of prompts, on a pod's `/tokenize` or by kvroute itself with
+    /// `--tokenizer` (a prompt kvroute leaves to a pod counts in both), and their mean
+    /// time.
     pub tokenized: u64,
     pub tokenize_mean_ms: Option<f64>,
     /// Of those, the prompts kvroute tokenized itself (`--tokenizer`).
