@@ -126,7 +126,7 @@ fn a_short_soak_on_kv_events_through_a_pod_kill_and_a_kvroute_kill_loses_nothing
     let summary = std::fs::read_to_string(out.join("soak.md")).expect("soak.md");
     assert!(summary.contains("**PASSED**"), "{summary}");
     assert!(
-        summary.contains("Streams connected and in sequence at the end: 2 of 2 pods"),
+        summary.contains("Streams connected and in sequence at the end: 2 of 2 pods ("),
         "{summary}"
     );
 }

@@ -31,6 +31,7 @@ use self::fleet::{Kvroute, SimPod};
 use self::load::LoadSpec;
 use self::report::{FaultEvent, SoakReport};
 use self::schedule::{FaultKind, METRICS_FAULT, POD_DOWN, PlannedFault};
+use crate::compare::report::KvEventCounts;
 use crate::compare::routers::{
     KvEventTemplates, KvrouteTiming, kv_events_config_json, kvroute_counters,
     reserve_kv_event_ports, wait_answering,
@@ -199,6 +200,30 @@ impl EventPorts {
 
     fn templates(&self) -> KvEventTemplates {
         KvEventTemplates::shifted(self.http, self.publish, self.replay)
+    }
+}
+
+/// Longest wait, once the load is over, for kvroute to follow every pod's KV event stream
+/// again (a pod killed in the run's last slot comes back shortly before the end).
+const STREAMS_SETTLE: Duration = Duration::from_secs(10);
+
+/// kvroute's KV-event counts once it follows all `pods` streams, or after
+/// [`STREAMS_SETTLE`] if it does not; with how long that took, in seconds.
+async fn settled_kv_events(
+    metrics: SocketAddr,
+    pods: usize,
+) -> anyhow::Result<(KvEventCounts, f64)> {
+    let started = Instant::now();
+    loop {
+        let counts = kvroute_counters(&[metrics], true)
+            .await?
+            .kv_events
+            .unwrap_or_default();
+        let waited = started.elapsed();
+        if counts.streams >= pods as u64 || waited >= STREAMS_SETTLE {
+            return Ok((counts, waited.as_secs_f64()));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -468,16 +493,16 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
     running.watch_until(epoch + args.duration).await;
     let tally = load.await.context("the load generator failed")?;
     // What kvroute's subscriptions did since its last start, read while it still runs.
-    let kv_events = if args.kv_events {
-        match kvroute_counters(&[running.kvroute.metrics_addr()], true).await {
-            Ok(counters) => counters.kv_events,
+    let (kv_events, kv_streams_waited_s) = if args.kv_events {
+        match settled_kv_events(running.kvroute.metrics_addr(), args.pods).await {
+            Ok((counts, waited)) => (Some(counts), Some(waited)),
             Err(e) => {
                 eprintln!("kvroute-lab soak: kvroute's KV-event counters could not be read: {e:#}");
-                None
+                (None, None)
             }
         }
     } else {
-        None
+        (None, None)
     };
     let _ = stop.send(true);
     let samples = sampler.await.unwrap_or_default();
@@ -527,6 +552,7 @@ pub async fn run(args: SoakArgs) -> anyhow::Result<()> {
         rss_growth_target_percent: report::RSS_GROWTH_TARGET_PERCENT,
         tokenizer: args.tokenizer.as_ref().map(|d| d.display().to_string()),
         kv_events,
+        kv_streams_waited_s,
     };
     let json_path = out.join("soak.json");
     std::fs::write(&json_path, serde_json::to_string_pretty(&report)? + "\n")

@@ -200,6 +200,10 @@ pub struct SoakReport {
     /// at the end of the load.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<KvEventCounts>,
+    /// How long after the load kvroute took to follow every pod's stream again (up to a
+    /// bound, after which the counts are read as they are).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_streams_waited_s: Option<f64>,
     /// No request lost and no process died on its own.
     pub passed: bool,
 }
@@ -314,7 +318,11 @@ impl SoakReport {
             let _ = writeln!(md, "![kvroute RSS and CPU]({plot})\n");
         }
         if let Some(k) = &self.kv_events {
-            md.push_str(&kv_events_markdown(k, self.pods));
+            md.push_str(&kv_events_markdown(
+                k,
+                self.pods,
+                self.kv_streams_waited_s.unwrap_or(0.0),
+            ));
         }
         if !self.tally.lost_examples.is_empty() {
             md.push_str("## Lost requests (first ones)\n\n");
@@ -326,8 +334,9 @@ impl SoakReport {
     }
 }
 
-/// What kvroute's KV-event subscriptions did, as read at the end of the load.
-fn kv_events_markdown(k: &KvEventCounts, pods: usize) -> String {
+/// What kvroute's KV-event subscriptions did, as read at the end of the load (once it
+/// followed every stream, `waited_s` after).
+fn kv_events_markdown(k: &KvEventCounts, pods: usize, waited_s: f64) -> String {
     let counts = |m: &BTreeMap<String, u64>| {
         let nonzero: BTreeMap<String, u64> = m
             .iter()
@@ -339,7 +348,7 @@ fn kv_events_markdown(k: &KvEventCounts, pods: usize) -> String {
     let mut md = String::from("## KV events (kvroute's counters since its last start)\n\n");
     let _ = writeln!(
         md,
-        "Streams connected and in sequence at the end: {} of {pods} pods. Event batches: {}. Gaps found: {}; replays: {}; pods' entries dropped and rebuilt: {}.\n",
+        "Streams connected and in sequence at the end: {} of {pods} pods ({waited_s:.1} s after the load ended). Event batches: {}. Gaps found: {}; replays: {}; pods' entries dropped and rebuilt: {}.\n",
         k.streams,
         counts(&k.batches),
         k.gaps,
