@@ -35,13 +35,14 @@
 //!   them into the same keyword arguments);
 //! - each message as vLLM hands it over: `role`, `content` as one string (an array of
 //!   parts: the text parts joined with `"\n"`; null: `""`), or, where the template loops
-//!   over a message's content (vLLM's "openai" format), as the list of text parts, `name` when a
-//!   string, an assistant's `tool_calls` (in OpenAI's typed dict's key order, each
+//!   over a message's content (vLLM's "openai" format), as the list of text parts, `name`
+//!   when a string, an assistant's `tool_calls` (in OpenAI's typed dict's key order, each
 //!   function's `arguments` parsed from its JSON string into an object, an empty list
 //!   dropped, as vLLM does) and its reasoning (as both `reasoning` and
 //!   `reasoning_content`, and first as `thinking`, as transformers 5 adds it), a tool
-//!   message's `tool_call_id`, a developer message's `tools`; other fields are dropped. Tools and tool calls vLLM refuses (a custom tool, arguments
-//!   that are not one JSON object) are a 400;
+//!   message's `tool_call_id`, a developer message's `tools`; other fields are dropped.
+//!   Tools and tool calls vLLM refuses (a custom tool, arguments that are not one JSON
+//!   object) are a 400;
 //! - with `continue_final_message` (default false; not a template variable), the text is
 //!   cut right after the last occurrence of the final message's stripped content, and
 //!   right-stripped; asking for it together with `add_generation_prompt` is refused.

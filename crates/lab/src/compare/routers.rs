@@ -438,6 +438,16 @@ impl KvEventTemplates {
             replay: port_shift_template(http, replay),
         }
     }
+
+    /// The `kvroute serve` flags that follow the pods' events where these say they
+    /// publish them (`--prefix-source auto`).
+    pub fn kvroute_args(&self) -> [String; 3] {
+        [
+            "--prefix-source=auto".to_string(),
+            format!("--kv-events-endpoint={}", self.endpoint),
+            format!("--kv-events-replay-endpoint={}", self.replay),
+        ]
+    }
 }
 
 /// Three ranges of `n` consecutive free loopback ports, apart from each other: the pods'
@@ -675,13 +685,11 @@ fn spawn_kvroute(
         .args(["--replicas", &replicas.to_string()])
         // One `--flag=value` argument: a value cannot be taken for a flag.
         .args(objective_priority_arg(objectives).map(|map| format!("--objective-priority={map}")))
-        .args(kv_events.into_iter().flat_map(|t| {
-            [
-                "--prefix-source=auto".to_string(),
-                format!("--kv-events-endpoint={}", t.endpoint),
-                format!("--kv-events-replay-endpoint={}", t.replay),
-            ]
-        }))
+        .args(
+            kv_events
+                .into_iter()
+                .flat_map(KvEventTemplates::kvroute_args),
+        )
         .args(
             tokenizer
                 .into_iter()

@@ -268,13 +268,11 @@ impl Kvroute {
             ])
             .args(["--max-metrics-age", &millis(self.timing.max_metrics_age)])
             .args(["--drain-timeout", &millis(self.drain)])
-            .args(self.kv_events.iter().flat_map(|t| {
-                [
-                    "--prefix-source=auto".to_string(),
-                    format!("--kv-events-endpoint={}", t.endpoint),
-                    format!("--kv-events-replay-endpoint={}", t.replay),
-                ]
-            }))
+            .args(
+                self.kv_events
+                    .iter()
+                    .flat_map(KvEventTemplates::kvroute_args),
+            )
             .args(
                 self.tokenizer
                     .iter()

@@ -337,22 +337,14 @@ impl SoakReport {
 /// What kvroute's KV-event subscriptions did, as read at the end of the load (once it
 /// followed every stream, `waited_s` after).
 fn kv_events_markdown(k: &KvEventCounts, pods: usize, waited_s: f64) -> String {
-    let counts = |m: &BTreeMap<String, u64>| {
-        let nonzero: BTreeMap<String, u64> = m
-            .iter()
-            .filter(|(_, n)| **n > 0)
-            .map(|(key, n)| (key.clone(), *n))
-            .collect();
-        counts_or_none(&nonzero)
-    };
     let mut md = String::from("## KV events (kvroute's counters since its last start)\n\n");
     let _ = writeln!(
         md,
         "Streams connected and in sequence at the end: {} of {pods} pods ({waited_s:.1} s after the load ended). Event batches: {}. Gaps found: {}; replays: {}; pods' entries dropped and rebuilt: {}.\n",
         k.streams,
-        counts(&k.batches),
+        counts_or_none(&k.batches),
         k.gaps,
-        counts(&k.replays),
+        counts_or_none(&k.replays),
         k.resets
     );
     let _ = writeln!(
@@ -362,7 +354,7 @@ fn kv_events_markdown(k: &KvEventCounts, pods: usize, waited_s: f64) -> String {
         k.tokenized_locally,
         k.tokenize_mean_ms
             .map_or("n/a".to_string(), |ms| format!("{ms:.2}")),
-        counts(&k.predicted_tokens)
+        counts_or_none(&k.predicted_tokens)
     );
     md
 }
@@ -408,16 +400,18 @@ fn smoothed(
     points
 }
 
-/// `kind: n, kind: n` in the map's order, or `none`.
+/// `kind: n, kind: n` in the map's order, the kinds counted zero times left out, or
+/// `none`.
 fn counts_or_none(counts: &BTreeMap<String, u64>) -> String {
-    if counts.is_empty() {
+    let counted: Vec<String> = counts
+        .iter()
+        .filter(|(_, n)| **n > 0)
+        .map(|(kind, n)| format!("{kind}: {n}"))
+        .collect();
+    if counted.is_empty() {
         return "none".to_string();
     }
-    counts
-        .iter()
-        .map(|(kind, n)| format!("{kind}: {n}"))
-        .collect::<Vec<_>>()
-        .join(", ")
+    counted.join(", ")
 }
 
 /// One panel: `value` of the samples against time (means over a few seconds in long runs),
