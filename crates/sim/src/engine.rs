@@ -28,10 +28,10 @@ use std::time::Duration;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
-use super::kv::{BlockId, BlockPool, IntMap, block_hash, mix};
+use super::kv::{BlockId, BlockPool, block_hash, mix};
 use super::lora::{AdapterId, LoraSlots};
 use super::profile::Profile;
-use super::stats::{EngineStats, LogHistogram};
+use super::stats::{EngineStats, GapLog, LogHistogram};
 
 mod adapters;
 mod blocks;
@@ -93,6 +93,62 @@ impl Seq {
     }
 }
 
+/// The engine's requests by id. Ids are handed out in order and requests end roughly in
+/// the order they came, so the live ones lie in a short window of ids: a slot per id in
+/// that window finds one with an index where a hash map probed its table first (a cache
+/// miss of its own, at every visit to an engine that a thousand others have since
+/// evicted from the cache).
+#[derive(Debug, Default)]
+struct SeqTable {
+    /// The id of `slots`' first entry.
+    first: RequestId,
+    /// A slot for each id from `first`, empty once its request has ended (or was never
+    /// queued); never empty at the front.
+    slots: VecDeque<Option<Seq>>,
+}
+
+impl SeqTable {
+    /// Files `seq` under `id`, which is above every id filed before.
+    fn insert(&mut self, id: RequestId, seq: Seq) {
+        if self.slots.is_empty() {
+            self.first = id;
+        }
+        let Some(at) = id
+            .checked_sub(self.first)
+            .and_then(|at| usize::try_from(at).ok())
+            .filter(|&at| at >= self.slots.len())
+        else {
+            debug_assert!(false, "request ids are filed in order");
+            return;
+        };
+        self.slots.resize_with(at, || None);
+        self.slots.push_back(Some(seq));
+    }
+
+    fn index(&self, id: RequestId) -> Option<usize> {
+        usize::try_from(id.checked_sub(self.first)?).ok()
+    }
+
+    fn get(&self, id: &RequestId) -> Option<&Seq> {
+        self.slots.get(self.index(*id)?)?.as_ref()
+    }
+
+    fn get_mut(&mut self, id: &RequestId) -> Option<&mut Seq> {
+        let at = self.index(*id)?;
+        self.slots.get_mut(at)?.as_mut()
+    }
+
+    fn remove(&mut self, id: &RequestId) -> Option<Seq> {
+        let at = self.index(*id)?;
+        let seq = self.slots.get_mut(at)?.take();
+        while let Some(None) = self.slots.front() {
+            self.slots.pop_front();
+            self.first += 1;
+        }
+        seq
+    }
+}
+
 #[derive(Debug)]
 struct InFlight {
     end: SimTime,
@@ -112,7 +168,7 @@ pub struct Engine {
     waiting_per_adapter: Vec<u32>,
     lora_dirty: bool,
     lora_history: Vec<LoraInfo>,
-    seqs: IntMap<RequestId, Seq>,
+    seqs: SeqTable,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
     inflight: Option<InFlight>,
@@ -121,7 +177,7 @@ pub struct Engine {
     events: Vec<Event>,
     /// The gaps between consecutive output tokens of a request, when tokens are not
     /// events ([`EngineConfig::token_events`] off): until [`Engine::take_token_gaps`].
-    token_gaps: Option<LogHistogram>,
+    token_gaps: Option<GapLog>,
     kv_events: Option<kv_events::KvEventLog>,
     stats: EngineStats,
     /// The steps' timing: what reading ahead fills in, and the jitter's generator.
@@ -136,27 +192,29 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// A fresh engine at time zero.
-    pub fn new(cfg: EngineConfig, profile: Profile) -> Engine {
+    /// A fresh engine at time zero. Engines of one fleet may share their profile (an
+    /// `Arc`): a step reads it, and one copy stays in cache where a thousand would not.
+    pub fn new(cfg: EngineConfig, profile: impl Into<Arc<Profile>>) -> Engine {
+        let profile = profile.into();
         let lora = LoraSlots::new(
             cfg.max_loras,
             cfg.max_cpu_loras,
             cfg.lora_load,
             profile.lora_swap_in(),
         );
-        let token_gaps = (!cfg.token_events).then(LogHistogram::default);
+        let token_gaps = (!cfg.token_events).then(GapLog::default);
         let foresight = forecast::Foresight::new(SmallRng::seed_from_u64(cfg.seed));
         let mut engine = Engine {
             pool: BlockPool::new(cfg.num_gpu_blocks, cfg.block_size),
             cfg,
-            profile: Arc::new(profile),
+            profile,
             lora,
             adapters: Vec::new(),
             running_per_adapter: Vec::new(),
             waiting_per_adapter: Vec::new(),
             lora_dirty: false,
             lora_history: Vec::new(),
-            seqs: IntMap::default(),
+            seqs: SeqTable::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             inflight: None,
@@ -341,11 +399,8 @@ impl Engine {
     /// the last call, and forgets them. Only an engine whose tokens are not events
     /// ([`EngineConfig::token_events`]) counts them: for another, this adds nothing.
     pub fn take_token_gaps(&mut self, into: &mut LogHistogram) {
-        if let Some(gaps) = self.token_gaps.as_mut()
-            && gaps.count() > 0
-        {
-            into.add(gaps);
-            *gaps = LogHistogram::default();
+        if let Some(gaps) = self.token_gaps.as_mut() {
+            gaps.take_into(into);
         }
     }
 

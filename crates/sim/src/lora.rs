@@ -50,6 +50,9 @@ pub struct LoraSlots {
     /// Host cache, least recently used first.
     cpu: Vec<AdapterId>,
     loads: LoraLoads,
+    /// The earliest `ready_at` of a slot loading, kept as slots change: the engine asks at
+    /// every step, and reading the slots then cost a cache miss an engine visit.
+    next_ready: Option<Duration>,
 }
 
 impl LoraSlots {
@@ -68,6 +71,7 @@ impl LoraSlots {
             slots: Vec::new(),
             cpu: Vec::new(),
             loads: LoraLoads::default(),
+            next_ready: None,
         }
     }
 
@@ -156,6 +160,7 @@ impl LoraSlots {
         };
         if self.slots.len() < self.max_loras {
             self.slots.push(slot);
+            self.next_ready = self.find_next_ready();
             return true;
         }
         let victim = self
@@ -168,6 +173,7 @@ impl LoraSlots {
         match victim {
             Some(i) => {
                 self.slots[i] = slot;
+                self.next_ready = self.find_next_ready();
                 true
             }
             None => false,
@@ -175,7 +181,12 @@ impl LoraSlots {
     }
 
     /// The earliest time a load in progress completes.
+    #[inline]
     pub fn next_ready(&self) -> Option<Duration> {
+        self.next_ready
+    }
+
+    fn find_next_ready(&self) -> Option<Duration> {
         self.slots
             .iter()
             .filter_map(|s| match s.state {
@@ -208,6 +219,7 @@ impl LoraSlots {
         for &a in &done {
             self.cache_on_host(a);
         }
+        self.next_ready = self.find_next_ready();
         done.len()
     }
 
@@ -215,6 +227,7 @@ impl LoraSlots {
     pub fn remove(&mut self, adapter: AdapterId, in_use: bool) {
         if !in_use && let Some(i) = self.slot_of(adapter) {
             self.slots.remove(i);
+            self.next_ready = self.find_next_ready();
         }
         self.cpu.retain(|&a| a != adapter);
     }
@@ -263,6 +276,20 @@ mod tests {
         slots.complete_loads(602 * MS);
         assert_eq!(slots.loads(), LoraLoads { disk: 2, host: 1 });
         assert_eq!(slots.loads_total(), 3);
+    }
+
+    #[test]
+    fn the_next_load_to_complete_follows_the_slots() {
+        let mut slots = LoraSlots::new(3, 3, 100 * MS, MS);
+        assert_eq!(slots.next_ready(), None);
+        assert!(slots.request_load(0, 50 * MS, |_| false));
+        assert!(slots.request_load(1, Duration::ZERO, |_| false));
+        assert_eq!(slots.next_ready(), Some(100 * MS));
+        assert_eq!(slots.complete_loads(100 * MS), 1);
+        assert_eq!(slots.next_ready(), Some(150 * MS));
+        // Forgetting the adapter still loading leaves nothing to wait for.
+        slots.remove(0, false);
+        assert_eq!(slots.next_ready(), None);
     }
 
     #[test]

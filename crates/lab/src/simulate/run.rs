@@ -224,6 +224,7 @@ impl<'s> World<'s> {
             .first()
             .ok_or_else(|| anyhow::anyhow!("the workload's fleet has no pod"))?;
         let adapter_names = setup.scale.adapter_names(&setup.workload);
+        let profile = Arc::new(pod.profile.clone());
         let pods: Vec<Pod> = (0..setup.pods)
             .map(|i| {
                 let mut cfg = pod.engine.clone();
@@ -235,7 +236,7 @@ impl<'s> World<'s> {
                 // each step's end (steps do not overlap: a step ends with its last
                 // response, so every gap counted during it is one of its requests').
                 cfg.token_events = false;
-                Pod::new(Engine::new(cfg, pod.profile.clone()))
+                Pod::new(Engine::new(cfg, Arc::clone(&profile)))
             })
             .collect();
         let mut pods = pods;

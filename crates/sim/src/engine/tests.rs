@@ -235,6 +235,52 @@ fn without_token_events_the_engine_counts_the_gaps_the_events_would_have_shown()
 }
 
 #[test]
+fn the_request_table_finds_each_live_request_by_id() {
+    let seq = |prompt_len: u32| Seq {
+        adapter: None,
+        extra: 0,
+        tokens: Vec::new(),
+        prompt_len,
+        max_output: 1,
+        finish_reason: FinishReason::Length,
+        output_seed: 0,
+        output_len: 0,
+        num_computed: 0,
+        blocks: Vec::new(),
+        hashes: Vec::new(),
+        num_registered: 0,
+        cached_tokens: None,
+        arrival: Duration::ZERO,
+        first_scheduled: None,
+        first_token: None,
+        last_token: None,
+        preemptions: 0,
+        place: Place::Waiting,
+    };
+    let mut table = SeqTable::default();
+    // Id 4 was never filed (a prompt too long for the pool).
+    for id in [3, 5, 6, 7] {
+        table.insert(id, seq(id as u32));
+    }
+    assert!(table.get(&2).is_none() && table.get(&4).is_none() && table.get(&8).is_none());
+    assert_eq!(table.remove(&6).map(|s| s.prompt_len), Some(6));
+    assert!(table.get(&6).is_none() && table.remove(&6).is_none());
+    assert_eq!(table.remove(&3).map(|s| s.prompt_len), Some(3));
+    // The window starts at the oldest live request.
+    assert_eq!((table.first, table.slots.len()), (5, 3));
+    if let Some(s) = table.get_mut(&7) {
+        s.output_len = 9;
+    }
+    assert_eq!(table.get(&7).map(|s| s.output_len), Some(9));
+    for id in [5, 7] {
+        assert!(table.remove(&id).is_some());
+    }
+    assert!(table.slots.is_empty());
+    table.insert(20, seq(20));
+    assert_eq!(table.get(&20).map(|s| s.prompt_len), Some(20));
+}
+
+#[test]
 fn a_request_larger_than_the_pool_cannot_stall_the_engine() {
     let cfg = EngineConfig {
         num_gpu_blocks: 4,
