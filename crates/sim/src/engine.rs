@@ -77,6 +77,37 @@ struct Seq {
 }
 
 impl Seq {
+    /// `spec` arriving at `arrival`, its output capped to the `room` its prompt leaves.
+    fn queued(
+        spec: RequestSpec,
+        adapter: Option<AdapterId>,
+        extra: u64,
+        room: u32,
+        arrival: SimTime,
+    ) -> Seq {
+        Seq {
+            adapter,
+            extra,
+            prompt_len: spec.prompt.len() as u32,
+            tokens: spec.prompt,
+            max_output: spec.max_output.clamp(1, room),
+            finish_reason: spec.finish_reason,
+            output_seed: spec.output_seed,
+            output_len: 0,
+            num_computed: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            num_registered: 0,
+            cached_tokens: None,
+            arrival,
+            first_scheduled: None,
+            first_token: None,
+            last_token: None,
+            preemptions: 0,
+            place: Place::Waiting,
+        }
+    }
+
     fn extend_hashes(&mut self, block_size: u32) {
         let bs = block_size as usize;
         // Room for every block the tokens' room holds (the prompt and the output to come).
@@ -301,27 +332,7 @@ impl Engine {
             });
             return id;
         }
-        let seq = Seq {
-            adapter,
-            extra,
-            tokens: spec.prompt,
-            prompt_len,
-            max_output: spec.max_output.clamp(1, room),
-            finish_reason: spec.finish_reason,
-            output_seed: spec.output_seed,
-            output_len: 0,
-            num_computed: 0,
-            blocks: Vec::new(),
-            hashes: Vec::new(),
-            num_registered: 0,
-            cached_tokens: None,
-            arrival: self.clock,
-            first_scheduled: None,
-            first_token: None,
-            last_token: None,
-            preemptions: 0,
-            place: Place::Waiting,
-        };
+        let seq = Seq::queued(spec, adapter, extra, room, self.clock);
         self.seqs.insert(id, seq);
         self.waiting.push_back(id);
         self.count_adapter(adapter, Place::Waiting, true);

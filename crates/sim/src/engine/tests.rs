@@ -236,27 +236,7 @@ fn without_token_events_the_engine_counts_the_gaps_the_events_would_have_shown()
 
 #[test]
 fn the_request_table_finds_each_live_request_by_id() {
-    let seq = |prompt_len: u32| Seq {
-        adapter: None,
-        extra: 0,
-        tokens: Vec::new(),
-        prompt_len,
-        max_output: 1,
-        finish_reason: FinishReason::Length,
-        output_seed: 0,
-        output_len: 0,
-        num_computed: 0,
-        blocks: Vec::new(),
-        hashes: Vec::new(),
-        num_registered: 0,
-        cached_tokens: None,
-        arrival: Duration::ZERO,
-        first_scheduled: None,
-        first_token: None,
-        last_token: None,
-        preemptions: 0,
-        place: Place::Waiting,
-    };
+    let seq = |len: u32| Seq::queued(spec(prompt(1, len), 1), None, 0, 1, Duration::ZERO);
     let mut table = SeqTable::default();
     // Id 4 was never filed (a prompt too long for the pool).
     for id in [3, 5, 6, 7] {
