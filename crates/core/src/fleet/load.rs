@@ -60,6 +60,10 @@ pub struct PodLoad {
     /// `committed_tokens / inflight` (at most `u32::MAX`), kept as they change so that a
     /// pick over thousands of pods divides nothing.
     mean_need: AtomicU32,
+    /// `recent_adapters` summed up on the line a pick reads anyway ([`RecentSummary`]):
+    /// for most pods it tells a pick where an adapter stands without reading the line
+    /// that lists them.
+    recent_summary: AtomicU64,
     /// Keys of the LoRA adapters kvroute last sent here, most recent first (0: empty).
     /// vLLM reports only the adapters of requests running *now*; an adapter whose
     /// requests just finished usually still sits in a GPU slot, and this remembers it.
@@ -76,6 +80,39 @@ struct RecentAdapters([AtomicU64; RECENT_ADAPTERS]);
 
 /// How many adapters [`PodLoad`] remembers per pod (vLLM's `--max-loras` is rarely more).
 pub const RECENT_ADAPTERS: usize = 8;
+
+/// [`PodLoad`]'s remembered adapters in 64 bits: how many there are (the top 8 bits)
+/// and, in the other 56, one bit set for each ([`AdapterProbe`]). A clear bit rules an
+/// adapter out; a set one may stand for another adapter.
+struct RecentSummary;
+
+impl RecentSummary {
+    const COUNT_SHIFT: u32 = 56;
+
+    fn of(keys: impl Iterator<Item = u64>) -> u64 {
+        let (mut bits, mut count) = (0, 0u64);
+        for key in keys.filter(|&key| key != 0) {
+            bits |= AdapterProbe::of(key).0;
+            count += 1;
+        }
+        bits | count << Self::COUNT_SHIFT
+    }
+}
+
+/// An adapter's bit in a [`PodLoad`]'s summary of remembered adapters: its key's high
+/// bits, mixed, modulo 56 (FNV-1a's low bits follow the names' last bytes). Computed
+/// once per request and asked of every pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdapterProbe(u64);
+
+impl AdapterProbe {
+    pub fn of(key: u64) -> AdapterProbe {
+        let position = (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) % 56;
+        AdapterProbe(1 << position)
+    }
+}
+
+const _: () = assert!(RECENT_ADAPTERS < 1 << (64 - RecentSummary::COUNT_SHIFT));
 
 /// A non-zero key for an adapter name (FNV-1a), computed once per request.
 pub fn adapter_key(name: &str) -> u64 {
@@ -268,9 +305,27 @@ impl PodLoad {
         let order = std::iter::once(key)
             .chain(others)
             .chain(std::iter::repeat(0));
-        for (slot, value) in slots.iter().zip(order) {
+        let mut listed = [0; RECENT_ADAPTERS];
+        for ((slot, value), listed) in slots.iter().zip(order).zip(&mut listed) {
             slot.store(value, Ordering::Relaxed);
+            *listed = value;
         }
+        // After the list, as readers of the list without the lock see it: a torn read
+        // of the two only blurs the heuristic, as a torn read of the list does.
+        self.recent_summary
+            .store(RecentSummary::of(listed.into_iter()), Ordering::Relaxed);
+    }
+
+    /// [`PodLoad::adapter_standing`] read from the summary on the counters' cache line
+    /// where it can tell: the adapter `probe` stands for not remembered, and how many
+    /// are; `None` where the summary may stand for it (ask `adapter_standing` then).
+    #[inline]
+    pub fn standing_if_not_remembered(
+        &self,
+        probe: AdapterProbe,
+    ) -> Option<(Option<usize>, usize)> {
+        let summary = self.recent_summary.load(Ordering::Relaxed);
+        (summary & probe.0 == 0).then_some((None, (summary >> RecentSummary::COUNT_SHIFT) as usize))
     }
 
     /// How recently the adapter with `key` was sent here among the remembered ones:

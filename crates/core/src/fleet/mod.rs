@@ -26,7 +26,9 @@ use std::time::Duration;
 
 pub use adapters::{AdapterIndex, LoraSlots, PositionSet};
 pub use health::{HealthPolicy, HealthTracker};
-pub use load::{PodLoad, PrefillEnd, RECENT_ADAPTERS, Reservation, ScrapeTicket, adapter_key};
+pub use load::{
+    AdapterProbe, PodLoad, PrefillEnd, RECENT_ADAPTERS, Reservation, ScrapeTicket, adapter_key,
+};
 pub use models::{ModelClass, ModelIndex};
 pub(crate) use prefix::IdentityHasher;
 pub use prefix::{

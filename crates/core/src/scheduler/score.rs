@@ -4,7 +4,7 @@
 use super::filter::{Candidate, Demand, as_f64};
 use super::lora::LoraTier;
 use super::{CandidateScore, SchedulerConfig, WeightedTerms};
-use crate::fleet::{Fleet, PodRow, PodView, PositionSet, PrefixMatches, adapter_key};
+use crate::fleet::{AdapterProbe, Fleet, PodRow, PodView, PositionSet, PrefixMatches, adapter_key};
 
 /// The scores of one request against the candidates.
 pub(super) struct Scorer<'a> {
@@ -14,6 +14,8 @@ pub(super) struct Scorer<'a> {
     adapter: Option<&'a str>,
     /// [`adapter_key`] of `adapter`.
     adapter_key: u64,
+    /// Its bit in the pods' summaries of remembered adapters.
+    adapter_probe: AdapterProbe,
     /// Pods running / queueing `adapter`, from the snapshot's adapter index.
     adapter_running: PositionSet,
     adapter_waiting: PositionSet,
@@ -79,6 +81,7 @@ impl<'a> Scorer<'a> {
             demand,
             adapter,
             adapter_key: key,
+            adapter_probe: AdapterProbe::of(key),
             adapter_running,
             adapter_waiting,
             max_inflight: 0,
@@ -180,7 +183,9 @@ impl<'a> Scorer<'a> {
     #[inline(never)]
     fn adapter_tier(&self, index: usize) -> LoraTier {
         self.tier_with(index, || {
-            self.fleet.load(index).adapter_standing(self.adapter_key)
+            let load = self.fleet.load(index);
+            load.standing_if_not_remembered(self.adapter_probe)
+                .unwrap_or_else(|| load.adapter_standing(self.adapter_key))
         })
     }
 
@@ -245,13 +250,21 @@ impl<'a> Scorer<'a> {
     }
 
     /// The most [`Scorer::lora_term`] of an adapter request can be for `c` without asking
-    /// where the adapter stands among those kvroute sent the pod lately: a pod neither
-    /// running nor queueing it is at best `Warm`. Reading that standing is an atomic scan
-    /// of the pod's remembered adapters, which most pods of a light fleet need not pay.
+    /// where the adapter stands among those kvroute sent the pod lately: its term where
+    /// the summary on the pod's counters' line rules the adapter out (most pods of a
+    /// light fleet); elsewhere a pod neither running nor queueing it is at best `Warm`.
+    /// Reading the standing is an atomic scan of a second cache line of the pod's, which
+    /// most pods need not pay.
     #[inline(always)]
     pub(super) fn lora_term_ceiling(&self, c: &Candidate) -> f64 {
-        // Standing first among the adapters sent lately: `Warm` where it would be asked.
-        let tier = self.tier_with(c.index as usize, || (Some(0), 0));
+        let index = c.index as usize;
+        let tier = self.tier_with(index, || {
+            self.fleet
+                .load(index)
+                .standing_if_not_remembered(self.adapter_probe)
+                // Standing first among the adapters sent lately: `Warm` where it is asked.
+                .unwrap_or((Some(0), 0))
+        });
         self.config.weights.lora_affinity * tier.score()
     }
 

@@ -114,6 +114,48 @@ fn recently_sent_adapters_are_remembered_most_recent_first() {
 }
 
 #[test]
+fn the_summary_of_remembered_adapters_answers_as_the_list_where_it_can() {
+    let load = PodLoad::default();
+    let names: Vec<String> = (0..200).map(|n| format!("adapter-{n}")).collect();
+    for (sent, name) in names.iter().enumerate() {
+        load.note_adapter(adapter_key(name));
+        for other in &names {
+            let key = adapter_key(other);
+            if let Some(standing) = load.standing_if_not_remembered(AdapterProbe::of(key)) {
+                assert_eq!(standing, load.adapter_standing(key), "{other} after {sent}");
+            }
+            if load.adapter_recency(key).is_some() {
+                assert_eq!(
+                    load.standing_if_not_remembered(AdapterProbe::of(key)),
+                    None,
+                    "{other}"
+                );
+            }
+        }
+    }
+    // Eight remembered adapters set at most eight of the 56 bits: most others are ruled
+    // out from the summary alone.
+    let answered = names
+        .iter()
+        .filter(|n| {
+            load.standing_if_not_remembered(AdapterProbe::of(adapter_key(n)))
+                .is_some()
+        })
+        .count();
+    assert!(answered > 150, "{answered}");
+    assert_eq!(
+        PodLoad::default().standing_if_not_remembered(AdapterProbe::of(adapter_key("a"))),
+        Some((None, 0))
+    );
+}
+
+#[test]
+fn a_pick_reads_the_counters_and_the_summary_from_one_cache_line() {
+    assert!(std::mem::offset_of!(PodLoad, recent_summary) + 8 <= 64);
+    assert_eq!(std::mem::offset_of!(PodLoad, recent_adapters), 64);
+}
+
+#[test]
 fn prompt_tokens_wait_for_prefill_until_the_first_token_or_the_end() {
     let load = Arc::new(PodLoad::default());
     let mut streaming = load.reserve(300, 200, PrefillEnd::FirstToken);
