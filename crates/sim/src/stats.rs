@@ -209,15 +209,24 @@ impl LogHistogram {
 /// steps at a time, and a histogram's bins (35 KB) are cold at every visit: binning each
 /// gap as it comes cost a cache miss or more per token, a batch of them one per line of
 /// bins it touches. The counts are the same either way.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct GapLog {
     /// Gaps not yet binned, in nanoseconds.
     pending: Vec<u64>,
-    binned: Option<LogHistogram>,
+    binned: LogHistogram,
 }
 
 /// Gaps a [`GapLog`] keeps before binning them: 2 KB an engine.
 const PENDING_GAPS: usize = 256;
+
+impl Default for GapLog {
+    fn default() -> Self {
+        GapLog {
+            pending: Vec::with_capacity(PENDING_GAPS),
+            binned: LogHistogram::default(),
+        }
+    }
+}
 
 impl GapLog {
     /// Counts one gap.
@@ -227,45 +236,33 @@ impl GapLog {
         // would be binned at once.
         match u64::try_from(gap.as_nanos()) {
             Ok(nanos) => {
-                if self.pending.capacity() == 0 {
-                    self.pending.reserve_exact(PENDING_GAPS);
-                }
                 self.pending.push(nanos);
                 if self.pending.len() == PENDING_GAPS {
                     self.bin_pending();
                 }
             }
-            Err(_) => self
-                .binned
-                .get_or_insert_with(LogHistogram::default)
-                .observe(gap),
+            Err(_) => self.binned.observe(gap),
         }
     }
 
     fn bin_pending(&mut self) {
-        if self.pending.is_empty() {
-            return;
-        }
-        let binned = self.binned.get_or_insert_with(LogHistogram::default);
         for &nanos in &self.pending {
-            binned.observe(Duration::from_nanos(nanos));
+            self.binned.observe(Duration::from_nanos(nanos));
         }
         self.pending.clear();
     }
 
     /// Gaps counted since the last call.
     pub fn count(&self) -> u64 {
-        self.pending.len() as u64 + self.binned.as_ref().map_or(0, LogHistogram::count)
+        self.pending.len() as u64 + self.binned.count()
     }
 
     /// Adds every gap counted to `into`, and forgets them.
     pub fn take_into(&mut self, into: &mut LogHistogram) {
         self.bin_pending();
-        if let Some(binned) = self.binned.as_mut()
-            && binned.count() > 0
-        {
-            into.add(binned);
-            binned.clear();
+        if self.binned.count() > 0 {
+            into.add(&self.binned);
+            self.binned.clear();
         }
     }
 }
