@@ -5,17 +5,23 @@
 //! there: its steps since its last wake-up, a few each (pods are woken only where a
 //! request may finish). At a thousand pods that catch-up is most of a simulation's engine
 //! time. Engines are independent and keep their events until the loop takes them, so
-//! pods can be advanced on two cores at once with the same results: a catch-up puts the
-//! pods up in chunks that this thread and the helper take one at a time until none is
-//! left, so a helper still busy with a chore takes fewer (none, if the loop is done
-//! first) and the loop never waits for pods queued behind that chore. (A fixed half for
-//! the helper, as before, left the loop waiting for it a tenth of its time on a busy
-//! simulation, and the helper idle on a light one.) The helper lives as long as the
-//! simulation: a thread started per scrape cost about 0.2 ms, a third of what it saved.
-//! Between catch-ups it does the chores the loop hands it ([`Pods::hand_over`]), such as
-//! building the fleet a scrape will publish, while the loop goes on.
+//! pods can be advanced on two cores at once with the same results: a catch-up is a
+//! [`Pass`] over the pods that either thread sweeps, taking a few pods at a time until
+//! none is left, so a helper still busy with a chore takes fewer (none, if the loop is
+//! done first) and the loop never waits for pods queued behind that chore.
+//!
+//! A scrape's readings are needed only when it is published, a scrape delay later, so a
+//! catch-up for one may be *left running* ([`Pods::begin`]): the loop goes on with the
+//! events after it and the helper sweeps the pass meanwhile. Each pod sits behind its own
+//! lock, and the loop's first touch of a pod the pass has not reached advances that pod
+//! there first ([`Pods::at`]), so every pod is read where it stood at the scrape and is
+//! never stepped past it before. The loop then advances only the few pods it touches in
+//! the delay, where it used to advance its half of the fleet. The helper lives as long as
+//! the simulation: a thread started per scrape cost about 0.2 ms, a third of what it
+//! saved. Between passes it does the chores the loop hands it ([`Pods::hand_over`]), such
+//! as building the fleet a scrape will publish, while the loop goes on.
 
-use std::ops::{Index, IndexMut};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, mpsc};
 use std::thread::Scope;
 use std::time::{Duration, Instant};
@@ -35,8 +41,6 @@ pub struct Pod {
     pub engine: Engine,
     /// Request slot by engine request id (the engine numbers its requests from 0).
     pub slots: Vec<u32>,
-    /// When the queue wakes this pod next.
-    pub due: Option<SimTime>,
 }
 
 impl Pod {
@@ -44,49 +48,137 @@ impl Pod {
         Pod {
             engine,
             slots: Vec::new(),
-            due: None,
         }
     }
 }
 
-/// Pods per chunk of a catch-up: small enough that the two threads finish within a chunk's
-/// time of each other, large enough that taking one costs nothing beside advancing it.
-const CHUNK: usize = 16;
+/// Pods a sweep takes at once: small enough that the two threads finish within a few
+/// pods' time of each other, large enough that taking them costs nothing beside
+/// advancing them.
+const CLAIM: usize = 16;
 
-/// The pods by index, in chunks of [`CHUNK`] (the last may be shorter), each lent whole
-/// to whichever thread advances it in a catch-up.
-pub struct Pods {
-    chunks: Vec<Vec<Pod>>,
-    len: usize,
-    helper: Option<Helper>,
+/// The pods, each behind its own lock, and which pass each was last advanced for: what
+/// the loop and the helper share.
+struct Shared {
+    pods: Box<[Mutex<Pod>]>,
+    /// Per pod, the number of the last pass that advanced it.
+    advanced_for: Box<[AtomicU64]>,
+    /// Set when the helper thread ends (it only ends early on a panic): nothing it took
+    /// will be finished then.
+    helper_gone: AtomicBool,
 }
 
-/// One catch-up's pods, taken a chunk at a time by either thread: where to advance them,
-/// whether to read them.
-struct CatchUp {
-    /// Chunks not taken yet, with their index, last first.
-    left: Mutex<Vec<(usize, Vec<Pod>)>>,
+/// One catch-up: every pod advanced to `now`, and with `read` read there, by whichever
+/// thread comes to it first.
+struct Pass {
+    shared: Arc<Shared>,
+    /// This pass's number (from 1; [`Shared::advanced_for`] starts at 0).
+    number: u64,
     now: SimTime,
     read: bool,
+    /// The first pod no sweep has taken yet.
+    cursor: AtomicUsize,
+    /// Pods not advanced yet, taken or not.
+    remaining: AtomicUsize,
+    /// The readings so far, by pod.
+    readings: Mutex<Vec<Option<PodMetrics>>>,
 }
 
-/// Chunks advanced, with their index and readings.
-type Advanced = Vec<(usize, Vec<Pod>, Vec<PodMetrics>)>;
+impl Pass {
+    /// Advances `pod` (pod `i`, locked by the caller) to this pass unless it was;
+    /// true if this call did. The reading goes to `found`.
+    fn advance(&self, i: usize, pod: &mut Pod, found: &mut Vec<(usize, PodMetrics)>) -> bool {
+        let advanced_for = &self.shared.advanced_for[i];
+        if advanced_for.load(Ordering::Acquire) == self.number {
+            return false;
+        }
+        pod.engine.advance(self.now);
+        if self.read {
+            found.push((i, pod_metrics(&pod.engine)));
+        }
+        advanced_for.store(self.number, Ordering::Release);
+        true
+    }
 
-impl CatchUp {
-    /// Advances chunks until none is left; returns them.
-    fn take_all(&self) -> Advanced {
-        let mut advanced = Vec::new();
-        loop {
-            let next = lock(&self.left).pop();
-            let Some((index, mut pods)) = next else {
-                return advanced;
-            };
-            let mut readings = Vec::new();
-            advance(&mut pods, self.now, self.read, &mut readings);
-            advanced.push((index, pods, readings));
+    /// Files readings and counts `advanced` pods as done (readings first: a thread that
+    /// sees none remaining takes them all).
+    fn done(&self, found: &mut Vec<(usize, PodMetrics)>, advanced: usize) {
+        if !found.is_empty() {
+            let mut readings = lock(&self.readings);
+            for (i, reading) in found.drain(..) {
+                readings[i] = Some(reading);
+            }
+        }
+        if advanced > 0 {
+            self.remaining.fetch_sub(advanced, Ordering::AcqRel);
         }
     }
+
+    /// Takes pods from the cursor, a few at a time, and advances them, until none is left.
+    fn sweep(&self) {
+        let pods = &self.shared.pods;
+        let mut found = Vec::with_capacity(if self.read { CLAIM } else { 0 });
+        loop {
+            let start = self.cursor.fetch_add(CLAIM, Ordering::Relaxed);
+            if start >= pods.len() {
+                return;
+            }
+            let mut advanced = 0;
+            for (offset, pod) in pods[start..].iter().take(CLAIM).enumerate() {
+                if self.advance(start + offset, &mut lock(pod), &mut found) {
+                    advanced += 1;
+                }
+            }
+            self.done(&mut found, advanced);
+        }
+    }
+
+    /// Sweeps what is left, then waits for the pods the other thread took.
+    fn complete(&self) -> anyhow::Result<()> {
+        self.sweep();
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while self.remaining.load(Ordering::Acquire) > 0 {
+            if self.shared.helper_gone.load(Ordering::Acquire) {
+                anyhow::bail!("the simulation's helper thread failed");
+            }
+            spins = spins.wrapping_add(1);
+            // A few pods' time at most, unless the other thread was descheduled.
+            if spins.is_multiple_of(256) && start.elapsed() > SPIN {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        Ok(())
+    }
+
+    /// Completes the pass and takes its readings, in pod order.
+    fn readings(&self) -> anyhow::Result<Vec<PodMetrics>> {
+        self.complete()?;
+        let readings = std::mem::take(&mut *lock(&self.readings));
+        Ok(readings.into_iter().flatten().collect())
+    }
+}
+
+/// The readings of a catch-up left running ([`Pods::begin`]): taking them completes it
+/// on the calling thread, which may be either.
+pub struct Readings(Arc<Pass>);
+
+impl Readings {
+    /// Every pod's metrics at the pass's instant, in pod order.
+    pub fn take(self) -> anyhow::Result<Vec<PodMetrics>> {
+        self.0.readings()
+    }
+}
+
+/// The pods, lent to the helper thread by the lock each sits behind.
+pub struct Pods {
+    shared: Arc<Shared>,
+    helper: Option<Helper>,
+    /// The last pass begun: until it is complete, a pod it has not advanced is advanced
+    /// at the loop's first touch.
+    pass: Option<Arc<Pass>>,
 }
 
 /// Other work for the helper, done between catch-ups while the loop goes on: it hands
@@ -192,8 +284,8 @@ fn send_chore(tasks: &mpsc::Sender<Task>, chore: Chore) -> bool {
 
 /// What the helper is sent, in the order it does them.
 enum Task {
-    /// A share in a catch-up, and where to send the chunks it advanced (if any).
-    CatchUp(Arc<CatchUp>, mpsc::Sender<Advanced>),
+    /// A share in a catch-up.
+    Sweep(Arc<Pass>),
     Chore(Chore),
 }
 
@@ -225,33 +317,27 @@ fn receive<T>(channel: &mpsc::Receiver<T>) -> Option<T> {
     channel.recv().ok()
 }
 
-/// Advances `pods` to `now`; with `read`, appends each one's metrics to `readings`.
-fn advance(pods: &mut [Pod], now: SimTime, read: bool, readings: &mut Vec<PodMetrics>) {
-    for pod in pods {
-        pod.engine.advance(now);
-        if read {
-            readings.push(pod_metrics(&pod.engine));
-        }
+/// Says the helper is gone when its thread ends, however it ends.
+struct Farewell(Arc<Shared>);
+
+impl Drop for Farewell {
+    fn drop(&mut self) {
+        self.0.helper_gone.store(true, Ordering::Release);
     }
 }
 
 impl Pods {
     /// The pods, all advanced on this thread.
     pub fn new(pods: Vec<Pod>) -> Pods {
-        let len = pods.len();
-        let mut chunks = Vec::with_capacity(len.div_ceil(CHUNK));
-        let mut pods = pods.into_iter();
-        loop {
-            let chunk: Vec<Pod> = pods.by_ref().take(CHUNK).collect();
-            if chunk.is_empty() {
-                break;
-            }
-            chunks.push(chunk);
-        }
+        let advanced_for = pods.iter().map(|_| AtomicU64::new(0)).collect();
         Pods {
-            chunks,
-            len,
+            shared: Arc::new(Shared {
+                pods: pods.into_iter().map(Mutex::new).collect(),
+                advanced_for,
+                helper_gone: AtomicBool::new(false),
+            }),
             helper: None,
+            pass: None,
         }
     }
 
@@ -259,17 +345,12 @@ impl Pods {
     /// share of each catch-up and the chores handed over.
     pub fn start_helper<'scope>(&mut self, scope: &'scope Scope<'scope, '_>) {
         let (tasks, inbox) = mpsc::channel::<Task>();
+        let farewell = Farewell(Arc::clone(&self.shared));
         scope.spawn(move || {
+            let _farewell = farewell;
             while let Some(task) = receive(&inbox) {
                 match task {
-                    Task::CatchUp(catch_up, done) => {
-                        let advanced = catch_up.take_all();
-                        // Nothing to hand back when the loop took every chunk: it does
-                        // not wait for this share then (nor receive it).
-                        if !advanced.is_empty() {
-                            let _ = done.send(advanced);
-                        }
-                    }
+                    Task::Sweep(pass) => pass.sweep(),
                     Task::Chore(chore) => chore(),
                 }
             }
@@ -295,7 +376,7 @@ impl Pods {
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        self.shared.pods.len()
     }
 
     /// Whether a helper thread takes chores ([`Pods::hand_over`]).
@@ -303,72 +384,81 @@ impl Pods {
         self.helper.is_some()
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &Pod> {
-        self.chunks.iter().flatten()
+    /// Pod `i`, locked; advanced first to the pass left running, if that pass has not
+    /// reached it. Panics if there is no pod `i`, as indexing does.
+    pub fn at(&self, i: usize) -> MutexGuard<'_, Pod> {
+        let mut pod = lock(&self.shared.pods[i]);
+        if let Some(pass) = &self.pass {
+            let mut found = Vec::new();
+            if pass.advance(i, &mut pod, &mut found) {
+                pass.done(&mut found, 1);
+            }
+        }
+        pod
     }
 
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Pod> {
-        self.chunks.iter_mut().flatten()
+    /// Every pod, locked in turn. The pass last begun must be complete
+    /// ([`Pods::advance_all`] sees to it).
+    pub fn iter(&self) -> impl Iterator<Item = MutexGuard<'_, Pod>> {
+        debug_assert!(
+            self.pass
+                .as_ref()
+                .is_none_or(|p| p.remaining.load(Ordering::Acquire) == 0),
+            "pods read whole while a catch-up runs"
+        );
+        self.shared.pods.iter().map(lock)
+    }
+
+    /// Begins advancing every pod to `now` and reading it there, and leaves it running:
+    /// the helper sweeps it, the loop advances the pods it touches first
+    /// ([`Pods::at`]), and whoever takes the readings completes it. A pass left before
+    /// is completed first.
+    pub fn begin(&mut self, now: SimTime) -> anyhow::Result<Readings> {
+        Ok(Readings(self.start(now, true)?))
     }
 
     /// Advances every pod to `now`; with `read`, returns each one's metrics at `now`, in
     /// pod order (otherwise nothing).
     pub fn advance_all(&mut self, now: SimTime, read: bool) -> anyhow::Result<Vec<PodMetrics>> {
-        let mut readings = Vec::with_capacity(if read { self.len } else { 0 });
-        let Some(helper) = &self.helper else {
-            for chunk in &mut self.chunks {
-                advance(chunk, now, read, &mut readings);
-            }
-            return Ok(readings);
-        };
-        let total = self.chunks.len();
-        let catch_up = Arc::new(CatchUp {
-            left: Mutex::new(
-                std::mem::take(&mut self.chunks)
-                    .into_iter()
-                    .enumerate()
-                    .rev()
-                    .collect(),
-            ),
+        let pass = self.start(now, read)?;
+        let readings = pass.readings()?;
+        Ok(readings)
+    }
+
+    /// Completes the pass left running, if any.
+    pub fn complete(&mut self) -> anyhow::Result<()> {
+        if let Some(pass) = &self.pass {
+            pass.complete()?;
+        }
+        Ok(())
+    }
+
+    /// A new pass to `now`, the helper told to sweep it.
+    fn start(&mut self, now: SimTime, read: bool) -> anyhow::Result<Arc<Pass>> {
+        self.complete()?;
+        let number = self.pass.as_ref().map_or(0, |p| p.number) + 1;
+        let len = self.len();
+        let pass = Arc::new(Pass {
+            shared: Arc::clone(&self.shared),
+            number,
             now,
             read,
+            cursor: AtomicUsize::new(0),
+            remaining: AtomicUsize::new(len),
+            readings: Mutex::new(if read {
+                (0..len).map(|_| None).collect()
+            } else {
+                Vec::new()
+            }),
         });
-        let (done, theirs) = mpsc::channel();
-        if helper
-            .tasks
-            .send(Task::CatchUp(Arc::clone(&catch_up), done))
-            .is_err()
+        if let Some(helper) = &self.helper
+            && helper.tasks.send(Task::Sweep(Arc::clone(&pass))).is_err()
         {
             // The helper is gone (it only stops on a panic): carry on alone.
             self.helper = None;
         }
-        let mut advanced = catch_up.take_all();
-        if advanced.len() < total {
-            let helpers = receive(&theirs)
-                .ok_or_else(|| anyhow::anyhow!("the simulation's helper thread failed"))?;
-            advanced.extend(helpers);
-        }
-        advanced.sort_unstable_by_key(|(index, _, _)| *index);
-        self.chunks.reserve(total);
-        for (_, chunk, theirs) in advanced {
-            self.chunks.push(chunk);
-            readings.extend(theirs);
-        }
-        Ok(readings)
-    }
-}
-
-impl Index<usize> for Pods {
-    type Output = Pod;
-
-    fn index(&self, i: usize) -> &Pod {
-        &self.chunks[i / CHUNK][i % CHUNK]
-    }
-}
-
-impl IndexMut<usize> for Pods {
-    fn index_mut(&mut self, i: usize) -> &mut Pod {
-        &mut self.chunks[i / CHUNK][i % CHUNK]
+        self.pass = Some(Arc::clone(&pass));
+        Ok(pass)
     }
 }
 
@@ -376,7 +466,7 @@ impl IndexMut<usize> for Pods {
 mod tests {
     use std::thread::{ThreadId, current};
 
-    use kvroute_sim::engine::EngineConfig;
+    use kvroute_sim::engine::{EngineConfig, FinishReason, RequestSpec};
     use kvroute_sim::profile::Profile;
 
     use super::*;
@@ -406,13 +496,13 @@ mod tests {
 
     #[test]
     fn a_catch_up_reads_every_pod_in_order_whoever_advances_it_and_never_waits_on_a_busy_helper() {
-        let n = 5 * CHUNK as u32 + 3;
+        let n = 5 * CLAIM as u32 + 3;
         let in_order: Vec<u64> = (0..n).map(|i| u64::from(100 + i)).collect();
         std::thread::scope(|scope| {
             let mut pods = numbered_pods(n);
             pods.start_helper(scope);
             // The helper busy with a chore until this thread says: the catch-up must not
-            // wait for it, and takes every chunk itself.
+            // wait for it, and takes every pod itself.
             let (release, busy) = mpsc::channel::<()>();
             pods.hand_over(Box::new(move || {
                 let _ = busy.recv();
@@ -422,8 +512,7 @@ mod tests {
                 .expect("advanced");
             assert_eq!(blocks_read(&readings), in_order);
             release.send(()).expect("the helper waits");
-            // Both threads free: still every pod once, in order, and the pods are back in
-            // place for indexing.
+            // Both threads free: still every pod once, in order.
             for step in 1..20u64 {
                 let readings = pods
                     .advance_all(Duration::from_millis(5 + step), true)
@@ -431,7 +520,7 @@ mod tests {
                 assert_eq!(blocks_read(&readings), in_order);
                 assert_eq!(pods.len(), n as usize);
                 let at = (step as usize * 7) % n as usize;
-                assert_eq!(pods[at].engine.config().num_gpu_blocks, 100 + at as u32);
+                assert_eq!(pods.at(at).engine.config().num_gpu_blocks, 100 + at as u32);
             }
             let none = pods
                 .advance_all(Duration::from_millis(50), false)
@@ -439,6 +528,70 @@ mod tests {
             assert!(none.is_empty());
             assert_eq!(pods.iter().count(), n as usize);
         });
+    }
+
+    /// Pods each running one request, all the same: the same steps at the same times.
+    fn busy_pods(n: u32) -> Pods {
+        let pods = numbered_pods(n);
+        for i in 0..n as usize {
+            pods.at(i).engine.add_request(
+                Duration::ZERO,
+                RequestSpec {
+                    prompt: (0..64).collect(),
+                    adapter: None,
+                    max_output: 400,
+                    finish_reason: FinishReason::Length,
+                    output_seed: 1,
+                },
+            );
+        }
+        pods
+    }
+
+    #[test]
+    fn a_catch_up_left_running_reads_each_pod_where_it_stood_though_the_loop_moved_some_on() {
+        let n = 4 * CLAIM as u32 + 5;
+        let scrape = Duration::from_millis(200);
+        let later = Duration::from_millis(900);
+        // What each pod reads at the scrape, all advanced there at once, and later.
+        let kv_when = |at: Duration| -> Vec<f64> {
+            let mut pods = busy_pods(n);
+            let readings = pods.advance_all(at, true).expect("advanced");
+            readings.iter().map(|r| r.kv_usage).collect()
+        };
+        let kv_at_scrape = kv_when(scrape);
+        let kv_later = kv_when(later);
+        assert!(
+            kv_at_scrape.iter().zip(&kv_later).all(|(a, b)| a < b),
+            "the pods' KV grows between the two instants"
+        );
+        for helper_busy in [true, false] {
+            std::thread::scope(|scope| {
+                let mut pods = busy_pods(n);
+                pods.start_helper(scope);
+                let (release, busy) = mpsc::channel::<()>();
+                if helper_busy {
+                    pods.hand_over(Box::new(move || {
+                        let _ = busy.recv();
+                    }));
+                }
+                let readings = pods.begin(scrape).expect("begun");
+                // The loop moves some pods on before the readings are taken: each is
+                // advanced to the scrape first.
+                for i in (0..n as usize).step_by(7) {
+                    pods.at(i).engine.advance(later);
+                    assert_eq!(pods.at(i).engine.now(), later);
+                }
+                let taken = readings.take().expect("read");
+                drop(release);
+                assert_eq!(taken.len(), n as usize);
+                let kv: Vec<f64> = taken.iter().map(|r| r.kv_usage).collect();
+                assert_eq!(kv, kv_at_scrape, "helper busy: {helper_busy}");
+                // The pods the loop did not touch stand at the scrape.
+                pods.complete().expect("complete");
+                assert_eq!(pods.at(1).engine.now(), scrape);
+            });
+        }
     }
 
     #[test]

@@ -119,11 +119,19 @@ pub struct Pass {
 #[derive(Debug)]
 struct PendingScrape {
     started: Duration,
-    /// Per pod, what it read, with the ledger's ticket.
-    readings: Vec<(Arc<PodMetrics>, ScrapeTicket)>,
-    /// The fleet it publishes, being built off this thread for the moment it is due.
-    prepared: Option<(Duration, Errand<Arc<Fleet>>)>,
+    /// Per pod, the ledger's ticket, taken as the scrape started.
+    tickets: Vec<ScrapeTicket>,
+    /// What it read and the fleet it publishes, being made off this thread for the
+    /// moment it is due.
+    prepared: (Duration, Errand<anyhow::Result<Prepared>>),
 }
+
+/// Per pod, what a scrape read; and the fleet it publishes.
+type Prepared = (Vec<Arc<PodMetrics>>, Arc<Fleet>);
+
+/// A scrape's pages, all of them once they have been read (the simulation reads them
+/// off the loop where it can: [`super::pods::Pods::begin`]).
+pub type Pages = Box<dyn FnOnce() -> anyhow::Result<Vec<PodMetrics>> + Send>;
 
 /// One kvroute replica's picker and store, in virtual time.
 #[derive(Debug)]
@@ -269,31 +277,20 @@ impl Replica {
         }
     }
 
-    /// A scrape of every pod starts at `now`; `read(i)` is pod `i`'s page at that moment.
-    /// It will be published at `publish_at`: the fleet it publishes is built now by
-    /// `hand_over`'s means (the simulation's helper thread), ready by then.
+    /// A scrape of every pod starts at `now`; `pages` gives each pod's page at that moment,
+    /// in pod order. It will be published at `publish_at`: the pages are read and the
+    /// fleet they publish is built now by `hand_over`'s means (the simulation's helper
+    /// thread), ready by then.
     pub fn scrape(
         &mut self,
         now: Duration,
-        mut read: impl FnMut(usize) -> PodMetrics,
+        pages: Pages,
         publish_at: Duration,
         hand_over: &mut impl FnMut(Chore),
     ) {
-        let readings: Vec<_> = self
-            .loads
-            .iter()
-            .enumerate()
-            .map(|(i, load)| {
-                let ticket = load.scrape_started();
-                (Arc::new(read(i)), ticket)
-            })
-            .collect();
+        let tickets = self.loads.iter().map(|l| l.scrape_started()).collect();
         // Every pod was read: at its publication, each one's age is the scrape's.
         let age = publish_at.saturating_sub(now);
-        let metrics: Vec<_> = readings
-            .iter()
-            .map(|(m, _)| Some((Arc::clone(m), age)))
-            .collect();
         // Publications come in the order of their scrapes, one each.
         let generation = self.generation + self.pending.len() as u64 + 1;
         let (previous, loads, models) = (
@@ -301,38 +298,49 @@ impl Replica {
             Arc::clone(&self.loads),
             Arc::clone(&self.models),
         );
-        let build = move || Arc::new(fleet_of(&previous, metrics, &loads, &models, generation));
+        let build = move || -> anyhow::Result<Prepared> {
+            let mut pages = pages()?.into_iter();
+            let readings: Vec<Arc<PodMetrics>> = loads
+                .iter()
+                .map(|_| Arc::new(pages.next().unwrap_or_default()))
+                .collect();
+            let metrics = readings
+                .iter()
+                .map(|m| Some((Arc::clone(m), age)))
+                .collect();
+            let fleet = Arc::new(fleet_of(&previous, metrics, &loads, &models, generation));
+            Ok((readings, fleet))
+        };
         let prepared = Errand::new(build, hand_over);
         self.pending.push_back(PendingScrape {
             started: now,
-            readings,
-            prepared: Some((publish_at, prepared)),
+            tickets,
+            prepared: (publish_at, prepared),
         });
     }
 
     /// The oldest pending scrape has answered: publish it (`PodStore::record_scrape` then
     /// `PodStore::publish`).
-    pub fn publish(&mut self, now: Duration) {
+    pub fn publish(&mut self, now: Duration) -> anyhow::Result<()> {
         let mut prepared = None;
         if let Some(scrape) = self.pending.pop_front() {
+            let (at, made) = scrape.prepared;
+            let (readings, fleet) = made.result()??;
             for ((slot, load), (metrics, ticket)) in self
                 .metrics
                 .iter_mut()
                 .zip(self.loads.iter())
-                .zip(scrape.readings)
+                .zip(readings.into_iter().zip(scrape.tickets))
             {
                 *slot = Some((metrics, scrape.started));
                 load.scrape_succeeded(ticket);
             }
-            prepared = scrape.prepared;
+            prepared = (at == now).then_some(fleet);
         }
         self.generation += 1;
-        // The fleet built for this moment, or else (published at another, or its builder
-        // gone) one built here from the same readings.
-        let fleet = prepared
-            .filter(|(at, _)| *at == now)
-            .and_then(|(_, built)| built.result().ok());
-        self.fleet = fleet.unwrap_or_else(|| {
+        // The fleet built for this moment, or else (published at another) one built here
+        // from the same readings.
+        self.fleet = prepared.unwrap_or_else(|| {
             let metrics = self
                 .metrics
                 .iter()
@@ -349,6 +357,7 @@ impl Replica {
                 self.generation,
             ))
         });
+        Ok(())
     }
 
     /// What the pods' ledgers still hold, summed: requests in flight and tokens counted
@@ -681,25 +690,42 @@ impl Kvroute {
     pub fn scrape(
         &mut self,
         now: Duration,
-        mut readings: Vec<PodMetrics>,
+        pages: Pages,
         publish_at: Duration,
         hand_over: &mut impl FnMut(Chore),
     ) {
-        let last = self.replicas.len().saturating_sub(1);
-        for (r, replica) in self.replicas.iter_mut().enumerate() {
-            let read = |i: usize| match readings.get_mut(i) {
-                Some(reading) if r < last => reading.clone(),
-                Some(reading) => std::mem::take(reading),
-                None => PodMetrics::default(),
+        if let [replica] = &mut self.replicas[..] {
+            return replica.scrape(now, pages, publish_at, hand_over);
+        }
+        // Replicas scrape the same pages: read them here, a copy each.
+        let read = pages();
+        for replica in &mut self.replicas {
+            let copy: Pages = match &read {
+                Ok(pages) => {
+                    let pages = pages.clone();
+                    Box::new(move || Ok(pages))
+                }
+                Err(e) => {
+                    let e = format!("{e:#}");
+                    Box::new(move || Err(anyhow::anyhow!(e)))
+                }
             };
-            replica.scrape(now, read, publish_at, hand_over);
+            replica.scrape(now, copy, publish_at, hand_over);
         }
     }
 
-    pub fn publish(&mut self, now: Duration) {
+    /// Whether a scrape's pages may be read after the scrape, while the simulation goes
+    /// on: not where KV events from the pods' steps feed the index as the steps end, nor
+    /// where several replicas take copies of the pages at once.
+    pub fn reads_pages_later(&self) -> bool {
+        self.replicas.len() == 1 && !self.uses_kv_events()
+    }
+
+    pub fn publish(&mut self, now: Duration) -> anyhow::Result<()> {
         for replica in &mut self.replicas {
-            replica.publish(now);
+            replica.publish(now)?;
         }
+        Ok(())
     }
 
     /// What the replicas' ledgers still hold, summed (zero once every request ended).
@@ -1017,17 +1043,14 @@ mod tests {
         let elsewhen = delay + Duration::from_nanos(1);
         for (n, waiting) in [(0u32, 0), (1, 3), (2, 1)] {
             let now = delay * n;
-            ahead.scrape(
-                now,
-                |i| metrics(waiting + i as u32),
-                now + delay,
-                &mut |c| c(),
-            );
+            let pages = move || -> Pages {
+                Box::new(move || Ok((0..3).map(|i| metrics(waiting + i)).collect()))
+            };
+            ahead.scrape(now, pages(), now + delay, &mut |c| c());
             let mut lost = |chore: Chore| drop(chore);
-            let read = |i: usize| metrics(waiting + i as u32);
-            at_publication.scrape(now, read, now + elsewhen, &mut lost);
-            ahead.publish(now + delay);
-            at_publication.publish(now + delay);
+            at_publication.scrape(now, pages(), now + elsewhen, &mut lost);
+            ahead.publish(now + delay).expect("published");
+            at_publication.publish(now + delay).expect("published");
             let (built, wanted) = (ahead.fleet.snapshot(), at_publication.fleet.snapshot());
             assert_eq!(built, wanted);
             assert_eq!(built.generation, u64::from(n) + 1);
@@ -1038,8 +1061,9 @@ mod tests {
             );
         }
         // Published at another moment than planned: built then, with the ages then.
-        ahead.scrape(delay * 3, |_| metrics(0), delay * 4, &mut |c| c());
-        ahead.publish(delay * 5);
+        let pages: Pages = Box::new(|| Ok(vec![metrics(0); 3]));
+        ahead.scrape(delay * 3, pages, delay * 4, &mut |c| c());
+        ahead.publish(delay * 5).expect("published");
         assert_eq!(
             ahead.fleet.snapshot().pods()[0].metrics_age,
             Some(delay * 2)
@@ -1049,8 +1073,9 @@ mod tests {
     /// A scrape at `now`, published at once, every pod reporting `waiting` queued requests.
     fn rescrape(k: &mut Kvroute, now: Duration, waiting: u32) {
         let pods = k.pods();
-        k.scrape(now, vec![metrics(waiting); pods], now, &mut |chore| chore());
-        k.publish(now);
+        let pages = vec![metrics(waiting); pods];
+        k.scrape(now, Box::new(move || Ok(pages)), now, &mut |chore| chore());
+        k.publish(now).expect("published");
     }
 
     fn request(tokens: u32) -> InferenceRequest {

@@ -39,7 +39,7 @@ use super::diagnose::{Diagnostics, PodSample, RequestOutcome};
 use super::flow::{self, FlowClass, FlowSettings};
 use super::observe::served_models;
 use super::pods::{Errand, HELPER_FROM_PODS, Pod, Pods};
-use super::policy::{HeldEntry, Kvroute, Placement, Policy, Routed};
+use super::policy::{HeldEntry, Kvroute, Pages, Placement, Policy, Routed};
 use super::ready::{Preparation, Ready, ReadyTrace};
 use super::stats::{ClassLabels, Completion, FleetCounters, StepAcc, window_of};
 use super::trace::{StepTrace, TraceRequest};
@@ -145,6 +145,9 @@ struct Forecasting {
 struct World<'s> {
     setup: &'s Setup<'s>,
     pods: Pods,
+    /// When the queue wakes each pod next (kept apart from the pods: a wake-up that
+    /// turns out stale must not touch its pod).
+    due: Vec<Option<SimTime>>,
     stepping: Stepping,
     inflight: Vec<u32>,
     policy: Policy,
@@ -289,6 +292,7 @@ impl<'s> World<'s> {
         Ok(World {
             setup,
             inflight: vec![0; setup.pods],
+            due: vec![None; pods.len()],
             pods: Pods::new(pods),
             stepping: Stepping::ToFinishBounds,
             policy,
@@ -341,37 +345,40 @@ impl<'s> World<'s> {
         self.order += 1;
         let order = self.order;
         let helped = self.pods.has_helper();
-        let engine = &mut self.pods[i].engine;
-        let next = match self.stepping {
-            Stepping::ToFinishBounds if helped => match engine.detach_forecast() {
-                FinishBound::Known(next) => next,
-                FinishBound::ToRead(mut reading) => {
-                    let earliest = reading.earliest();
-                    let pods = &mut self.pods;
-                    let work = move || {
-                        reading.run();
-                        reading
-                    };
-                    let read = Errand::new(work, &mut |chore| pods.hand_over(chore));
-                    let forecasting = Forecasting {
-                        earliest,
-                        order,
-                        read,
-                    };
-                    self.forecasting.push((i, forecasting));
-                    return;
-                }
-            },
-            Stepping::ToFinishBounds => engine.next_finish_bound(),
-            Stepping::EveryEvent => engine.next_event_time(),
+        let bound = {
+            let engine = &mut self.pods.at(i).engine;
+            match self.stepping {
+                Stepping::ToFinishBounds if helped => engine.detach_forecast(),
+                Stepping::ToFinishBounds => FinishBound::Known(engine.next_finish_bound()),
+                Stepping::EveryEvent => FinishBound::Known(engine.next_event_time()),
+            }
+        };
+        let next = match bound {
+            FinishBound::Known(next) => next,
+            FinishBound::ToRead(mut reading) => {
+                let earliest = reading.earliest();
+                let pods = &mut self.pods;
+                let work = move || {
+                    reading.run();
+                    reading
+                };
+                let read = Errand::new(work, &mut |chore| pods.hand_over(chore));
+                let forecasting = Forecasting {
+                    earliest,
+                    order,
+                    read,
+                };
+                self.forecasting.push((i, forecasting));
+                return;
+            }
         };
         self.set_due(i, next, order);
     }
 
     /// Pod `i`'s next wake-up is at `next`, in queue order `order`.
     fn set_due(&mut self, i: usize, next: Option<SimTime>, order: u64) {
-        if next != self.pods[i].due {
-            self.pods[i].due = next;
+        if next != self.due[i] {
+            self.due[i] = next;
             if let Some(t) = next {
                 self.queue.push(Reverse((t, order, Ev::Pod(i as u32))));
             }
@@ -386,7 +393,7 @@ impl<'s> World<'s> {
         };
         let (_, forecasting) = self.forecasting.swap_remove(k);
         let reading = forecasting.read.result()?;
-        let next = self.pods[i].engine.settle_forecast(reading);
+        let next = self.pods.at(i).engine.settle_forecast(reading);
         self.set_due(i, next, forecasting.order);
         Ok(())
     }
@@ -432,9 +439,9 @@ impl<'s> World<'s> {
     /// Takes pod `i`'s engine events and applies them to their requests.
     fn drain(&mut self, i: usize) {
         let mut events = std::mem::take(&mut self.events);
-        self.pods[i].engine.take_events(&mut events);
+        self.pods.at(i).engine.take_events(&mut events);
         for ev in events.drain(..) {
-            let Some(&slot) = self.pods[i].slots.get(ev.id as usize) else {
+            let Some(slot) = self.pods.at(i).slots.get(ev.id as usize).copied() else {
                 continue;
             };
             match ev.kind {
@@ -483,7 +490,7 @@ impl<'s> World<'s> {
         if let Policy::Kvroute(k) = &mut self.policy
             && k.uses_kv_events()
         {
-            self.pods[i].engine.take_kv_events(&mut self.kv_batches);
+            self.pods.at(i).engine.take_kv_events(&mut self.kv_batches);
             for batch in self.kv_batches.drain(..) {
                 k.kv_events(i, &event_batch(&batch));
             }
@@ -661,12 +668,16 @@ impl<'s> World<'s> {
         };
         let i = routed.pod;
         self.settle(i)?;
-        let engine_id = self.pods[i].engine.add_request(now, spec);
-        let slots = &mut self.pods[i].slots;
-        if engine_id as usize >= slots.len() {
-            slots.resize(engine_id as usize + 1, u32::MAX);
-        }
-        slots[engine_id as usize] = slot;
+        let engine_id = {
+            let mut pod = self.pods.at(i);
+            let engine_id = pod.engine.add_request(now, spec);
+            let slots = &mut pod.slots;
+            if engine_id as usize >= slots.len() {
+                slots.resize(engine_id as usize + 1, u32::MAX);
+            }
+            slots[engine_id as usize] = slot;
+            engine_id
+        };
         self.slots[slot as usize] = Some(Open {
             serial,
             step,
@@ -750,7 +761,7 @@ impl<'s> World<'s> {
         {
             let i = sent.pod as usize;
             self.settle(i)?;
-            self.pods[i].engine.advance(now);
+            self.pods.at(i).engine.advance(now);
             self.drain(i);
         }
         let Some(open) = self.close(slot) else {
@@ -765,7 +776,7 @@ impl<'s> World<'s> {
             }
             Stage::Sent(sent) => {
                 let i = sent.pod as usize;
-                self.pods[i].engine.abort(now, sent.engine_id);
+                self.pods.at(i).engine.abort(now, sent.engine_id);
                 self.reschedule(i);
             }
         }
@@ -776,23 +787,34 @@ impl<'s> World<'s> {
     /// A scrape at `now`, to be published at `publish_at`.
     fn scrape(&mut self, now: SimTime, publish_at: SimTime) -> anyhow::Result<()> {
         self.stats.scrapes += 1;
-        let read = matches!(self.policy, Policy::Kvroute(_));
-        let readings = self.catch_up(now, read)?;
+        let Policy::Kvroute(k) = &self.policy else {
+            self.catch_up(now, false)?;
+            return Ok(());
+        };
+        // With a helper, the pages are read while the loop goes on (`Pods::begin`); the
+        // readings are the same.
+        let pages: Pages = if k.reads_pages_later() && self.pods.has_helper() {
+            self.settle_until(None)?;
+            let readings = self.pods.begin(now)?;
+            Box::new(move || readings.take())
+        } else {
+            let readings = self.catch_up(now, true)?;
+            Box::new(move || Ok(readings))
+        };
         if let Policy::Kvroute(k) = &mut self.policy {
             let pods = &mut self.pods;
-            k.scrape(now, readings, publish_at, &mut |chore| {
-                pods.hand_over(chore)
-            });
+            k.scrape(now, pages, publish_at, &mut |chore| pods.hand_over(chore));
         }
         Ok(())
     }
 
     /// A scrape's readings are published: a new fleet, which wakes kvroute's dispatcher.
-    fn publish(&mut self, now: SimTime) {
+    fn publish(&mut self, now: SimTime) -> anyhow::Result<()> {
         if let Policy::Kvroute(k) = &mut self.policy {
-            k.publish(now);
+            k.publish(now)?;
             self.wake = true;
         }
+        Ok(())
     }
 
     fn sample(&mut self, now: SimTime, step: usize) -> anyhow::Result<()> {
@@ -861,10 +883,10 @@ impl<'s> World<'s> {
             Ev::Pod(i) => {
                 let i = i as usize;
                 self.settle(i)?;
-                if self.pods[i].due == Some(t) {
+                if self.due[i] == Some(t) {
                     self.stats.engine_wakeups += 1;
-                    self.pods[i].due = None;
-                    self.pods[i].engine.advance(t);
+                    self.due[i] = None;
+                    self.pods.at(i).engine.advance(t);
                     self.drain(i);
                     self.reschedule(i);
                 }
@@ -873,13 +895,13 @@ impl<'s> World<'s> {
                 let delay = self.setup.scrape_delay;
                 self.scrape(t, t + delay)?;
                 if delay.is_zero() {
-                    self.publish(t);
+                    self.publish(t)?;
                 } else {
                     self.schedule(t + delay, Ev::Publish);
                 }
                 self.schedule(t + self.setup.scrape_interval, Ev::Scrape);
             }
-            Ev::Publish => self.publish(t),
+            Ev::Publish => self.publish(t)?,
             Ev::Deadline => self.wake = true,
             Ev::Sample => {
                 self.sample(t, step)?;
@@ -931,7 +953,7 @@ impl<'s> World<'s> {
         self.steps[step].end_s = secs(now);
         self.catch_up(now, false)?;
         self.steps[step].counters_end = self.counters();
-        for pod in self.pods.iter_mut() {
+        for mut pod in self.pods.iter() {
             pod.engine.take_token_gaps(&mut self.steps[step].itl);
         }
         Ok(now)
@@ -972,7 +994,7 @@ fn run_world(
     // kvroute is ready once it has a snapshot: a first scrape at time zero, published at once.
     if matches!(world.policy, Policy::Kvroute(_)) {
         world.scrape(Duration::ZERO, Duration::ZERO)?;
-        world.publish(Duration::ZERO);
+        world.publish(Duration::ZERO)?;
         world.schedule(setup.scrape_interval, Ev::Scrape);
     }
     world.schedule(Duration::ZERO, Ev::Sample);
@@ -1215,9 +1237,10 @@ mod tests {
 
     #[test]
     fn a_simulation_helped_by_a_second_thread_gives_the_results_of_one_thread() {
-        // The helper advances half the pods at catch-ups, builds the fleets scrapes
-        // publish, makes requests ready, reads pods' finish bounds ahead and makes
-        // kvroute's prefix records (which shared-prefix's next requests match at once).
+        // The helper sweeps the catch-ups (a scrape's while the loop goes on, the loop
+        // advancing first the pods it touches), builds the fleets scrapes publish, makes
+        // requests ready, reads pods' finish bounds ahead and makes kvroute's prefix
+        // records (which shared-prefix's next requests match at once).
         for name in ["kv-pressure.yaml", "multi-lora.yaml", "shared-prefix.yaml"] {
             let file = Path::new(crate::WORKLOADS_DIR).join(name);
             let w = Workload::from_file(&file).expect("shipped");
@@ -1285,7 +1308,7 @@ mod tests {
                         let at = Duration::from_millis(n * 40);
                         let request = big(at, i * 3 + n as usize);
                         let prompt = request.engine_tokens(w.api, &mut world.words);
-                        world.pods[i].engine.add_request(
+                        world.pods.at(i).engine.add_request(
                             at,
                             RequestSpec {
                                 prompt,
@@ -1305,8 +1328,8 @@ mod tests {
                 let events: Vec<(Vec<Event>, LogHistogram)> = (0..world.pods.len())
                     .map(|i| {
                         let (mut events, mut gaps) = (Vec::new(), LogHistogram::default());
-                        world.pods[i].engine.take_events(&mut events);
-                        world.pods[i].engine.take_token_gaps(&mut gaps);
+                        world.pods.at(i).engine.take_events(&mut events);
+                        world.pods.at(i).engine.take_token_gaps(&mut gaps);
                         (events, gaps)
                     })
                     .collect();
@@ -1339,7 +1362,7 @@ mod tests {
         world
             .scrape(Duration::ZERO, Duration::ZERO)
             .expect("scraped");
-        world.publish(Duration::ZERO);
+        world.publish(Duration::ZERO).expect("published");
         world.schedule(setup.scrape_interval, Ev::Scrape);
         world.steps.push(StepAcc::new(1.0, 1.0, 1, w.classes.len()));
         let trace = vec![big(Duration::ZERO, 0), big(Duration::from_millis(1), 1)];
