@@ -13,7 +13,7 @@ use super::{ClassSpec, Workload};
 #[derive(Debug, thiserror::Error)]
 pub enum WorkloadError {
     /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}")]
     Read {
         /// The file.
         path: PathBuf,
@@ -21,7 +21,7 @@ pub enum WorkloadError {
         source: std::io::Error,
     },
     /// The file does not parse.
-    #[error("invalid workload {path}: {source}")]
+    #[error("invalid workload {path}")]
     Parse {
         /// The file.
         path: PathBuf,
@@ -37,7 +37,7 @@ pub enum WorkloadError {
         reason: String,
     },
     /// The fleet section does not make a valid simulated fleet.
-    #[error("workload {name:?}: fleet: {source}")]
+    #[error("workload {name:?}: fleet")]
     Fleet {
         /// The workload's name.
         name: String,
