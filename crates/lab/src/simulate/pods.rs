@@ -192,6 +192,9 @@ pub type Chore = Box<dyn FnOnce() + Send>;
 pub struct Errand<R> {
     work: Arc<Mutex<Option<Work<R>>>>,
     done: mpsc::Receiver<R>,
+    /// The result, once in before it was asked for ([`Errand::is_done`],
+    /// [`Errand::do_here`]).
+    made: Option<R>,
 }
 
 type Work<R> = Box<dyn FnOnce() -> R + Send>;
@@ -223,12 +226,43 @@ impl<R: Send + 'static> Errand<R> {
                 let _ = made.send(work());
             }
         }));
-        Errand { work, done }
+        Errand {
+            work,
+            done,
+            made: None,
+        }
+    }
+
+    /// Whether the result is in (made here, or sent by the helper), without waiting.
+    pub fn is_done(&mut self) -> bool {
+        if self.made.is_none()
+            && let Ok(made) = self.done.try_recv()
+        {
+            self.made = Some(made);
+        }
+        self.made.is_some()
+    }
+
+    /// Does the work here and now if the helper has not started it; whether it did. A
+    /// thread that would wait for one errand does another meanwhile.
+    pub fn do_here(&mut self) -> bool {
+        if self.made.is_some() {
+            return false;
+        }
+        let work = lock(&self.work).take();
+        let Some(work) = work else {
+            return false;
+        };
+        self.made = Some(work());
+        true
     }
 
     /// The result: made here if the helper has not started the work, else the helper's
     /// once it is done.
     pub fn result(self) -> anyhow::Result<R> {
+        if let Some(made) = self.made {
+            return Ok(made);
+        }
         let work = lock(&self.work).take();
         match work {
             Some(work) => Ok(work()),
@@ -607,6 +641,13 @@ mod tests {
             }));
             let errand = Errand::new(|| current().id(), &mut hand_over);
             assert_eq!(errand.result().expect("done"), current().id());
+            // Done here ahead of being asked for, once: the result is kept.
+            let mut ahead = Errand::new(|| current().id(), &mut hand_over);
+            assert!(!ahead.is_done());
+            assert!(ahead.do_here());
+            assert!(!ahead.do_here());
+            assert!(ahead.is_done());
+            assert_eq!(ahead.result().expect("done"), current().id());
             release.send(()).expect("the helper waits");
             // Started by the helper: its result.
             let (started, has_started) = mpsc::channel::<()>();
@@ -618,6 +659,8 @@ mod tests {
                 &mut hand_over,
             );
             has_started.recv().expect("the helper starts it");
+            let mut errand = errand;
+            assert!(!errand.do_here(), "the helper has it");
             assert_ne!(errand.result().expect("done"), current().id());
         });
     }

@@ -319,6 +319,14 @@ impl Replica {
         });
     }
 
+    /// Whether the next publication's fleet is built (or there is none to build), without
+    /// waiting.
+    pub fn publication_made(&mut self) -> bool {
+        self.pending
+            .front_mut()
+            .is_none_or(|scrape| scrape.prepared.1.is_done())
+    }
+
     /// The oldest pending scrape has answered: publish it (`PodStore::record_scrape` then
     /// `PodStore::publish`).
     pub fn publish(&mut self, now: Duration) -> anyhow::Result<()> {
@@ -719,6 +727,11 @@ impl Kvroute {
     /// where several replicas take copies of the pages at once.
     pub fn reads_pages_later(&self) -> bool {
         self.replicas.len() == 1 && !self.uses_kv_events()
+    }
+
+    /// Whether every replica's next publication is built, without waiting.
+    pub fn publication_made(&mut self) -> bool {
+        self.replicas.iter_mut().all(Replica::publication_made)
     }
 
     pub fn publish(&mut self, now: Duration) -> anyhow::Result<()> {

@@ -810,7 +810,18 @@ impl<'s> World<'s> {
 
     /// A scrape's readings are published: a new fleet, which wakes kvroute's dispatcher.
     fn publish(&mut self, now: SimTime) -> anyhow::Result<()> {
+        // The scrape's pods not advanced yet are swept here too, beside the helper,
+        // rather than waited for.
+        self.pods.complete()?;
         if let Policy::Kvroute(k) = &mut self.policy {
+            // While the helper builds the fleet, readings ahead it has not started are
+            // read here instead of waiting.
+            while !k.publication_made()
+                && self
+                    .forecasting
+                    .iter_mut()
+                    .any(|(_, forecasting)| forecasting.read.do_here())
+            {}
             k.publish(now)?;
             self.wake = true;
         }
