@@ -151,10 +151,11 @@ pub struct Replica {
     models: Arc<ServedModels>,
     /// Each pod's last published scrape and when it started.
     metrics: Vec<Option<(Arc<PodMetrics>, Duration)>>,
-    /// Scrapes started, not yet published: (started at, per pod: metrics and ticket).
+    /// Scrapes started, not yet published: when, each pod's ledger ticket, and what is
+    /// being made of their pages.
     pending: VecDeque<PendingScrape>,
     /// Who frees a replaced fleet: the helper thread, which made its pages and built it
-    /// (a fifth of what a publication cost the loop was freeing the fleet before it).
+    /// (freeing it was a third of what a publication cost the loop).
     chores: Chores,
     /// Shared with the fleet being built next, whose model index may reuse its own.
     fleet: Arc<Fleet>,
