@@ -81,20 +81,20 @@ struct Pass {
     /// Pods not advanced yet, taken or not.
     remaining: AtomicUsize,
     /// The readings so far, by pod.
-    readings: Mutex<Vec<Option<PodMetrics>>>,
+    readings: Mutex<Vec<Option<Arc<PodMetrics>>>>,
 }
 
 impl Pass {
     /// Advances `pod` (pod `i`, locked by the caller) to this pass unless it was;
     /// true if this call did. The reading goes to `found`.
-    fn advance(&self, i: usize, pod: &mut Pod, found: &mut Vec<(usize, PodMetrics)>) -> bool {
+    fn advance(&self, i: usize, pod: &mut Pod, found: &mut Vec<(usize, Arc<PodMetrics>)>) -> bool {
         let advanced_for = &self.shared.advanced_for[i];
         if advanced_for.load(Ordering::Acquire) == self.number {
             return false;
         }
         pod.engine.advance(self.now);
         if self.read {
-            found.push((i, pod_metrics(&pod.engine)));
+            found.push((i, Arc::new(pod_metrics(&pod.engine))));
         }
         advanced_for.store(self.number, Ordering::Release);
         true
@@ -102,7 +102,7 @@ impl Pass {
 
     /// Files readings and counts `advanced` pods as done (readings first: a thread that
     /// sees none remaining takes them all).
-    fn done(&self, found: &mut Vec<(usize, PodMetrics)>, advanced: usize) {
+    fn done(&self, found: &mut Vec<(usize, Arc<PodMetrics>)>, advanced: usize) {
         if !found.is_empty() {
             let mut readings = lock(&self.readings);
             for (i, reading) in found.drain(..) {
@@ -154,7 +154,7 @@ impl Pass {
     }
 
     /// Completes the pass and takes its readings, in pod order.
-    fn readings(&self) -> anyhow::Result<Vec<PodMetrics>> {
+    fn readings(&self) -> anyhow::Result<Vec<Arc<PodMetrics>>> {
         self.complete()?;
         let readings = std::mem::take(&mut *lock(&self.readings));
         Ok(readings.into_iter().flatten().collect())
@@ -167,7 +167,7 @@ pub struct Readings(Arc<Pass>);
 
 impl Readings {
     /// Every pod's metrics at the pass's instant, in pod order.
-    pub fn take(self) -> anyhow::Result<Vec<PodMetrics>> {
+    pub fn take(self) -> anyhow::Result<Vec<Arc<PodMetrics>>> {
         self.0.readings()
     }
 }
@@ -453,7 +453,11 @@ impl Pods {
 
     /// Advances every pod to `now`; with `read`, returns each one's metrics at `now`, in
     /// pod order (otherwise nothing).
-    pub fn advance_all(&mut self, now: SimTime, read: bool) -> anyhow::Result<Vec<PodMetrics>> {
+    pub fn advance_all(
+        &mut self,
+        now: SimTime,
+        read: bool,
+    ) -> anyhow::Result<Vec<Arc<PodMetrics>>> {
         let pass = self.start(now, read)?;
         let readings = pass.readings()?;
         Ok(readings)
@@ -521,7 +525,7 @@ mod tests {
         )
     }
 
-    fn blocks_read(readings: &[PodMetrics]) -> Vec<u64> {
+    fn blocks_read(readings: &[Arc<PodMetrics>]) -> Vec<u64> {
         readings
             .iter()
             .map(|r| r.num_gpu_blocks.expect("stated"))

@@ -131,7 +131,7 @@ type Prepared = (Vec<Arc<PodMetrics>>, Arc<Fleet>);
 
 /// A scrape's pages, all of them once they have been read (the simulation reads them
 /// off the loop where it can: [`super::pods::Pods::begin`]).
-pub type Pages = Box<dyn FnOnce() -> anyhow::Result<Vec<PodMetrics>> + Send>;
+pub type Pages = Box<dyn FnOnce() -> anyhow::Result<Vec<Arc<PodMetrics>>> + Send>;
 
 /// One kvroute replica's picker and store, in virtual time.
 #[derive(Debug)]
@@ -307,7 +307,7 @@ impl Replica {
             let mut pages = pages()?.into_iter();
             let readings: Vec<Arc<PodMetrics>> = loads
                 .iter()
-                .map(|_| Arc::new(pages.next().unwrap_or_default()))
+                .map(|_| pages.next().unwrap_or_default())
                 .collect();
             let metrics = readings
                 .iter()
@@ -1065,7 +1065,7 @@ mod tests {
         for (n, waiting) in [(0u32, 0), (1, 3), (2, 1)] {
             let now = delay * n;
             let pages = move || -> Pages {
-                Box::new(move || Ok((0..3).map(|i| metrics(waiting + i)).collect()))
+                Box::new(move || Ok((0..3).map(|i| Arc::new(metrics(waiting + i))).collect()))
             };
             ahead.scrape(now, pages(), now + delay, &mut |c| c());
             let mut lost = |chore: Chore| drop(chore);
@@ -1082,7 +1082,7 @@ mod tests {
             );
         }
         // Published at another moment than planned: built then, with the ages then.
-        let pages: Pages = Box::new(|| Ok(vec![metrics(0); 3]));
+        let pages: Pages = Box::new(|| Ok((0..3).map(|_| Arc::new(metrics(0))).collect()));
         ahead.scrape(delay * 3, pages, delay * 4, &mut |c| c());
         ahead.publish(delay * 5).expect("published");
         assert_eq!(
@@ -1094,7 +1094,7 @@ mod tests {
     /// A scrape at `now`, published at once, every pod reporting `waiting` queued requests.
     fn rescrape(k: &mut Kvroute, now: Duration, waiting: u32) {
         let pods = k.pods();
-        let pages = vec![metrics(waiting); pods];
+        let pages = (0..pods).map(|_| Arc::new(metrics(waiting))).collect();
         k.scrape(now, Box::new(move || Ok(pages)), now, &mut |chore| chore());
         k.publish(now).expect("published");
     }

@@ -413,7 +413,7 @@ impl<'s> World<'s> {
 
     /// Advances every pod to `now` and takes what it did, for reading the fleet at `now`;
     /// with `read`, returns each pod's metrics then.
-    fn catch_up(&mut self, now: SimTime, read: bool) -> anyhow::Result<Vec<PodMetrics>> {
+    fn catch_up(&mut self, now: SimTime, read: bool) -> anyhow::Result<Vec<Arc<PodMetrics>>> {
         self.settle_until(None)?;
         let readings = self.pods.advance_all(now, read)?;
         for i in 0..self.pods.len() {
