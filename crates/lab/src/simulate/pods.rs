@@ -157,7 +157,13 @@ impl Pass {
     fn readings(&self) -> anyhow::Result<Vec<Arc<PodMetrics>>> {
         self.complete()?;
         let readings = std::mem::take(&mut *lock(&self.readings));
-        Ok(readings.into_iter().flatten().collect())
+        // Every pod of a completed pass was read; one missing would shift every reading
+        // after it onto the wrong pod.
+        readings
+            .into_iter()
+            .enumerate()
+            .map(|(i, reading)| reading.ok_or_else(|| anyhow::anyhow!("pod {i} was not read")))
+            .collect()
     }
 }
 
